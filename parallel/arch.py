@@ -1,0 +1,123 @@
+"""Model architecture as tripod sees it: one typed record read from a Hugging Face `config.json`.
+
+Every room that needs the shape of a model (Megatron model building, the weight converter, the
+embedded rollout engine, the resharding plan) reads it from `ModelArch`, so the HF config is parsed
+in exactly one place. Supported families: Llama and Qwen2/Qwen2.5 (RMSNorm, SwiGLU, RoPE with
+optional scaling, GQA, optional QKV bias, tied or untied embeddings).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# HF `model_type` -> tripod family name (each family has its own name map in parallel/convert/).
+SUPPORTED_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    rope_parameters: dict[str, Any] = field(default_factory=dict)
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
+        """(inv_freq [head_dim/2] float32, attention_scaling) exactly as `transformers` computes them.
+
+        Both the Megatron model and the embedded rollout engine use this, so RoPE (incl. llama3 /
+        linear / yarn scaling) is defined once, by the reference implementation.
+        """
+        from transformers import AutoConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        cfg = AutoConfig.for_model(**self.hf_config)
+        rope_type = (self.rope_parameters or {}).get("rope_type", "default")
+        if rope_type == "default":
+            base = self.rope_theta
+            inv = 1.0 / (base ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
+            return inv, 1.0
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported; "
+                             f"use one of {sorted(ROPE_INIT_FUNCTIONS)} or 'default'")
+        inv, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+        return inv.float(), float(scale)
+
+
+def read_hf_config(path_or_dict: str | os.PathLike | dict) -> dict[str, Any]:
+    """The HF config as a dict, from a dict, a model directory or a `config.json` path."""
+    if isinstance(path_or_dict, dict):
+        return dict(path_or_dict)
+    path = os.fspath(path_or_dict)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no config.json here; pass a Hugging Face model directory "
+                                "(made with save_pretrained) or its config.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def arch_from_hf(path_or_dict: str | os.PathLike | dict) -> ModelArch:
+    """Parse and validate an HF config into a `ModelArch` (clear errors for unsupported models)."""
+    cfg = read_hf_config(path_or_dict)
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"config.json model_type={model_type!r} (architectures={cfg.get('architectures')}) "
+                         f"is not supported; tripod converts {sorted(SUPPORTED_MODEL_TYPES)}. "
+                         "Add a name map in parallel/convert/ for a new family.")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json hidden_act={act!r}: only SwiGLU ('silu') MLPs are supported")
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    if heads % kv:
+        raise ValueError(f"config.json num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if model_type == "qwen2":
+        qkv_bias = True
+    else:
+        qkv_bias = bool(cfg.get("attention_bias", False))
+    if cfg.get("mlp_bias"):
+        raise ValueError("config.json mlp_bias=true is not supported (Llama/Qwen2 MLPs have no bias)")
+    return ModelArch(
+        family=SUPPORTED_MODEL_TYPES[model_type],
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        ffn_hidden_size=cfg["intermediate_size"],
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        qkv_bias=qkv_bias,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_parameters=rope,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=cfg.get("eos_token_id"),
+        hf_config=cfg,
+    )
