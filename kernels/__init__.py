@@ -3,8 +3,8 @@
 Every op takes `backend="auto" | "torch" | "triton"`; auto picks Triton for CUDA tensors when
 Triton is importable, torch otherwise. Importing this package needs only torch.
 """
-from kernels.gae import gae
-from kernels.kl import kl
+from kernels.gae_scan import gae
+from kernels.kl_penalty import kl
 from kernels.logprobs import logprobs_from_hidden
 from kernels.ppo_losses import policy_loss, value_loss
 
