@@ -1,0 +1,13 @@
+"""The 3D-HybridEngine: every PPO step the actor's training shards (TP=t, PP=p, DP=d) become rollout shards
+(TP=tg, PP=1) by a zero-redundancy gather inside micro-DP groups, and the rollout copy is released afterwards.
+
+- plan.py       who gathers what from whom; bytes and peak memory per rank; validation (pure arithmetic)
+- transport.py  executing the plan with bucketed broadcasts, and the naive full-gather baseline
+- memory.py     measured peak memory (VmHWM on CPU, the allocator's peak on CUDA)
+- engine.py     `HybridEngine`: the per-step round trip around a rollout engine
+"""
+from parallel.hybrid_engine.plan import ReshardPlan, ReshardPlanError, build_reshard_plan, validate_layouts
+from parallel.hybrid_engine.transport import MicroDPGather, TransferStats, naive_full_gather
+
+__all__ = ["ReshardPlan", "ReshardPlanError", "build_reshard_plan", "validate_layouts", "MicroDPGather",
+           "TransferStats", "naive_full_gather"]

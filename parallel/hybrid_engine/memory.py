@@ -1,0 +1,63 @@
+"""Measured host-memory high-water marks (Linux), for the hybrid engine's memory claims and benchmarks.
+
+`torch` keeps no allocator statistics for CPU tensors, so the measurement is the process' peak resident set size:
+writing 5 to /proc/self/clear_refs resets the kernel's high-water mark (VmHWM) to the current RSS, and VmHWM read
+afterwards is the true peak in between. Free heap is trimmed first (glibc malloc_trim), otherwise memory freed
+earlier and reused inside the block would not count. On CUDA, the allocator's own peak is used instead.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+from dataclasses import dataclass
+
+import torch
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _release_free_heap() -> None:
+    """Hand freed heap pages back to the OS first, so that reusing them later still shows up as growth."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the measurement may then under-count reused memory
+        pass
+
+
+@dataclass
+class PeakMemory:
+    baseline_bytes: int = 0
+    peak_bytes: int = 0
+
+    @property
+    def extra_bytes(self) -> int:
+        """Peak above what the process held when the measurement started."""
+        return max(0, self.peak_bytes - self.baseline_bytes)
+
+
+@contextlib.contextmanager
+def measure_peak_memory(device: torch.device | str = "cpu"):
+    """`with measure_peak_memory() as m: ...` then `m.extra_bytes` is the peak growth inside the block."""
+    m = PeakMemory()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        m.baseline_bytes = torch.cuda.memory_allocated()
+        yield m
+        torch.cuda.synchronize()
+        m.peak_bytes = torch.cuda.max_memory_allocated()
+        return
+    _release_free_heap()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    m.baseline_bytes = _status_kib("VmRSS") * 1024
+    yield m
+    m.peak_bytes = _status_kib("VmHWM") * 1024

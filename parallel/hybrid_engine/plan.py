@@ -1,0 +1,304 @@
+"""The resharding plan of the 3D-HybridEngine: who gathers what from whom, computed before any weight moves.
+
+Training layout: TP=t, PP=p, DP=d (world N = t*p*d, megatron rank order tp-fastest, then dp, then pp).
+Rollout layout:  TP=tg, PP=1, DP=N/tg.
+
+HybridFlow regrouping (tg divides t): inside one training model-parallel replica (its t*p ranks), the k = t/tg
+consecutive training TP ranks r = j*k .. j*k+k-1 of every PP stage together hold generation TP slice j of every layer.
+Those m = k*p ranks form a *micro-DP group*: they all-gather, inside that group only, the pieces of generation shard j,
+so each ends with all layers of TP slice j and nothing more. The m ranks of a micro-DP group become m replicas of
+generation TP rank j; the rollout TP groups are the ranks with the same micro index across j = 0..tg-1.
+
+The gather is a sequence of broadcasts: each member broadcasts its own pieces to its group in buckets flattened per
+dtype (one collective per bucket), and every receiver copies the bucket straight into its generation shard. A rank
+therefore holds at most its generation shard plus one bucket. Bytes received per rank (ideal, paper):
+(t*p - tg)/(tg*t*p) * M, against (t*p - 1)/(t*p) * M for gathering the full model everywhere.
+
+Everything here is pure arithmetic over `ModelArch` (no process groups), so the plan can be printed by
+`tripod plan CONFIG` and validated before any weight moves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from parallel.arch import ModelArch
+
+# How a megatron parameter is split over TP (see parallel/convert/ for the same rules applied to full tensors).
+ROW, COL, SWIGLU, REPLICATED = "row", "col", "swiglu", "replicated"
+
+
+class ReshardPlanError(ValueError):
+    """An unsupported or inconsistent training -> rollout layout pair (raised before any weight moves)."""
+
+
+def padded_vocab(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def tp_rule(name: str) -> str:
+    """The TP partition rule of a megatron (local spec) parameter name."""
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")):
+        return ROW
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return COL
+    if name.endswith("linear_fc1.weight"):
+        return SWIGLU
+    if name.endswith(("layernorm.weight", "layernorm.bias")):
+        return REPLICATED
+    raise ReshardPlanError(f"no TP partition rule for parameter {name!r}")
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str            # global megatron name (global layer index)
+    full_shape: tuple[int, ...]
+    stage: int           # PP stage holding it in the training layout
+    rule: str
+
+
+def actor_param_specs(arch: ModelArch, tp: int, pp: int) -> list[ParamSpec]:
+    """Every parameter the rollout needs, in megatron naming, with full (TP-unsplit, vocab-padded) shapes."""
+    h, hd, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    v = padded_vocab(arch.vocab_size, tp)
+    qkv_rows = (arch.num_heads + 2 * arch.num_kv_heads) * hd
+    per_stage = arch.num_layers // pp
+    specs = [ParamSpec("embedding.word_embeddings.weight", (v, h), 0, ROW)]
+    for i in range(arch.num_layers):
+        s, pre = i // per_stage, f"decoder.layers.{i}."
+        layer = [("input_layernorm.weight", (h,)), ("self_attention.linear_qkv.weight", (qkv_rows, h))]
+        if arch.qkv_bias:
+            layer.append(("self_attention.linear_qkv.bias", (qkv_rows,)))
+        layer += [("self_attention.linear_proj.weight", (h, arch.num_heads * hd)),
+                  ("pre_mlp_layernorm.weight", (h,)), ("mlp.linear_fc1.weight", (2 * f, h)),
+                  ("mlp.linear_fc2.weight", (h, f))]
+        specs += [ParamSpec(pre + n, shape, s, tp_rule(n)) for n, shape in layer]
+    specs.append(ParamSpec("decoder.final_layernorm.weight", (h,), pp - 1, REPLICATED))
+    if not arch.tie_word_embeddings:
+        specs.append(ParamSpec("output_layer.weight", (v, h), pp - 1, ROW))
+    return specs
+
+
+def local_shape(spec: ParamSpec, tp: int) -> tuple[int, ...]:
+    shape = list(spec.full_shape)
+    if spec.rule in (ROW, SWIGLU):
+        shape[0] //= tp
+    elif spec.rule == COL:
+        shape[1] //= tp
+    return tuple(shape)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Copy `src[src_slices]` of the owner's training shard into `gen[dst_slices]` of the generation shard."""
+    name: str
+    src_slices: tuple[slice, ...]
+    dst_slices: tuple[slice, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for x in self.shape:
+            n *= x
+        return n
+
+
+@dataclass
+class Bucket:
+    owner: int
+    dtype: torch.dtype
+    segments: list[Segment] = field(default_factory=list)
+    numel: int = 0
+
+
+def segments_of(spec: ParamSpec, q: int, k: int, t: int) -> list[Segment]:
+    """Where training TP-local index q (of the k training slices inside one generation slice) lands."""
+    shape = local_shape(spec, t)
+    full = tuple(slice(0, n) for n in shape)
+    if spec.rule == REPLICATED:
+        return [Segment(spec.name, full, full, shape)]
+    if spec.rule == ROW:
+        r = shape[0]
+        return [Segment(spec.name, full, (slice(q * r, (q + 1) * r),) + full[1:], shape)]
+    if spec.rule == COL:
+        c = shape[1]
+        return [Segment(spec.name, full, (full[0], slice(q * c, (q + 1) * c)), shape)]
+    # SWIGLU: the training slice is [gate_r; up_r]; the generation slice is [gate_j; up_j].
+    half = shape[0] // 2
+    half_shape = (half,) + shape[1:]
+    gen_half = half * k
+    return [Segment(spec.name, (slice(0, half), full[1]), (slice(q * half, (q + 1) * half), full[1]), half_shape),
+            Segment(spec.name, (slice(half, 2 * half), full[1]),
+                    (slice(gen_half + q * half, gen_half + (q + 1) * half), full[1]), half_shape)]
+
+
+def _split_rows(seg: Segment, max_numel: int) -> list[Segment]:
+    """Split a segment along its first dim so that each part fits in a bucket."""
+    row = seg.numel // seg.shape[0]
+    if seg.numel <= max_numel:
+        return [seg]
+    rows = max(1, max_numel // row)
+    out, s0, d0 = [], seg.src_slices[0].start, seg.dst_slices[0].start
+    for a in range(0, seg.shape[0], rows):
+        n = min(rows, seg.shape[0] - a)
+        out.append(Segment(seg.name, (slice(s0 + a, s0 + a + n),) + seg.src_slices[1:],
+                           (slice(d0 + a, d0 + a + n),) + seg.dst_slices[1:], (n,) + seg.shape[1:]))
+    return out
+
+
+@dataclass
+class ReshardPlan:
+    """The full plan for one world; every rank computes the same plan and reads its own part."""
+    arch: ModelArch
+    tp: int
+    pp: int
+    dp: int
+    rollout_tp: int
+    bucket_bytes: int
+    dtype: torch.dtype
+    specs: list[ParamSpec]
+    micro_dp_groups: list[list[int]]
+    rollout_tp_groups: list[list[int]]
+    buckets: dict[int, list[Bucket]]   # owner rank -> its buckets, in send order
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def micro_dp_size(self) -> int:
+        return (self.tp * self.pp) // self.rollout_tp
+
+    def train_coords(self, rank: int) -> tuple[int, int, int]:
+        """(tp_rank, dp_rank, pp_rank) of a global rank in megatron's tp-dp-pp order."""
+        return rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp)
+
+    def rollout_tp_rank(self, rank: int) -> int:
+        return self.train_coords(rank)[0] // (self.tp // self.rollout_tp)
+
+    def micro_dp_group_of(self, rank: int) -> list[int]:
+        return next(g for g in self.micro_dp_groups if rank in g)
+
+    def rollout_tp_group_of(self, rank: int) -> list[int]:
+        return next(g for g in self.rollout_tp_groups if rank in g)
+
+    def owned_specs(self, rank: int) -> list[ParamSpec]:
+        return [s for s in self.specs if s.stage == self.train_coords(rank)[2]]
+
+    def generation_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {s.name: local_shape(s, self.rollout_tp) for s in self.specs}
+
+    def elem_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def model_bytes(self) -> int:
+        return sum(_prod(s.full_shape) for s in self.specs) * self.elem_size()
+
+    def generation_shard_bytes(self) -> int:
+        return sum(_prod(s) for s in self.generation_shapes().values()) * self.elem_size()
+
+    def bytes_received(self, rank: int) -> int:
+        """Exactly what the transport receives on `rank`: every bucket of every other member of its group."""
+        es = self.elem_size()
+        return sum(b.numel * es for o in self.micro_dp_group_of(rank) if o != rank for b in self.buckets[o])
+
+    def bytes_received_ideal(self) -> float:
+        t, p, tg = self.tp, self.pp, self.rollout_tp
+        return (t * p - tg) / (tg * t * p) * self.model_bytes()
+
+    def bytes_received_naive(self) -> float:
+        t, p = self.tp, self.pp
+        return (t * p - 1) / (t * p) * self.model_bytes()
+
+    def max_bucket_bytes(self) -> int:
+        return max((b.numel for bs in self.buckets.values() for b in bs), default=0) * self.elem_size()
+
+    def peak_extra_bytes(self) -> int:
+        """Generation shard plus the largest bucket: the most a rank holds beyond its training shard."""
+        return self.generation_shard_bytes() + self.max_bucket_bytes()
+
+    def describe(self) -> str:
+        mb = 1 << 20
+        lines = [
+            f"train layout   TP={self.tp} PP={self.pp} DP={self.dp} (world {self.world_size})",
+            f"rollout layout TP={self.rollout_tp} PP=1 DP={self.world_size // self.rollout_tp}",
+            f"micro-DP size  {self.micro_dp_size} = (TP*PP)/(rollout TP)",
+            f"model bytes    {self.model_bytes() / mb:.2f} MiB ({self.dtype}), bucket {self.bucket_bytes / mb:.2f} MiB",
+            f"micro-DP groups   {self.micro_dp_groups}",
+            f"rollout TP groups {self.rollout_tp_groups}",
+            "rank  rollout_tp_rank  buckets_sent  recv_MiB  ideal_recv_MiB  naive_recv_MiB  peak_extra_MiB",
+        ]
+        for r in range(self.world_size):
+            lines.append(f"{r:>4}  {self.rollout_tp_rank(r):>15}  {len(self.buckets[r]):>12}  "
+                         f"{self.bytes_received(r) / mb:>8.2f}  {self.bytes_received_ideal() / mb:>14.2f}  "
+                         f"{self.bytes_received_naive() / mb:>14.2f}  {self.peak_extra_bytes() / mb:>14.2f}")
+        return "\n".join(lines)
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+def validate_layouts(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: int, world_size: int | None = None) -> None:
+    """Refuse unsupported pairs with a message naming the config key and the fix."""
+    problems = []
+    if world_size is not None and tp * pp * dp != world_size:
+        problems.append(f"actor TP*PP*DP = {tp}*{pp}*{dp} = {tp * pp * dp} != world size {world_size}")
+    if arch.num_heads % tp or arch.num_kv_heads % tp:
+        problems.append(f"actor tensor_model_parallel_size={tp} must divide num_attention_heads={arch.num_heads} "
+                        f"and num_key_value_heads={arch.num_kv_heads}")
+    if arch.num_layers % pp:
+        problems.append(f"actor pipeline_model_parallel_size={pp} must divide num_hidden_layers={arch.num_layers}")
+    if arch.num_heads % rollout_tp or arch.num_kv_heads % rollout_tp:
+        problems.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} must divide "
+                        f"num_attention_heads={arch.num_heads} and num_key_value_heads={arch.num_kv_heads}")
+    if rollout_tp < 1 or tp % rollout_tp:
+        problems.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} must divide the actor's "
+                        f"tensor_model_parallel_size={tp} (HybridFlow micro-DP regrouping; rollout PP is 1). "
+                        f"Use one of {[x for x in range(1, tp + 1) if tp % x == 0]}")
+    if problems:
+        raise ReshardPlanError("cannot reshard actor -> rollout:\n  - " + "\n  - ".join(problems))
+
+
+def build_reshard_plan(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: int, *,
+                       bucket_bytes: int = 64 << 20, dtype: torch.dtype = torch.float32,
+                       world_size: int | None = None) -> ReshardPlan:
+    validate_layouts(arch, tp, pp, dp, rollout_tp, world_size)
+    k = tp // rollout_tp
+    specs = actor_param_specs(arch, tp, pp)
+    es = torch.empty((), dtype=dtype).element_size()
+    max_numel = max(1, bucket_bytes // es)
+
+    micro, rollout_groups = [], []
+    for dp_rank in range(dp):
+        def rank_of(tp_rank: int, pp_rank: int) -> int:
+            return tp_rank + tp * (dp_rank + dp * pp_rank)
+        groups = [[rank_of(j * k + q, s) for s in range(pp) for q in range(k)] for j in range(rollout_tp)]
+        micro += groups
+        m = k * pp
+        rollout_groups += [[groups[j][i] for j in range(rollout_tp)] for i in range(m)]
+
+    buckets: dict[int, list[Bucket]] = {}
+    for rank in range(tp * pp * dp):
+        tp_rank, _, stage = rank % tp, 0, rank // (tp * dp)
+        q = tp_rank % k
+        segs = []
+        for spec in specs:
+            if spec.stage != stage or (spec.rule == REPLICATED and q != 0):
+                continue  # replicated params are sent once per stage, by its first TP rank in the group
+            for seg in segments_of(spec, q, k, tp):
+                segs += _split_rows(seg, max_numel)
+        out: list[Bucket] = []
+        for seg in segs:
+            if not out or out[-1].numel + seg.numel > max_numel:
+                out.append(Bucket(rank, dtype))
+            out[-1].segments.append(seg)
+            out[-1].numel += seg.numel
+        buckets[rank] = out
+    return ReshardPlan(arch, tp, pp, dp, rollout_tp, bucket_bytes, dtype, specs, micro, rollout_groups, buckets)

@@ -1,0 +1,175 @@
+"""Moving the actor's weights: tripod's micro-DP bucketed gather, and the naive full gather it is measured against.
+
+`MicroDPGather` executes a `ReshardPlan`: every rank copies its own pieces into a freshly allocated generation shard,
+then each member of its micro-DP group in turn broadcasts its buckets (flattened, one collective per bucket) and every
+receiver unpacks them straight into place. One reusable bucket buffer per rank; nothing else is allocated.
+
+`naive_full_gather` is the baseline: every rank gathers the whole model (all TP slices, all PP stages), then takes
+its rollout TP slice from it (what "all-gather full tensors on every rank" costs).
+
+Both take the training shard as `{global megatron name: this rank's TP slice}` and return the generation shard as
+`{global megatron name: rollout TP slice}` (see parallel/hybrid_engine/plan.py for the layout).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from parallel.hybrid_engine.plan import (COL, REPLICATED, ROW, SWIGLU, Bucket, ParamSpec, ReshardPlan, segments_of,
+                                         local_shape)
+
+
+@dataclass
+class TransferStats:
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    collectives: int = 0
+
+
+class MicroDPGather:
+    """Owns the micro-DP process groups of a plan (created collectively, once) and runs the gather."""
+
+    def __init__(self, plan: ReshardPlan):
+        self.plan = plan
+        self.rank = dist.get_rank()
+        if dist.get_world_size() != plan.world_size:
+            raise ValueError(f"reshard plan is for world size {plan.world_size}, but this world has "
+                             f"{dist.get_world_size()} ranks")
+        self.group = None
+        for ranks in plan.micro_dp_groups:  # every rank must create every group, in the same order
+            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            if self.rank in ranks:
+                self.group, self.members = g, ranks
+        self.rollout_tp_group = None
+        for ranks in plan.rollout_tp_groups:
+            g = dist.new_group(ranks)
+            if self.rank in ranks:
+                self.rollout_tp_group, self.rollout_tp_ranks = g, ranks
+        self.stats = TransferStats()
+
+    def allocate_generation_shard(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        return {n: torch.empty(s, dtype=self.plan.dtype, device=device)
+                for n, s in self.plan.generation_shapes().items()}
+
+    def gather(self, train_shard: dict[str, torch.Tensor],
+               out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Build this rank's generation shard. `out` may be a reusable shard from a previous step."""
+        plan, me = self.plan, self.rank
+        _check_train_shard(plan, me, train_shard)
+        device = next(iter(train_shard.values())).device
+        gen = out if out is not None else self.allocate_generation_shard(device)
+        k = plan.tp // plan.rollout_tp
+        q = plan.train_coords(me)[0] % k
+        for spec in plan.owned_specs(me):  # own pieces: local copies, no traffic
+            _copy_own(spec, q, k, plan.tp, train_shard[spec.name], gen[spec.name])
+        biggest = plan.max_bucket_bytes() // plan.elem_size()
+        buf = torch.empty(biggest, dtype=plan.dtype, device=device)
+        es = plan.elem_size()
+        for owner in self.members:
+            for bucket in plan.buckets[owner]:
+                flat = buf[: bucket.numel]
+                if owner == me:
+                    _pack(bucket, train_shard, flat)
+                if self.group is not None:
+                    dist.broadcast(flat, src=owner, group=self.group)
+                    self.stats.collectives += 1
+                    if owner == me:
+                        self.stats.bytes_sent += bucket.numel * es
+                    else:
+                        self.stats.bytes_received += bucket.numel * es
+                if owner != me:
+                    _unpack(bucket, flat, gen)
+        del buf
+        return gen
+
+
+def _check_train_shard(plan: ReshardPlan, rank: int, shard: dict[str, torch.Tensor]) -> None:
+    want = {s.name: local_shape(s, plan.tp) for s in plan.owned_specs(rank)}
+    missing = sorted(set(want) - set(shard))
+    if missing:
+        raise ValueError(f"rank {rank}: training shard lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    for n, shape in want.items():
+        if tuple(shard[n].shape) != shape or shard[n].dtype != plan.dtype:
+            raise ValueError(f"rank {rank}: training shard {n} is {tuple(shard[n].shape)} {shard[n].dtype}, "
+                             f"plan expects {shape} {plan.dtype}")
+
+
+def _copy_own(spec: ParamSpec, q: int, k: int, tp: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+    for seg in segments_of(spec, q, k, tp):
+        dst[seg.dst_slices].copy_(src[seg.src_slices])
+
+
+def _pack(bucket: Bucket, shard: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
+    off = 0
+    for seg in bucket.segments:
+        flat[off: off + seg.numel].view(seg.shape).copy_(shard[seg.name][seg.src_slices])
+        off += seg.numel
+
+
+def _unpack(bucket: Bucket, flat: torch.Tensor, gen: dict[str, torch.Tensor]) -> None:
+    off = 0
+    for seg in bucket.segments:
+        gen[seg.name][seg.dst_slices].copy_(flat[off: off + seg.numel].view(seg.shape))
+        off += seg.numel
+
+
+def naive_full_gather(plan: ReshardPlan, train_shard: dict[str, torch.Tensor], tp_group, pp_group,
+                      pp_ranks: list[int], stats: TransferStats | None = None) -> dict[str, torch.Tensor]:
+    """Baseline: gather every full parameter on every rank, then slice the rollout TP shard out of it.
+
+    `tp_group` is the training TP group, `pp_group` the training PP group (global ranks `pp_ranks`, stage order).
+    Holds the full model (M bytes) plus the generation shard at its peak.
+    """
+    stats = stats if stats is not None else TransferStats()
+    me, t = dist.get_rank(), plan.tp
+    tp_rank, _, stage = plan.train_coords(me)
+    es = plan.elem_size()
+    full: dict[str, torch.Tensor] = {}
+    for spec in plan.specs:
+        if spec.stage == stage:
+            local = train_shard[spec.name].contiguous()
+            if spec.rule == REPLICATED or t == 1:
+                whole = local.clone()
+            else:
+                parts = [torch.empty_like(local) for _ in range(t)]
+                dist.all_gather(parts, local, group=tp_group)
+                stats.collectives += 1
+                stats.bytes_received += (t - 1) * local.numel() * es
+                whole = _merge(spec, parts)
+                del parts
+        else:
+            whole = torch.empty(spec.full_shape, dtype=plan.dtype, device=next(iter(train_shard.values())).device)
+        if plan.pp > 1:
+            dist.broadcast(whole, src=pp_ranks[spec.stage], group=pp_group)
+            stats.collectives += 1
+            if spec.stage != stage:
+                stats.bytes_received += whole.numel() * es
+        full[spec.name] = whole
+    j, tg = plan.rollout_tp_rank(me), plan.rollout_tp
+    gen = {spec.name: _slice(spec, full[spec.name], tg, j).clone() for spec in plan.specs}
+    del full
+    return gen
+
+
+def _merge(spec: ParamSpec, parts: list[torch.Tensor]) -> torch.Tensor:
+    if spec.rule == ROW:
+        return torch.cat(parts, 0)
+    if spec.rule == COL:
+        return torch.cat(parts, 1)
+    if spec.rule == SWIGLU:
+        halves = [p.chunk(2, 0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+    return parts[0]
+
+
+def _slice(spec: ParamSpec, full: torch.Tensor, tg: int, j: int) -> torch.Tensor:
+    if spec.rule == ROW:
+        return full.chunk(tg, 0)[j]
+    if spec.rule == COL:
+        return full.chunk(tg, 1)[j]
+    if spec.rule == SWIGLU:
+        gate, up = full.chunk(2, 0)
+        return torch.cat([gate.chunk(tg, 0)[j], up.chunk(tg, 0)[j]], 0)
+    return full

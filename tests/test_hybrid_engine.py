@@ -1,0 +1,26 @@
+"""3D-HybridEngine on gloo: zero-redundancy resharding of the actor's training shards into rollout TP shards."""
+import re
+
+import pytest
+
+from utils import make_tiny_hf_model, run_torchrun
+
+
+def _parse(out):
+    return [dict(tag=m[0], rank=int(m[1]), recv=int(m[2]), plan=int(m[3]), peak=int(m[4]), limit=int(m[5]))
+            for m in re.findall(r"\[(.+?)\] rank (\d+) recv=(\d+) plan=(\d+) peak_extra=(\d+) limit=(\d+)", out)]
+
+
+@pytest.mark.dist
+def test_reshard_tp2pp2_to_rollout_tp1_and_tp2(tmp_path):
+    hf = make_tiny_hf_model(tmp_path, "qwen2")
+    rows = _parse(run_torchrun("hybrid_reshard.py", 4, hf, 2, 2, 1, "1,2").stdout)
+    assert len(rows) == 4 * 4
+    assert all(r["recv"] == r["plan"] for r in rows)
+
+
+@pytest.mark.dist
+def test_reshard_tp2pp2dp2_to_rollout_tp2(tmp_path):
+    hf = make_tiny_hf_model(tmp_path, "llama", tie_word_embeddings=True)
+    rows = _parse(run_torchrun("hybrid_reshard.py", 8, hf, 2, 2, 2, "2", timeout=400).stdout)
+    assert len(rows) == 8 * 2
