@@ -1,0 +1,129 @@
+"""PPO actor / critic losses and the loss aggregation that makes them split-invariant.
+
+`agg_loss(loss_mat, mask, agg, global_norm)` reduces a per-token loss [B, T]:
+  token-mean          sum over all counted tokens            / number of counted tokens
+  seq-mean-token-sum  sum over sequences of (token sum)      / number of sequences
+  seq-mean-token-mean sum over sequences of (token mean)     / number of sequences
+(a "sequence" is a row with at least one counted token; all-masked rows contribute nothing).
+
+Split invariance. Without `global_norm` the normaliser is local, so a micro-batch returns its own
+mean and means of means depend on how the batch was split. With `global_norm` = the normaliser of
+the whole global batch (sum of `agg_norm(mask, agg)` over every micro-batch on every DP rank),
+each micro-batch returns sum / global_norm; these are parts of one sum, so the global loss is the
+SUM of the micro-batch losses over micro-batches and DP ranks, and so is its gradient, whatever the
+split. A trainer therefore needs gradients summed, not averaged:
+  * Megatron (calculate_per_token_loss=False): the pipeline schedule scales a 2-tuple loss by
+    cp_size / num_microbatches and DDP scales gradients by 1 / (dp_size * cp_size), so the loss
+    function returns loss * num_microbatches * dp_size to get the plain sum (the cp factors
+    cancel; with CP each rank's global_norm still counts the whole global batch);
+  * plain torch DDP averages over ranks: scale by dp_size; plain accumulation sums already.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.algorithms.masked import masked_mean
+from kernels._triton_dispatch import check_mask
+from kernels.ppo_losses import policy_loss as policy_loss_op
+from kernels.ppo_losses import value_loss as value_loss_op
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+def _check_agg(agg: str) -> None:
+    if agg not in AGG_MODES:
+        raise ValueError(f"agg={agg!r} is not a loss aggregation mode; choose one of {AGG_MODES}")
+
+
+def agg_norm(mask: torch.Tensor, agg: str) -> torch.Tensor:
+    """This batch's share of the normaliser: counted tokens (token-mean) or non-empty rows (seq-mean-*).
+
+    Sum it over micro-batches and all_reduce(SUM) it over DP ranks to get `global_norm`.
+    """
+    _check_agg(agg)
+    counted = mask.to(torch.float32)
+    if agg == "token-mean":
+        return counted.sum()
+    return (counted.sum(-1) > 0).to(torch.float32).sum()
+
+
+def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: str,
+             global_norm: float | torch.Tensor | None = None) -> torch.Tensor:
+    """Reduce a per-token loss [B, T] over `mask` by `agg`; see the module docstring for global_norm."""
+    _check_agg(agg)
+    check_mask(mask, loss_mat.shape)
+    m = mask.to(loss_mat.dtype)
+    token_sums = (loss_mat * m).sum(-1)
+    if agg == "seq-mean-token-mean":
+        total = (token_sums / m.sum(-1).clamp(min=1)).sum()
+    else:  # token-mean and seq-mean-token-sum share the numerator; their normalisers differ
+        total = token_sums.sum()
+    if global_norm is None:
+        global_norm = agg_norm(mask, agg)
+    global_norm = torch.as_tensor(global_norm, dtype=loss_mat.dtype, device=loss_mat.device)
+    return total / global_norm.clamp(min=1)
+
+
+def policy_loss(
+    old_logp: torch.Tensor,
+    logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float = 3.0,
+    agg: str = "token-mean",
+    *,
+    global_norm: float | torch.Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped PPO policy loss (dual clip for A < 0) -> (loss, metrics).
+
+    metrics (detached, token means over this batch's mask): pg_clipfrac (ratio clipped),
+    pg_clipfrac_lower (dual clip active), ppo_kl (mean of old_logp - logp, log-ratio clamped to 20).
+    """
+    _check_agg(agg)
+    loss_mat, clipped, clipped_lower = policy_loss_op(old_logp, logp, advantages, clip_low, clip_high, clip_c,
+                                                      backend=backend)
+    check_mask(mask, loss_mat.shape)
+    loss = agg_loss(loss_mat, mask, agg, global_norm)
+    with torch.no_grad():
+        neg_log_ratio = (old_logp.float() - logp.float()).clamp(-20.0, 20.0)
+        metrics = {
+            "pg_clipfrac": masked_mean(clipped.float(), mask),
+            "pg_clipfrac_lower": masked_mean(clipped_lower.float(), mask),
+            "ppo_kl": masked_mean(neg_log_ratio, mask),
+        }
+    return loss, metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    returns: torch.Tensor,
+    old_values: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float | None = 0.5,
+    agg: str = "token-mean",
+    *,
+    global_norm: float | torch.Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss 0.5 max((v-R)^2, (clip(v, V_old +- clip) - R)^2) -> (loss, {vf_clipfrac})."""
+    _check_agg(agg)
+    loss_mat, clipped = value_loss_op(values, returns, old_values, clip, backend=backend)
+    check_mask(mask, loss_mat.shape)
+    loss = agg_loss(loss_mat, mask, agg, global_norm)
+    with torch.no_grad():
+        metrics = {"vf_clipfrac": masked_mean(clipped.float(), mask)}
+    return loss, metrics
+
+
+def entropy_loss(
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    agg: str = "token-mean",
+    *,
+    global_norm: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Aggregated entropy; the actor subtracts entropy_coef * this (an entropy bonus)."""
+    return agg_loss(entropy, mask, agg, global_norm)

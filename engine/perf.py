@@ -1,0 +1,72 @@
+"""Throughput, MFU and peak memory of a PPO step (perf/* metrics).
+
+FLOPs follow the usual dense-transformer count: 2 * params * tokens for a forward, 6 * params * tokens for a
+forward + backward, plus attention (4 * layers * hidden * seq per token forward). MFU divides the actor's
+achieved FLOP/s per device by the device peak: on CUDA a table of bf16 dense peaks, on CPU the fp32 matmul
+throughput measured once at start-up (so CPU "MFU" reads as the fraction of what this machine's BLAS reaches).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from parallel.arch import ModelArch
+
+CUDA_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+
+
+def count_params(arch: ModelArch) -> int:
+    h, f, hd = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim
+    attn = h * (arch.num_heads + 2 * arch.num_kv_heads) * hd + arch.num_heads * hd * h
+    per_layer = attn + 3 * h * f + 2 * h
+    head = 0 if arch.tie_word_embeddings else arch.vocab_size * h
+    return arch.num_layers * per_layer + arch.vocab_size * h + head + h
+
+
+def measure_peak_flops() -> float:
+    """Device peak FLOP/s: a table for known GPUs, a short fp32 matmul measurement on CPU."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, tflops in CUDA_BF16_PEAK_TFLOPS.items():
+            if key in name:
+                return tflops * 1e12
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    a @ b
+    t0, reps = time.perf_counter(), 20
+    for _ in range(reps):
+        a @ b
+    return 2 * 512 ** 3 * reps / (time.perf_counter() - t0)
+
+
+def peak_memory_gb() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2 ** 30
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2 ** 20
+    return 0.0
+
+
+class PerfCounter:
+    def __init__(self, arch: ModelArch, world_size: int):
+        self.arch, self.world = arch, world_size
+        self.params = count_params(arch)
+        self.peak = measure_peak_flops()
+
+    def flops_per_token(self, seq: float, backward: bool) -> float:
+        attn = 4 * self.arch.num_layers * self.arch.hidden_size * seq
+        return (6 if backward else 2) * self.params + (3 if backward else 1) * attn
+
+    def metrics(self, batch, times: dict[str, float], ppo_epochs: int) -> dict[str, float]:
+        tokens = float(batch["attention_mask"].sum())
+        seq = tokens / batch.size
+        step_s = times.get("timing_s/step", 0.0) or 1e-9
+        actor_s = times.get("timing_s/update_actor", 0.0) + times.get("timing_s/old_log_prob", 0.0)
+        actor_flops = tokens * (ppo_epochs * self.flops_per_token(seq, True) + self.flops_per_token(seq, False))
+        out = {"perf/total_num_tokens": tokens, "perf/throughput": tokens / step_s / self.world,
+               "perf/max_memory_allocated_gb": peak_memory_gb()}
+        if actor_s > 0:
+            out["perf/mfu/actor"] = actor_flops / actor_s / self.world / self.peak
+        return out

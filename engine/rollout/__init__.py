@@ -1,0 +1,9 @@
+"""Rollout (generation) for PPO: one interface, two backends (embedded TP decoder, SGLang).
+
+See engine/rollout/base.py for the interface and docs/rollout.md for the design.
+"""
+from engine.rollout.base import (FINISH_LENGTH, FINISH_STOP, ROLLOUT_NAMES, RolloutEngine, RolloutOutput,
+                                 SamplingParams, make_rollout_engine, validate_rollout_tp)
+
+__all__ = ["FINISH_LENGTH", "FINISH_STOP", "ROLLOUT_NAMES", "RolloutEngine", "RolloutOutput", "SamplingParams",
+           "make_rollout_engine", "validate_rollout_tp"]

@@ -1,0 +1,169 @@
+"""The rollout interface every generation backend implements, and the factory that picks one.
+
+Owns `SamplingParams`, `RolloutOutput`, the `RolloutEngine` ABC, `validate_rollout_tp` and
+`make_rollout_engine`. Backends: "embedded" (engine/rollout/embedded.py: our own TP decoder that
+generates straight from the resharded generation shard) and "sglang" (engine/rollout/sglang_engine.py).
+
+Log-prob convention (both backends): `RolloutOutput.log_probs[i, t]` is
+log_softmax(logits / temperature)[token] over the real vocabulary (padded vocab ids dropped),
+taken BEFORE top-k / top-p truncation; for greedy decoding the temperature is 1, i.e. the
+model's own log-prob. This is what SGLang returns by default (temperature-scaled, not the
+truncated distribution that was actually sampled from). The PPO trainer recomputes old
+log-probs with the training engine anyway; these are for diagnostics and mismatch checks.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from parallel.arch import ModelArch
+
+ROLLOUT_NAMES = ("embedded", "sglang")
+FINISH_STOP = "stop"      # sampled EOS or one of stop_token_ids (the stop token is part of the response)
+FINISH_LENGTH = "length"  # reached max_new_tokens
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to decode. `greedy=True` (or temperature == 0) means argmax; `do_sample` is its negation."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+    seed: int | None = None
+    greedy: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # when True only stop_token_ids / max_new_tokens end a sequence
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature={self.temperature}: must be >= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p={self.top_p}: must be in (0, 1]; 1.0 disables top-p")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"SamplingParams.top_k={self.top_k}: must be -1 (disabled) or >= 1")
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n={self.n}: must be >= 1 samples per prompt")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.temperature == 0:
+            object.__setattr__(self, "greedy", True)
+
+    @property
+    def do_sample(self) -> bool:
+        return not self.greedy
+
+    def stop_ids(self, arch: ModelArch) -> set[int]:
+        """Token ids that end a sequence: stop_token_ids plus the model's EOS id(s) unless ignore_eos."""
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos and arch.eos_token_id is not None:
+            eos = arch.eos_token_id
+            ids.update([eos] if isinstance(eos, int) else eos)
+        return ids
+
+
+@dataclass
+class RolloutOutput:
+    """Generated responses; row i*n + j is sample j of prompt i (prompt-major, like verl's repeat).
+
+    response_ids: [B*n, R] int64, right-padded with `pad_token_id` past each length.
+    response_lengths: [B*n] int64, number of generated tokens (the stop token included).
+    log_probs: [B*n, R] float32, see the module docstring; 0 past each length.
+    prompt_index: [B*n] int64, which input prompt each row answers.
+    finish_reasons: "stop" or "length" per row.
+    """
+
+    prompt_index: torch.Tensor
+    response_ids: torch.Tensor
+    response_lengths: torch.Tensor
+    log_probs: torch.Tensor
+    finish_reasons: list[str]
+    pad_token_id: int = 0
+
+    def responses(self) -> list[list[int]]:
+        """Each row's generated tokens as a plain list (padding removed)."""
+        return [self.response_ids[i, : int(n)].tolist() for i, n in enumerate(self.response_lengths)]
+
+    def __len__(self) -> int:
+        return len(self.finish_reasons)
+
+
+class RolloutEngine(abc.ABC):
+    """A generation backend living on one rollout TP group (TP=tg, PP=1).
+
+    Every rank of the group calls every method (collectives inside); every rank gets the same
+    `RolloutOutput`. Life cycle per PPO step: resume_memory -> load_weights -> generate ->
+    release_memory.
+    """
+
+    def __init__(self, arch: ModelArch, tp_group: Any = None) -> None:
+        self.arch = arch
+        self.tp_group = tp_group
+
+    @abc.abstractmethod
+    def load_weights(self, generation_shard: dict[str, torch.Tensor]) -> None:
+        """Take this rank's generation shard: {megatron name (global layer index) -> TP slice}."""
+
+    def update_weights(self, generation_shard: dict[str, torch.Tensor]) -> None:
+        self.load_weights(generation_shard)
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        """Generate params.n responses for each prompt (token ids, unpadded)."""
+
+    @abc.abstractmethod
+    def release_memory(self) -> None:
+        """Free the KV cache and the weights copy (the training phase needs the memory)."""
+
+    @abc.abstractmethod
+    def resume_memory(self) -> None:
+        """Re-reserve the memory released by `release_memory`; weights must be loaded again."""
+
+
+def tp_size_and_rank(tp_group: Any) -> tuple[int, int]:
+    """(size, rank in group) of a torch.distributed group; (1, 0) for None (single process)."""
+    if tp_group is None:
+        return 1, 0
+    import torch.distributed as dist
+
+    return dist.get_world_size(tp_group), dist.get_rank(tp_group)
+
+
+def validate_rollout_tp(arch: ModelArch, tg: int) -> None:
+    """Raise ValueError unless a rollout tensor-parallel size `tg` can shard this model."""
+    key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    if tg < 1:
+        raise ValueError(f"{key}={tg}: must be >= 1")
+    for what, count in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
+                        ("intermediate_size", arch.ffn_hidden_size)):
+        if count % tg:
+            divisors = [d for d in range(1, count + 1) if arch.num_heads % d == 0 and arch.num_kv_heads % d == 0
+                        and arch.ffn_hidden_size % d == 0]
+            raise ValueError(f"{key}={tg} does not divide the model's {what}={count} "
+                             f"(num_attention_heads={arch.num_heads}, num_key_value_heads={arch.num_kv_heads}); "
+                             f"set {key} to one of {divisors}")
+
+
+def make_rollout_engine(name: str, arch: ModelArch, tp_group: Any = None, **kwargs: Any) -> RolloutEngine:
+    """Build the rollout backend called `name` ("embedded" or "sglang") for this TP group.
+
+    Errors (unknown name, sglang not installed, bad TP size) are raised here, before any weights move.
+    """
+    if name not in ROLLOUT_NAMES:
+        raise ValueError(f"rollout.name={name!r} is not a rollout backend; set actor_rollout_ref.rollout.name "
+                         f"to one of {list(ROLLOUT_NAMES)}")
+    validate_rollout_tp(arch, tp_size_and_rank(tp_group)[0])
+    if name == "embedded":
+        from engine.rollout.embedded import EmbeddedRolloutEngine
+
+        return EmbeddedRolloutEngine(arch, tp_group, **kwargs)
+    from engine.rollout.sglang_engine import SGLangRolloutEngine, require_sglang
+
+    require_sglang()
+    return SGLangRolloutEngine(arch, tp_group, **kwargs)

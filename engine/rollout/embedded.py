@@ -1,0 +1,164 @@
+"""The embedded rollout engine: batched KV-cached generation from the resharded generation shard.
+
+Every rank of the rollout TP group runs `generate` together. Prompts are left-padded into one batch
+(n copies of each), prefilled in one forward pass, then decoded one token per step; finished rows
+(stop token or max_new_tokens) are dropped from the batch and the loop ends when none is left.
+Sampling runs on every rank with the same seeded generator and rank 0's tokens are broadcast, so the
+TP ranks always agree. Works in fp32 on CPU (tests, demo) and in bf16 on GPU.
+"""
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutEngine, RolloutOutput, SamplingParams,
+                                 tp_size_and_rank, validate_rollout_tp)
+from engine.rollout.sampling import sample_next_token
+from engine.rollout.tp_decoder import KVCache, TPDecoder
+from parallel.arch import ModelArch
+
+
+class EmbeddedRolloutEngine(RolloutEngine):
+    """Generates with this rank's TP slice; `dtype`/`device` say where the weights copy lives."""
+
+    def __init__(self, arch: ModelArch, tp_group: Any = None, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", pad_token_id: int | None = None) -> None:
+        super().__init__(arch, tp_group)
+        self.tp_size, self.tp_rank = tp_size_and_rank(tp_group)
+        validate_rollout_tp(arch, self.tp_size)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.pad_token_id = pad_token_id if pad_token_id is not None else self._default_pad_id(arch)
+        self.decoder = TPDecoder(arch, tp_group, self.tp_size, self.tp_rank)
+        self._weights_loaded = False
+        self._released_shapes: dict[str, torch.Size] | None = None
+        self.kv_cache: KVCache | None = None
+
+    @staticmethod
+    def _default_pad_id(arch: ModelArch) -> int:
+        pad = arch.hf_config.get("pad_token_id")
+        if pad is None:
+            eos = arch.eos_token_id
+            pad = eos if isinstance(eos, int) else (eos[0] if eos else 0)
+        return int(pad)
+
+    # ---- memory / weights -----------------------------------------------------------------------
+    def load_weights(self, generation_shard: dict[str, torch.Tensor]) -> None:
+        """Copy the shard into engine-owned buffers (reused across steps; the caller may free its own)."""
+        self.decoder.check_shard(generation_shard)
+        weights = self.decoder.weights
+        for name, tensor in generation_shard.items():
+            buf = weights.get(name)
+            if buf is None or buf.shape != tensor.shape:
+                weights[name] = tensor.detach().to(self.device, self.dtype, copy=True)
+            else:
+                buf.copy_(tensor.detach())
+        self._weights_loaded = True
+        self._released_shapes = None
+
+    def release_memory(self) -> None:
+        """Free the weights copy and any KV cache; `resume_memory` + `load_weights` bring them back."""
+        if self.decoder.weights:
+            self._released_shapes = {n: t.shape for n, t in self.decoder.weights.items()}
+        self.decoder.weights = {}
+        self.kv_cache = None
+        self._weights_loaded = False
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        """Re-allocate the weight buffers released earlier (contents undefined until load_weights)."""
+        if self._released_shapes is not None and not self.decoder.weights:
+            self.decoder.weights = {n: torch.empty(s, dtype=self.dtype, device=self.device)
+                                    for n, s in self._released_shapes.items()}
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the weights copy and the KV cache."""
+        tensors = list(self.decoder.weights.values())
+        if self.kv_cache is not None:
+            tensors += self.kv_cache.keys + self.kv_cache.values
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # ---- generation -----------------------------------------------------------------------------
+    def _left_pad(self, prompts: list[list[int]], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [B*n, P], real-token mask [B*n, P]) with prompt i repeated n times (rows i*n .. i*n+n-1)."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate(prompts=...): need a non-empty list of non-empty token-id lists")
+        longest = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(prompts), longest, dtype=torch.bool)
+        for row, prompt in enumerate(prompts):
+            ids[row, longest - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, longest - len(prompt):] = True
+        if ids.max() >= self.arch.vocab_size or ids.min() < 0:
+            raise ValueError(f"generate(prompts=...): token ids must be in [0, {self.arch.vocab_size})")
+        return ids.repeat_interleave(n, 0).to(self.device), mask.repeat_interleave(n, 0).to(self.device)
+
+    def _make_generator(self, seed: int | None) -> torch.Generator:
+        generator = torch.Generator(device=self.device)
+        if seed is None:
+            seed = secrets.randbits(62)  # leaves torch's global RNG alone; rank 0's tokens are broadcast anyway
+        generator.manual_seed(seed)
+        return generator
+
+    def _broadcast_from_first_rank(self, *tensors: torch.Tensor) -> None:
+        if self.tp_size > 1:
+            for t in tensors:
+                dist.broadcast(t, group=self.tp_group, group_src=0)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        if not self._weights_loaded:
+            raise RuntimeError("EmbeddedRolloutEngine.generate: no weights loaded (after construction or "
+                               "release_memory/resume_memory); call load_weights(generation_shard) first")
+        ids, prompt_mask = self._left_pad(prompts, params.n)
+        total, prompt_len = ids.shape
+        stop_ids = torch.tensor(sorted(params.stop_ids(self.arch)), dtype=torch.long, device=self.device)
+        generator = self._make_generator(params.seed)
+
+        out_ids = torch.full((total, params.max_new_tokens), self.pad_token_id, dtype=torch.long)
+        out_logp = torch.zeros(total, params.max_new_tokens, dtype=torch.float32)
+        lengths = torch.zeros(total, dtype=torch.long)
+        finish = [FINISH_LENGTH] * total
+
+        cache = KVCache.allocate(self.arch.num_layers, total, self.decoder.kv_heads,
+                                 prompt_len + params.max_new_tokens, self.arch.head_dim, self.dtype, self.device)
+        self.kv_cache = cache
+        cache.valid[:, :prompt_len] = prompt_mask
+        # position of a real token = number of real tokens before it (HF: cumsum(mask) - 1)
+        positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+        next_position = prompt_mask.sum(-1)
+        rows = torch.arange(total)  # original row of each live batch entry
+        try:
+            logits = self.decoder.forward(ids, positions, cache)
+            for step in range(params.max_new_tokens):
+                tokens, logp = sample_next_token(logits, params, generator)
+                tokens, logp = tokens.contiguous(), logp.float().contiguous()
+                self._broadcast_from_first_rank(tokens, logp)
+                out_ids[rows, step] = tokens.cpu()
+                out_logp[rows, step] = logp.cpu()
+                lengths[rows] += 1
+                stopped = torch.isin(tokens, stop_ids)
+                for r in rows[stopped.cpu()].tolist():
+                    finish[r] = FINISH_STOP
+                if step + 1 == params.max_new_tokens:
+                    break
+                live = ~stopped
+                if not live.any():
+                    break
+                if not live.all():
+                    keep = live.nonzero().squeeze(-1)
+                    cache.keep_rows(keep)
+                    rows, tokens, next_position = rows[keep.cpu()], tokens[keep], next_position[keep]
+                cache.valid[:, cache.length] = True
+                logits = self.decoder.forward(tokens[:, None], next_position[:, None], cache)
+                next_position = next_position + 1
+        finally:
+            self.kv_cache = None
+
+        return RolloutOutput(prompt_index=torch.arange(len(prompts)).repeat_interleave(params.n),
+                             response_ids=out_ids[:, : int(lengths.max())], response_lengths=lengths,
+                             log_probs=out_logp[:, : int(lengths.max())], finish_reasons=finish,
+                             pad_token_id=self.pad_token_id)

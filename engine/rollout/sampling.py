@@ -1,0 +1,56 @@
+"""Next-token selection from full-vocabulary logits: greedy, temperature, top-k, top-p, seeded.
+
+`sample_next_token` is used by the embedded engine on every TP rank with identical logits and an
+identically seeded torch.Generator; the engine then broadcasts TP rank 0's choice so the ranks can
+never diverge. The returned log-prob follows the convention in engine/rollout/base.py:
+log_softmax(logits / temperature) before truncation (temperature 1 when greedy).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.rollout.base import SamplingParams
+
+
+def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """True where a logit is NOT among the k largest of its row (ties at the k-th value are kept)."""
+    if k < 1 or k >= logits.shape[-1]:
+        return torch.zeros_like(logits, dtype=torch.bool)
+    kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits < kth_largest
+
+
+def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """True outside the nucleus: the smallest set of most likely tokens whose mass reaches p.
+
+    A token is kept when the mass of the tokens strictly more likely than it is < p, so the most
+    likely token is always kept (same rule as HF's TopPLogitsWarper up to ties).
+    """
+    if p >= 1.0:
+        return torch.zeros_like(logits, dtype=torch.bool)
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    drop_sorted = mass_before >= p
+    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+
+
+def sampling_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The logits actually sampled from: /temperature, then -inf outside top-k and top-p."""
+    scaled = logits.float() / params.temperature
+    drop = top_k_mask(scaled, params.top_k) | top_p_mask(scaled, params.top_p)
+    return scaled.masked_fill(drop, float("-inf"))
+
+
+def sample_next_token(logits: torch.Tensor, params: SamplingParams,
+                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids [N] int64, their log-probs [N] float32) for logits [N, V] of the real vocabulary."""
+    logits = logits.float()
+    if params.greedy:
+        tokens = torch.argmax(logits, dim=-1)
+        reported = torch.log_softmax(logits, dim=-1)
+    else:
+        probs = torch.softmax(sampling_logits(logits, params), dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        reported = torch.log_softmax(logits / params.temperature, dim=-1)
+    return tokens, reported.gather(-1, tokens[:, None]).squeeze(-1)

@@ -1,0 +1,251 @@
+"""The PPO trainer: one explicit step, top to bottom, every stage timed.
+
+    rollout (hybrid engine: reshard -> generate -> back) -> rewards -> old log-probs (actor) -> reference log-probs
+    -> values (critic) -> KL in reward -> advantages -> critic update -> actor update -> log / checkpoint
+
+Every rank runs this same code; each model runs on its own parallel layout (parallel/layout.py) and the batch is
+replicated on every rank (workers take their DP rows). Critic-free estimators (grpo, rloo, reinforce++) skip the
+critic entirely; the reference model is only built when a KL term needs it.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.algorithms import apply_kl_penalty, build_kl_controller, compute_advantage, masked_mean
+from engine.checkpoints import CheckpointManager
+from engine.config import TripodConfig, data_parallel_size, save_resolved_config
+from engine.data import PromptBatch, PromptDataLoader, PromptDataset
+from engine.logging import Timer, Tracker
+from engine.perf import PerfCounter
+from engine.rewards import RewardPool
+from engine.rollout import SamplingParams, make_rollout_engine
+from engine.workers.batch import PPOBatch, build_ppo_batch
+from engine.workers.megatron_worker import OptimSettings
+from engine.workers.ppo_workers import CriticWorker, PolicyWorker
+from parallel.arch import arch_from_hf
+from parallel.hybrid_engine.engine import HybridEngine
+from parallel.layout import ParallelLayout
+
+CRITIC_ESTIMATORS = ("gae",)
+
+
+def _optim(opt_cfg, grad_clip: float) -> OptimSettings:
+    return OptimSettings(lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay, betas=tuple(opt_cfg.betas),
+                         eps=opt_cfg.eps, grad_clip=grad_clip)
+
+
+def _layout(m, name: str, arch) -> ParallelLayout:
+    return ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, name=name, arch=arch)
+
+
+class PPOTrainer:
+    def __init__(self, cfg: TripodConfig):
+        from transformers import AutoTokenizer
+
+        self.cfg, self.rank, self.world = cfg, dist.get_rank(), dist.get_world_size()
+        arc, actor_cfg = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor
+        path = arc.model.path
+        self.arch = arch_from_hf(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+        # data and rewards first: bad data stops the run before any model is built
+        ds_args = dict(tokenizer=self.tokenizer, prompt_key=cfg.data.prompt_key,
+                       max_prompt_length=cfg.data.max_prompt_length,
+                       filter_overlong_prompts=cfg.data.filter_overlong_prompts,
+                       apply_chat_template=cfg.data.apply_chat_template, reward_fn_key=cfg.data.reward_fn_key)
+        self.train_set = PromptDataset(cfg.data.train_files, **ds_args)
+        self.val_set = PromptDataset(cfg.data.val_files, **ds_args) if cfg.data.val_files else None
+        self.loader = PromptDataLoader(self.train_set, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
+        sources = self.train_set.data_sources | (self.val_set.data_sources if self.val_set else set())
+        self.rewards = RewardPool(cfg.reward_model.num_workers, cfg.reward_model.timeout_s,
+                                  cfg.reward_model.use_ray, data_sources=sources) if self.rank == 0 else None
+
+        algo = cfg.algorithm
+        self.use_critic = algo.adv_estimator in CRITIC_ESTIMATORS
+        self.use_ref = algo.use_kl_in_reward or actor_cfg.use_kl_loss
+        self.kl_ctrl = build_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl,
+                                           algo.kl_ctrl.horizon, warmup_steps=algo.kl_ctrl.warmup_steps)
+
+        seed = actor_cfg.megatron.seed
+        actor_layout = _layout(actor_cfg.megatron, "actor", self.arch)
+        self.actor = PolicyWorker("actor", self.arch, actor_layout, path, seed=seed,
+                                  optim=_optim(actor_cfg.optim, actor_cfg.grad_clip))
+        self.ref = (PolicyWorker("reference", self.arch, _layout(arc.ref.megatron, "reference", self.arch), path,
+                                 trainable=False, seed=seed) if self.use_ref else None)
+        self.critic = (CriticWorker("critic", self.arch, _layout(cfg.critic.megatron, "critic", self.arch),
+                                    cfg.critic.model.path, value_head=True, seed=seed,
+                                    optim=_optim(cfg.critic.optim, cfg.critic.grad_clip))
+                       if self.use_critic else None)
+
+        rollout = arc.rollout
+        self.hybrid = HybridEngine(self.arch, actor_layout, rollout.tensor_model_parallel_size)
+        kwargs = dict(pad_token_id=self.pad_id) if rollout.name == "embedded" else dict(
+            model_path=path, mem_fraction_static=rollout.mem_fraction_static)
+        self.rollout = make_rollout_engine(rollout.name, self.arch, self.hybrid.rollout_tp_group, **kwargs)
+        self.rollout.release_memory()
+
+        self.total_steps = cfg.trainer.total_training_steps or len(self.loader) * cfg.trainer.total_epochs
+        self.run_dir = cfg.trainer.default_local_dir
+        self.ckpt = CheckpointManager(os.path.join(self.run_dir, "checkpoints"), self)
+        self.perf = PerfCounter(self.arch, self.world)
+        self.step = 0
+
+    # ---- rollout -----------------------------------------------------------------------------
+    def sampling(self, validate: bool, step: int) -> SamplingParams:
+        r = self.cfg.actor_rollout_ref.rollout
+        kw = r.val_kwargs if validate else r
+        greedy = not kw.do_sample or kw.temperature == 0
+        return SamplingParams(max_new_tokens=r.response_length, temperature=0.0 if greedy else kw.temperature,
+                              top_p=kw.top_p, top_k=kw.top_k, n=kw.n, greedy=greedy,
+                              seed=self.cfg.trainer.seed * 1_000_003 + step * 7919 + self.hybrid.rollout_dp_rank)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, timer: Timer | None = None) -> list[list[int]]:
+        """Reshard the actor into the rollout engine, generate this replica's share, share results with all ranks."""
+        timer = timer or Timer()
+        replicas = self.hybrid.rollout_dp_size
+        bounds = [len(prompts) * i // replicas for i in range(replicas + 1)]
+        mine = self.hybrid.rollout_dp_rank
+        with timer("reshard"):
+            self.rollout.resume_memory()
+            self.rollout.load_weights(self.hybrid.to_rollout(self.actor.model))
+        with timer("gen"):
+            out = self.rollout.generate(prompts[bounds[mine]:bounds[mine + 1]], params)
+        self.rollout.release_memory()  # back to training: the rollout copy and KV cache are freed
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, (mine, out.responses()))
+        by_replica = dict(gathered)
+        return [resp for i in range(replicas) for resp in by_replica[i]]
+
+    def score(self, batch: PromptBatch, responses: list[list[int]], n: int) -> tuple[list[float], dict]:
+        payload = [None, None]
+        if self.rank == 0:
+            texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+            rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731  prompt-major like the rollout
+            payload = list(self.rewards.score(texts, rep(batch.ground_truths), rep(batch.data_sources),
+                                              rep(batch.extra_infos) if batch.extra_infos else None))
+        dist.broadcast_object_list(payload, src=0)
+        return payload[0], payload[1]
+
+    # ---- one PPO step ----------------------------------------------------------------------------
+    def train_step(self, prompts: PromptBatch) -> dict[str, float]:
+        cfg, timer = self.cfg, Timer()
+        arc, algo = cfg.actor_rollout_ref, cfg.algorithm
+        n, temperature = arc.rollout.n, arc.rollout.temperature
+        with timer("step"):
+            responses = self.generate(prompts.input_ids, self.sampling(False, self.step), timer)
+            rep_prompts = [p for p in prompts.input_ids for _ in range(n)]
+            batch = build_ppo_batch(rep_prompts, responses, arc.rollout.response_length, self.pad_id,
+                                    [i for i in prompts.indices for _ in range(n)])
+            mask = batch["response_mask"]
+            with timer("reward"):
+                scores, reward_metrics = self.score(prompts, responses, n)
+                token_rewards = torch.zeros_like(mask)
+                last = (mask.sum(-1).long() - 1).clamp(min=0)
+                token_rewards[torch.arange(batch.size), last] = torch.tensor(scores, dtype=torch.float32)
+            micro = arc.rollout.log_prob_micro_batch_size_per_gpu or batch.size
+            with timer("old_log_prob"):
+                batch["old_log_probs"], _ = self.actor.compute_log_probs(batch, micro, temperature)
+            if self.ref is not None:
+                with timer("ref"):
+                    batch["ref_log_probs"], _ = self.ref.compute_log_probs(batch, micro, temperature)
+            if self.critic is not None:
+                with timer("values"):
+                    batch["values"] = self.critic.compute_values(batch, micro)
+            metrics = dict(reward_metrics)
+            with timer("adv"):
+                if algo.use_kl_in_reward:
+                    token_rewards, kl = apply_kl_penalty(token_rewards, batch["old_log_probs"], batch["ref_log_probs"],
+                                                         mask, self.kl_ctrl.value, algo.kl_penalty)
+                    metrics.update({"actor/reward_kl_penalty": float(kl), "actor/reward_kl_penalty_coeff":
+                                    self.kl_ctrl.value})
+                    self.kl_ctrl.update(float(kl), n_steps=cfg.data.train_batch_size)
+                batch["token_rewards"] = token_rewards
+                adv, ret = compute_advantage(algo.adv_estimator, token_rewards, mask, values=batch.tensors.get("values"),
+                                             index=batch["index"], gamma=algo.gamma, lam=algo.lam,
+                                             **({"norm_by_std": algo.norm_adv_by_std_in_grpo}
+                                                if algo.adv_estimator == "grpo" else {}))
+                batch["advantages"], batch["returns"] = adv, ret
+            if self.critic is not None:
+                with timer("update_critic"):
+                    metrics.update(self.critic.update(batch, cfg.critic, n))
+            if self.step >= cfg.trainer.critic_warmup:
+                with timer("update_actor"):
+                    metrics.update(self.actor.update(batch, arc.actor, temperature, n))
+        timings = timer.metrics()
+        metrics.update(self.batch_metrics(batch, scores))
+        metrics.update(timings)
+        metrics.update(self.perf.metrics(batch, timings, arc.actor.ppo_epochs))
+        return metrics
+
+    def batch_metrics(self, batch: PPOBatch, scores: list[float]) -> dict[str, float]:
+        mask = batch["response_mask"]
+        lengths = mask.sum(-1)
+        out = {"critic/score/mean": float(sum(scores) / len(scores)), "critic/score/max": float(max(scores)),
+               "critic/score/min": float(min(scores)),
+               "critic/advantages/mean": float(masked_mean(batch["advantages"], mask)),
+               "critic/returns/mean": float(masked_mean(batch["returns"], mask)),
+               "response_length/mean": float(lengths.mean()),
+               "response_length/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
+               "prompt_length/mean": float(batch["prompt_lens"].float().mean())}
+        if "values" in batch.tensors:
+            v, r = batch["values"], batch["returns"]
+            out["critic/values/mean"] = float(masked_mean(v, mask))
+            var_r = masked_mean((r - masked_mean(r, mask)) ** 2, mask)
+            resid = r - v
+            var_res = masked_mean((resid - masked_mean(resid, mask)) ** 2, mask)
+            out["critic/vf_explained_var"] = float(1 - var_res / (var_r + 1e-8))
+        return out
+
+    # ---- validation -----------------------------------------------------------------------------
+    def validate(self) -> dict[str, float]:
+        if self.val_set is None:
+            return {}
+        prompts = self.val_set.batch(list(range(len(self.val_set))))
+        params = self.sampling(True, -1)
+        responses = self.generate(prompts.input_ids, params)
+        scores, _ = self.score(prompts, responses, params.n)
+        out = {"val/reward_mean": sum(scores) / len(scores)}
+        by_source: dict[str, list[float]] = {}
+        rep_sources = [s for s in prompts.data_sources for _ in range(params.n)]
+        for s, x in zip(rep_sources, scores):
+            by_source.setdefault(s, []).append(x)
+        out.update({f"val/{s}/reward_mean": sum(v) / len(v) for s, v in by_source.items()})
+        return out
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        cfg = self.cfg
+        self.step = self.ckpt.resume(cfg.trainer.resume)
+        if self.rank == 0:
+            save_resolved_config(cfg, self.run_dir)
+        tracker = Tracker(self.run_dir, cfg.trainer.logger, resume_step=self.step if self.step else None,
+                          total_steps=self.total_steps) if self.rank == 0 else None
+        last_val: dict[str, float] = {}
+        if self.step == 0 and cfg.trainer.val_before_train and self.val_set is not None:
+            last_val = self.validate()
+            if tracker:
+                tracker.log(last_val, 0)
+        while self.step < self.total_steps:
+            batch = next(iter(self.loader))
+            metrics = self.train_step(batch)
+            self.step += 1
+            done = self.step >= self.total_steps
+            if self.val_set is not None and ((cfg.trainer.test_freq > 0 and self.step % cfg.trainer.test_freq == 0)
+                                             or done):
+                last_val = self.validate()
+                metrics.update(last_val)
+            metrics["training/epoch"] = self.loader.epoch
+            if tracker:
+                tracker.log(metrics, self.step)
+            if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or done:
+                self.ckpt.save(self.step)
+        if tracker:
+            tracker.close()
+        if self.rewards is not None:
+            self.rewards.close()
+        return last_val

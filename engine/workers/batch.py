@@ -1,0 +1,87 @@
+"""The PPO step's batch: prompts + responses laid out for Megatron, and how it is cut for DP and micro-batches.
+
+Row i holds `prompt_i + response_i` right-padded to S (so RoPE positions are 0..len-1 as in generation and a
+plain causal mask is enough: real tokens never attend to the padding after them). The logits / hidden state that
+predict response token t of row i sit at position `prompt_lens[i] + t - 1`; `response_positions()` gives that
+index. Every tensor with a leading row dimension lives in `tensors`, so slicing for DP ranks, mini-batches and
+micro-batches is one `select`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PPOBatch:
+    tensors: dict[str, torch.Tensor]              # every entry has N rows
+    meta: dict[str, list] = field(default_factory=dict)  # per-row python values (data_source, ground truth, ...)
+
+    @property
+    def size(self) -> int:
+        return self.tensors["input_ids"].shape[0]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        if value.shape[0] != self.size:
+            raise ValueError(f"batch[{key!r}] has {value.shape[0]} rows, the batch has {self.size}")
+        self.tensors[key] = value
+
+    def select(self, rows: torch.Tensor | list[int] | slice) -> "PPOBatch":
+        if isinstance(rows, slice):
+            idx = torch.arange(self.size)[rows]
+        else:
+            idx = torch.as_tensor(rows, dtype=torch.long)
+        meta = {k: [v[i] for i in idx.tolist()] for k, v in self.meta.items()}
+        return PPOBatch({k: v[idx] for k, v in self.tensors.items()}, meta)
+
+    def trimmed(self) -> "PPOBatch":
+        """Drop sequence columns that are padding in every row (less compute per micro-batch)."""
+        s = int(self.tensors["attention_mask"].sum(-1).max().item())
+        out = dict(self.tensors)
+        out["input_ids"] = out["input_ids"][:, :s]
+        out["attention_mask"] = out["attention_mask"][:, :s]
+        return PPOBatch(out, self.meta)
+
+    def response_positions(self) -> torch.Tensor:
+        """[N, R] index of the position whose output predicts each response token (clamped inside S)."""
+        r = self.tensors["responses"].shape[1]
+        s = self.tensors["input_ids"].shape[1]
+        pos = self.tensors["prompt_lens"][:, None] + torch.arange(r)[None, :] - 1
+        return pos.clamp(0, s - 1)
+
+
+def build_ppo_batch(prompts: list[list[int]], responses: list[list[int]], response_length: int,
+                    pad_token_id: int, index: list[int]) -> PPOBatch:
+    """Lay out `prompts[i] + responses[i]` right-padded; responses padded to `response_length` columns."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    n = len(prompts)
+    seq = max(len(p) + max(len(r), 1) for p, r in zip(prompts, responses))
+    input_ids = torch.full((n, seq), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, seq), dtype=torch.long)
+    resp = torch.full((n, response_length), pad_token_id, dtype=torch.long)
+    resp_mask = torch.zeros((n, response_length), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        if len(r) > response_length:
+            raise ValueError(f"response {i} has {len(r)} tokens > response_length={response_length}")
+        ids = list(p) + list(r)
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        attention_mask[i, : len(ids)] = 1
+        if r:
+            resp[i, : len(r)] = torch.tensor(r)
+            resp_mask[i, : len(r)] = 1.0
+    tensors = dict(input_ids=input_ids, attention_mask=attention_mask, responses=resp, response_mask=resp_mask,
+                   prompt_lens=torch.tensor([len(p) for p in prompts]), index=torch.tensor(index))
+    return PPOBatch(tensors)
+
+
+def split_rows(n: int, parts: int) -> list[slice]:
+    """`parts` equal contiguous slices of n rows (n must divide; validated up front by the config)."""
+    if n % parts:
+        raise ValueError(f"cannot split {n} rows into {parts} equal parts")
+    k = n // parts
+    return [slice(i * k, (i + 1) * k) for i in range(parts)]

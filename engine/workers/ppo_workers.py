@@ -1,0 +1,158 @@
+"""The actor, critic and reference of PPO, each a `MegatronWorker` with the computations the step needs.
+
+Loss scaling (see engine/algorithms/losses.py): every micro-batch loss is its share of the *global* mini-batch
+loss (normalised by the whole mini-batch's token / sequence count, known on every rank because every rank holds
+the batch), multiplied by num_microbatches * dp to undo megatron's division by the number of micro-batches and
+its DP gradient averaging. Metrics are shares of global values too, so summing them over micro-batches and DP ranks
+gives the mini-batch value whatever the layout: the actor's pg_loss at TP1xPP1 and TP2xPP2xDP2 agree.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.algorithms import agg_norm, entropy_loss, kl_loss, masked_mean, policy_loss, value_loss
+from engine.workers.batch import PPOBatch, split_rows
+from engine.workers.megatron_worker import MegatronWorker
+
+
+def _microbatches(batch: PPOBatch, micro: int) -> list[PPOBatch]:
+    n = batch.size
+    micro = min(micro, n)
+    if n % micro:
+        raise ValueError(f"{n} rows per DP rank are not divisible by the micro-batch size {micro}")
+    return [batch.select(s) for s in split_rows(n, n // micro)]
+
+
+def _mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
+    keys = dicts[0].keys() if dicts else []
+    return {k: sum(d[k] for d in dicts) / len(dicts) for k in keys}
+
+
+def _sum_metrics(outs: list[dict]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for d in outs:
+        for k, v in d.items():
+            total[k] = total.get(k, 0.0) + float(v)
+    return total
+
+
+class PolicyWorker(MegatronWorker):
+    """Actor (trainable) or reference (frozen): log-probs of response tokens, and the PPO actor update."""
+
+    def compute_log_probs(self, batch: PPOBatch, micro: int, temperature: float,
+                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n, r = batch.size, batch["responses"].shape[1]
+        mine = batch.select(self.dp_rows(n))
+
+        def loss_fn(output, mb):
+            logp, ent = self.token_logprobs(output, mb, temperature, with_entropy)
+            out = {"logp": logp.detach()}
+            if ent is not None:
+                out["entropy"] = ent.detach()
+            return logp.sum() * 0.0, out
+
+        outs = self.run(_microbatches(mine, micro), loss_fn, forward_only=True)
+        logp = torch.cat([o["logp"] for o in outs]) if outs else None
+        ent = torch.cat([o["entropy"] for o in outs]) if outs and with_entropy else None
+        logp = self.gather_rows(logp, (r,), n)
+        if with_entropy:
+            ent = self.gather_rows(ent, (r,), n)
+        return logp, ent
+
+    def update(self, batch: PPOBatch, cfg, temperature: float, n_samples: int) -> dict[str, float]:
+        """PPO epochs over mini-batches of `cfg.ppo_mini_batch_size * n_samples` rows (verl semantics)."""
+        mini_rows = cfg.ppo_mini_batch_size * n_samples
+        per_step, grad_norms, stopped = [], [], False
+        for _ in range(cfg.ppo_epochs):
+            for rows in split_rows(batch.size, batch.size // mini_rows):
+                mini = batch.select(rows)
+                metrics = self._update_mini_batch(mini, cfg, temperature)
+                grad_norms.append(self.step())
+                per_step.append(metrics)
+                if cfg.target_kl is not None and metrics["actor/ppo_kl"] > cfg.target_kl:
+                    stopped = True
+                    break
+            if stopped:
+                break
+        out = _mean_dicts(per_step)
+        out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["actor/early_stopped"] = float(stopped)
+        out["actor/num_updates"] = float(len(grad_norms))
+        return out
+
+    def _update_mini_batch(self, mini: PPOBatch, cfg, temperature: float) -> dict[str, float]:
+        agg, mask_all = cfg.loss_agg_mode, mini["response_mask"]
+        norm = agg_norm(mask_all, agg)
+        tokens = mask_all.sum().clamp(min=1)
+        mine = mini.select(self.dp_rows(mini.size))
+        micro = _microbatches(mine, cfg.ppo_micro_batch_size_per_gpu or mine.size)
+        scale = len(micro) * self.layout.dp
+        need_entropy = True  # logged always; cheap next to the forward
+
+        def loss_fn(output, mb):
+            mask = mb["response_mask"]
+            logp, ent = self.token_logprobs(output, mb, temperature, need_entropy)
+            pg, m = policy_loss(mb["old_log_probs"], logp, mb["advantages"], mask, cfg.clip_ratio_low,
+                                cfg.clip_ratio_high, cfg.clip_ratio_c, agg, global_norm=norm)
+            loss = pg
+            share = mask.sum() / tokens
+            metrics = {"actor/pg_loss": pg.detach(), "actor/pg_clipfrac": m["pg_clipfrac"] * share,
+                       "actor/pg_clipfrac_lower": m["pg_clipfrac_lower"] * share,
+                       "actor/ppo_kl": m["ppo_kl"] * share,
+                       "actor/entropy": masked_mean(ent.detach(), mask) * share}
+            if cfg.entropy_coeff:
+                loss = loss - cfg.entropy_coeff * entropy_loss(ent, mask, agg, global_norm=norm)
+            if cfg.use_kl_loss:
+                kl = kl_loss(logp, mb["ref_log_probs"], mask, cfg.kl_loss_type, agg, global_norm=norm)
+                loss = loss + cfg.kl_loss_coef * kl
+                metrics["actor/kl_loss"] = kl.detach()
+            return loss * scale, metrics
+
+        outs = self.run(micro, loss_fn, forward_only=False)
+        return self.sum_over_dp(_sum_metrics(outs))
+
+
+class CriticWorker(MegatronWorker):
+    """Value model: values of response positions, and the clipped value-loss update."""
+
+    def compute_values(self, batch: PPOBatch, micro: int) -> torch.Tensor:
+        n, r = batch.size, batch["responses"].shape[1]
+        mine = batch.select(self.dp_rows(n))
+
+        def loss_fn(output, mb):
+            v = self.token_values(output, mb)
+            return v.sum() * 0.0, {"values": v.detach()}
+
+        outs = self.run(_microbatches(mine, micro), loss_fn, forward_only=True)
+        values = torch.cat([o["values"] for o in outs]) if outs else None
+        return self.gather_rows(values, (r,), n)
+
+    def update(self, batch: PPOBatch, cfg, n_samples: int) -> dict[str, float]:
+        mini_rows = cfg.ppo_mini_batch_size * n_samples
+        per_step, grad_norms = [], []
+        for _ in range(cfg.ppo_epochs):
+            for rows in split_rows(batch.size, batch.size // mini_rows):
+                per_step.append(self._update_mini_batch(batch.select(rows), cfg))
+                grad_norms.append(self.step())
+        out = _mean_dicts(per_step)
+        out["critic/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        return out
+
+    def _update_mini_batch(self, mini: PPOBatch, cfg) -> dict[str, float]:
+        agg, mask_all = cfg.loss_agg_mode, mini["response_mask"]
+        norm = agg_norm(mask_all, agg)
+        tokens = mask_all.sum().clamp(min=1)
+        mine = mini.select(self.dp_rows(mini.size))
+        micro = _microbatches(mine, cfg.ppo_micro_batch_size_per_gpu or mine.size)
+        scale = len(micro) * self.layout.dp
+
+        def loss_fn(output, mb):
+            mask = mb["response_mask"]
+            v = self.token_values(output, mb)
+            vf, m = value_loss(v, mb["returns"], mb["values"], mask, cfg.cliprange_value, agg, global_norm=norm)
+            share = mask.sum() / tokens
+            return vf * scale, {"critic/vf_loss": vf.detach(), "critic/vf_clipfrac": m["vf_clipfrac"] * share,
+                                "critic/vpred_mean": masked_mean(v.detach(), mask) * share}
+
+        outs = self.run(micro, loss_fn, forward_only=False)
+        return self.sum_over_dp(_sum_metrics(outs))

@@ -1,0 +1,189 @@
+"""Tripod model checkpoints: megatron dist-checkpointing of a sharded GPTModel, loadable at any layout.
+
+A checkpoint directory holds
+    model/                  megatron.core.dist_checkpointing files (global, layout-free tensors)
+    hf/config.json          the HF config (+ tokenizer files when known), so export needs nothing else
+    tripod_checkpoint.json  tripod metadata; written LAST, so its absence marks a half-written save
+Saved at one (TP, PP) it loads at any other: dist-checkpointing stores global tensors and reads the
+overlap each rank needs. The vocab tensors are padded to a multiple of 128*tp, so their global
+shape changes with TP; megatron marks them `allow_shape_mismatch` (zero-fill, then read the
+overlap), which is exact because tripod's padding rows are zero.
+
+Also the two conversions behind `tripod convert` / `tripod export` (one call per rank of a world
+whose size is tp*pp): `convert_hf_to_checkpoint` and `export_checkpoint_to_hf`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parallel.arch import ModelArch, arch_from_hf
+from parallel.convert import (TOKENIZER_FILES, family_names, load_hf_weights, padded_vocab_size,
+                              save_hf_checkpoint, write_hf_config)
+
+METADATA_FILE = "tripod_checkpoint.json"
+MODEL_SUBDIR = "model"
+HF_SUBDIR = "hf"
+FORMAT_VERSION = 1
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _check_world_layout(layout, what: str) -> None:
+    # megatron's dist_checkpointing runs collectives over the default (world) group
+    if len(layout.ranks) != dist.get_world_size():
+        raise ValueError(f"{what}: layout {layout.name} spans ranks {layout.ranks} but dist-checkpointing "
+                         f"needs every rank of the world ({dist.get_world_size()}); use a layout over all ranks")
+
+
+def read_checkpoint_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """The tripod metadata of checkpoint `path`, with clear errors for missing / foreign / partial dirs."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist; pass a directory written by "
+                                "`tripod convert` or save_model_checkpoint")
+    meta_file = os.path.join(path, METADATA_FILE)
+    model_dir = os.path.join(path, MODEL_SUBDIR)
+    if not os.path.isfile(meta_file):
+        if os.path.isdir(model_dir):
+            raise ValueError(f"{path}: {METADATA_FILE} is missing, so the save did not finish (half-written "
+                             "checkpoint); save it again")
+        raise ValueError(f"{path} is not a tripod checkpoint (no {METADATA_FILE}); pass a directory written "
+                         "by `tripod convert` or save_model_checkpoint (for an HF model use `tripod convert`)")
+    with open(meta_file) as f:
+        meta = json.load(f)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{meta_file}: format_version={meta.get('format_version')!r}; this tripod reads "
+                         f"{FORMAT_VERSION}")
+    for needed in (os.path.join(model_dir, "metadata.json"), os.path.join(path, HF_SUBDIR, "config.json")):
+        if not os.path.isfile(needed):
+            raise ValueError(f"{path}: {os.path.relpath(needed, path)} is missing (damaged checkpoint); save it again")
+    return meta
+
+
+def checkpoint_arch(path: str | os.PathLike) -> ModelArch:
+    """The ModelArch stored in checkpoint `path` (from its hf/config.json)."""
+    read_checkpoint_metadata(path)
+    return arch_from_hf(os.path.join(os.fspath(path), HF_SUBDIR))
+
+
+def save_model_checkpoint(model: torch.nn.Module, path: str | os.PathLike, arch: ModelArch, layout, *,
+                          tokenizer_dir: str | os.PathLike | None = None,
+                          extra_metadata: dict[str, Any] | None = None) -> None:
+    """Save `model` (sharded by `layout`) to `path` with megatron dist-checkpointing.
+
+    Collective: every rank of the world calls it (the layout must span the world). An existing
+    checkpoint at `path` is replaced.
+    """
+    from megatron.core import dist_checkpointing
+
+    _check_world_layout(layout, "save_model_checkpoint")
+    path = os.fspath(path)
+    gpt = _unwrap(model)
+    model_dir = os.path.join(path, MODEL_SUBDIR)
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+        if os.path.exists(os.path.join(path, METADATA_FILE)):
+            os.remove(os.path.join(path, METADATA_FILE))  # invalid until this save completes
+        shutil.rmtree(model_dir, ignore_errors=True)
+        os.makedirs(model_dir)
+    dist.barrier()
+    with layout.activate():
+        dist_checkpointing.save(gpt.sharded_state_dict(), model_dir)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        dtype = next(gpt.parameters()).dtype
+        write_hf_config(arch, os.path.join(path, HF_SUBDIR), dtype, tokenizer_dir)
+        meta = {
+            "format_version": FORMAT_VERSION, "family": arch.family, "num_layers": arch.num_layers,
+            "vocab_size": arch.vocab_size, "saved_layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
+            "saved_padded_vocab_size": padded_vocab_size(arch.vocab_size, layout.tp),
+            "value_head": bool(getattr(gpt, "tripod_value_head", False)),
+            "dtype": str(dtype).removeprefix("torch."), **(extra_metadata or {}),
+        }
+        tmp = os.path.join(path, METADATA_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(meta, f, indent=2, sort_keys=True)
+        os.replace(tmp, os.path.join(path, METADATA_FILE))
+    dist.barrier()
+
+
+def load_model_checkpoint(model: torch.nn.Module, path: str | os.PathLike, layout) -> dict[str, Any]:
+    """Load checkpoint `path` (saved at any layout) into `model` sharded by `layout`; returns its metadata.
+
+    Collective over the world, like `save_model_checkpoint`. Strict: every model tensor must be
+    in the checkpoint.
+    """
+    from megatron.core import dist_checkpointing
+
+    _check_world_layout(layout, "load_model_checkpoint")
+    meta = read_checkpoint_metadata(path)
+    gpt = _unwrap(model)
+    value_head = bool(getattr(gpt, "tripod_value_head", False))
+    if meta.get("value_head", False) != value_head:
+        raise ValueError(f"{path}: checkpoint value_head={meta.get('value_head')} but the model has "
+                         f"value_head={value_head}; build the model the way it was saved (critic vs actor)")
+    arch = getattr(gpt, "tripod_arch", None)
+    if arch is not None and (arch.num_layers, arch.vocab_size, arch.family) != (
+            meta["num_layers"], meta["vocab_size"], meta["family"]):
+        raise ValueError(f"{path}: checkpoint is {meta['family']} with {meta['num_layers']} layers / vocab "
+                         f"{meta['vocab_size']} but the model is {arch.family} with {arch.num_layers} layers / "
+                         f"vocab {arch.vocab_size}; build the model from {os.path.join(path, HF_SUBDIR)}")
+    model_dir = os.path.join(os.fspath(path), MODEL_SUBDIR)
+    with layout.activate():
+        sharded = gpt.sharded_state_dict()
+        try:
+            state = dist_checkpointing.load(sharded, model_dir)
+        except Exception as e:  # megatron raises bare KeyError/CheckpointingException with long dumps
+            raise ValueError(f"{path}: loading failed ({type(e).__name__}: {str(e)[:300]}); the checkpoint "
+                             "does not match the model") from e
+    result = gpt.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks model tensors {missing[:8]}; it was saved from another model")
+    return meta
+
+
+def _layout_for(tp: int, pp: int, name: str):
+    from parallel.layout import ParallelLayout
+
+    return ParallelLayout(tp=tp, pp=pp, name=name)
+
+
+def convert_hf_to_checkpoint(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int, pp: int) -> None:
+    """HF model dir -> tripod checkpoint sharded TP x PP (DP = world / (tp*pp)). Collective over the world."""
+    from parallel.model import build_gpt_model
+
+    arch = arch_from_hf(hf_dir)
+    family_names(arch)
+    layout = _layout_for(tp, pp, "convert")
+    model = build_gpt_model(arch, layout)
+    load_hf_weights(model, hf_dir, arch, layout)
+    save_model_checkpoint(model, out_dir, arch, layout, tokenizer_dir=hf_dir)
+
+
+def export_checkpoint_to_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike, tp: int = 1, pp: int = 1,
+                            dtype: torch.dtype | None = None) -> None:
+    """Tripod checkpoint -> HF model dir (safetensors + config.json + tokenizer files), loaded at TP x PP."""
+    from parallel.model import build_gpt_model
+
+    arch = checkpoint_arch(ckpt_dir)
+    layout = _layout_for(tp, pp, "export")
+    model = build_gpt_model(arch, layout)
+    load_model_checkpoint(model, ckpt_dir, layout)
+    save_hf_checkpoint(model, arch, layout, hf_dir, tokenizer_dir=os.path.join(os.fspath(ckpt_dir), HF_SUBDIR),
+                       dtype=dtype)
+    dist.barrier()
+
+
+__all__ = ["save_model_checkpoint", "load_model_checkpoint", "read_checkpoint_metadata", "checkpoint_arch",
+           "convert_hf_to_checkpoint", "export_checkpoint_to_hf", "METADATA_FILE", "TOKENIZER_FILES"]

@@ -1,0 +1,312 @@
+"""HF <-> Megatron weight conversion: the public API (pure-tensor part here, sharded-model IO below).
+
+Pure tensors (no process groups; the layout contract is documented in common.py):
+    hf_to_megatron(arch, hf_state) -> {global megatron name: full tensor}
+    megatron_to_hf(arch, name, full) -> [(hf_name, tensor), ...]
+    tp_slice / tp_merge / pad_vocab / unpad_vocab / padded_vocab_size
+Sharded models (every rank of the model's layout calls these together):
+    load_hf_weights(model, hf_dir, arch, layout)     lazy safetensors read -> this rank's TP/PP shard
+    export_hf_weights(model, arch, layout)           -> Iterator[(hf_name, full tensor)], one at a time
+    save_hf_checkpoint(model, arch, layout, out_dir) -> safetensors + config.json for from_pretrained
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from parallel.arch import ModelArch
+from parallel.convert import llama, qwen2
+from parallel.convert.common import (EMBEDDING, FINAL_NORM, LAYER_PREFIX, OUTPUT_LAYER, FamilyNames,
+                                     check_hf_names, full_shape, fuse_to_megatron, hf_names_for,
+                                     hf_to_megatron_state, is_replicated, megatron_names, megatron_to_hf_tensor,
+                                     pad_vocab, padded_vocab_size, split_layer_name, tp_merge, tp_slice,
+                                     unpad_vocab)
+
+FAMILIES: dict[str, FamilyNames] = {"llama": llama.NAMES, "qwen2": qwen2.NAMES}
+
+
+def family_names(arch: ModelArch) -> FamilyNames:
+    """The name map of `arch.family`, after checking that tripod supports this exact config."""
+    if arch.family not in FAMILIES:
+        raise ValueError(f"model family {arch.family!r} has no name map; supported: {sorted(FAMILIES)} "
+                         "(add parallel/convert/<family>.py)")
+    names = FAMILIES[arch.family]
+    names.check_supported(arch)
+    return names
+
+
+def hf_to_megatron(arch: ModelArch, hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole HF state dict -> canonical full Megatron tensors (global layer index, unpadded vocab).
+
+    Missing or unexpected HF tensors raise ValueError listing their names.
+    """
+    return hf_to_megatron_state(arch, family_names(arch), hf_state)
+
+
+def megatron_to_hf(arch: ModelArch, name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """One canonical Megatron tensor (vocab padded or not) -> its HF tensors ([] for a tied output layer)."""
+    return megatron_to_hf_tensor(arch, family_names(arch), name, full)
+
+
+def canonical_names(arch: ModelArch) -> list[str]:
+    """All canonical Megatron names of `arch` in checkpoint order (global layer index)."""
+    return megatron_names(arch, family_names(arch))
+
+
+# Files copied next to exported weights so the directory is a complete HF model.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+                   "generation_config.json")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+# ----------------------------------------------------------------------------- reading HF files
+
+class SafetensorsReader:
+    """Lazy access to the tensors of an HF model directory (one file or shards + index json)."""
+
+    def __init__(self, hf_dir: str | os.PathLike) -> None:
+        self.hf_dir = os.fspath(hf_dir)
+        index = os.path.join(self.hf_dir, SAFETENSORS_INDEX)
+        single = os.path.join(self.hf_dir, "model.safetensors")
+        if os.path.isfile(index):
+            with open(index) as f:
+                self.file_of = dict(json.load(f)["weight_map"])
+        elif os.path.isfile(single):
+            from safetensors import safe_open
+            with safe_open(single, framework="pt") as f:
+                self.file_of = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"{self.hf_dir}: no model.safetensors or {SAFETENSORS_INDEX}; pass a "
+                                    "directory written by save_pretrained(safe_serialization=True)")
+        for file in sorted(set(self.file_of.values())):
+            if not os.path.isfile(os.path.join(self.hf_dir, file)):
+                raise FileNotFoundError(f"{self.hf_dir}: {SAFETENSORS_INDEX} lists {file}, which is missing")
+        self._handles: dict[str, object] = {}
+
+    def names(self) -> list[str]:
+        return list(self.file_of)
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+        file = self.file_of[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(os.path.join(self.hf_dir, file), framework="pt")
+        return self._handles[file].get_tensor(name)
+
+
+# ----------------------------------------------------------------------------- sharded models
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module-style wrappers."""
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def global_param_names(model: torch.nn.Module) -> dict[str, str]:
+    """This PP stage's local parameter names -> canonical names with the GLOBAL layer index."""
+    gpt = _unwrap(model)
+    out = {}
+    for local, _ in gpt.named_parameters():
+        layer, suffix = split_layer_name(local)
+        if layer is None:
+            out[local] = local
+        else:
+            global_layer = gpt.decoder.layers[layer].layer_number - 1  # megatron's layer_number is 1-based global
+            out[local] = f"{LAYER_PREFIX}{global_layer}.{suffix}"
+    return out
+
+
+def _is_value_head(gpt: torch.nn.Module, name: str) -> bool:
+    return bool(getattr(gpt, "tripod_value_head", False)) and name.startswith("output_layer.")
+
+
+def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike, arch: ModelArch, layout) -> list[str]:
+    """Copy this rank's TP/PP shard of the HF checkpoint in `hf_dir` into `model` (strict).
+
+    Reads only the tensors this rank needs (safetensors, lazily). Returns the names of model
+    parameters that have no HF counterpart and were left as initialised (a critic's value head).
+    """
+    names = family_names(arch)
+    reader = SafetensorsReader(hf_dir)
+    check_hf_names(arch, names, reader.names(), source=os.fspath(hf_dir))
+    gpt = _unwrap(model)
+    params = dict(gpt.named_parameters())
+    not_loaded = []
+    with torch.no_grad():
+        for local, name in global_param_names(gpt).items():
+            param = params[local]
+            if _is_value_head(gpt, name):
+                not_loaded.append(local)
+                continue
+            source = EMBEDDING if (name == OUTPUT_LAYER and arch.tie_word_embeddings) else name
+            try:
+                hf = hf_names_for(arch, names, source)
+            except KeyError as e:
+                raise ValueError(f"model parameter {local!r} (global {name!r}) has no HF counterpart: {e}; "
+                                 "was the model built from this config.json?") from None
+            full = fuse_to_megatron(arch, source, [reader.get(h) for h in hf])
+            shard = tp_slice(arch, source, full, layout.tp, layout.tp_rank)
+            if shard.shape != param.shape:
+                raise ValueError(f"{'/'.join(hf)} -> {local}: shard shape {tuple(shard.shape)} != model "
+                                 f"parameter shape {tuple(param.shape)} (TP{layout.tp} rank {layout.tp_rank}); "
+                                 "the model was built for a different config or layout")
+            param.copy_(shard)
+    return not_loaded
+
+
+def export_hf_weights(model: torch.nn.Module, arch: ModelArch, layout, *,
+                      to_all_ranks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, full tensor) one at a time, gathered over TP and PP (unpadded vocab).
+
+    Every rank of the model's TP x PP grid must iterate it to the end (the collectives run in
+    lockstep). Tensors are yielded on TP rank 0 of PP stage 0 of each DP replica, or on every rank
+    with `to_all_ranks=True`; other ranks iterate and get nothing.
+    """
+    names = family_names(arch)
+    gpt = _unwrap(model)
+    if getattr(gpt, "tripod_value_head", False):
+        raise ValueError("export_hf_weights: a critic (value_head=True) has no HF causal-LM form; "
+                         "keep it as a tripod checkpoint (parallel.checkpoint.save_model_checkpoint)")
+    params = dict(gpt.named_parameters())
+    local = {name: params[loc] for loc, name in global_param_names(gpt).items()}
+    dtype = next(iter(params.values())).dtype
+    stages: list = [sorted(local)]
+    if layout.pp > 1:  # which stage holds which layer (megatron may split layers unevenly)
+        stages = [None] * layout.pp
+        dist.all_gather_object(stages, sorted(local), group=layout.pp_group)
+    owner = {n: s for s, held in enumerate(stages) for n in held}
+    pp_ranks = layout.group_ranks("pp")
+    tp_ranks = layout.group_ranks("tp")
+    is_dst = to_all_ranks or (layout.tp_rank == 0 and layout.pp_rank == 0)
+    for name in megatron_names(arch, names):
+        if name not in owner:
+            raise ValueError(f"export_hf_weights: no pipeline stage holds {name!r}; the model does not "
+                             "match config.json")
+        stage, full = owner[name], None
+        if layout.pp_rank == stage:
+            shard = local[name].detach().contiguous()
+            if layout.tp == 1 or is_replicated(name):
+                full = unpad_vocab(arch, shard) if name in (EMBEDDING, OUTPUT_LAYER) else shard
+            elif to_all_ranks:
+                shards = [torch.empty_like(shard) for _ in range(layout.tp)]
+                dist.all_gather(shards, shard, group=layout.tp_group)
+                full = tp_merge(arch, name, shards)
+            else:
+                shards = [torch.empty_like(shard) for _ in range(layout.tp)] if layout.tp_rank == 0 else None
+                dist.gather(shard, shards, dst=tp_ranks[0], group=layout.tp_group)
+                full = tp_merge(arch, name, shards) if layout.tp_rank == 0 else None
+        if layout.pp > 1 and (to_all_ranks or stage != 0):
+            full = _move_over_pp(arch, name, full, stage, dtype, layout, pp_ranks, to_all_ranks)
+        if is_dst:
+            yield from megatron_to_hf_tensor(arch, names, name, full)
+
+
+def _move_over_pp(arch, name, full, stage, dtype, layout, pp_ranks, to_all_ranks):
+    """Bring the owner stage's full tensor to stage 0 (TP rank 0 only) or to every stage."""
+    if to_all_ranks:
+        buf = full.contiguous() if layout.pp_rank == stage else torch.empty(full_shape(arch, name), dtype=dtype)
+        dist.broadcast(buf, src=pp_ranks[stage], group=layout.pp_group)
+        return buf
+    if layout.tp_rank != 0:
+        return None
+    if layout.pp_rank == stage:
+        dist.send(full.contiguous(), dst=pp_ranks[0], group=layout.pp_group)
+        return None
+    if layout.pp_rank == 0:
+        buf = torch.empty(full_shape(arch, name), dtype=dtype)
+        dist.recv(buf, src=pp_ranks[stage], group=layout.pp_group)
+        return buf
+    return None
+
+
+def write_hf_config(arch: ModelArch, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
+                    tokenizer_dir: str | os.PathLike | None = None) -> None:
+    """Write `config.json` (arch.hf_config, dtype updated) and copy tokenizer files if present."""
+    os.makedirs(out_dir, exist_ok=True)
+    cfg = dict(arch.hf_config)
+    if dtype is not None:
+        cfg["dtype"] = str(dtype).removeprefix("torch.")
+        cfg.pop("torch_dtype", None)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    if tokenizer_dir is not None:
+        for file in TOKENIZER_FILES:
+            src = os.path.join(tokenizer_dir, file)
+            if os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(os.path.join(out_dir, file)):
+                shutil.copyfile(src, os.path.join(out_dir, file))
+
+
+def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArch, layout, out_dir: str | os.PathLike, *,
+                       tokenizer_dir: str | os.PathLike | None = None, dtype: torch.dtype | None = None,
+                       max_shard_bytes: int = 2 << 30) -> None:
+    """Write `model` as an HF checkpoint (safetensors shards + index, config.json, tokenizer files).
+
+    Every rank of DP replica 0 of the layout must call it; TP rank 0 of PP stage 0 writes.
+    `dtype` casts the weights (default: the model's dtype).
+    """
+    from safetensors.torch import save_file
+
+    if layout.dp_rank != 0:
+        return  # other DP replicas hold the same weights
+    writer = layout.tp_rank == 0 and layout.pp_rank == 0
+    out_dir = os.fspath(out_dir)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    files: list[str] = []
+    total_bytes = 0
+    if writer:
+        os.makedirs(out_dir, exist_ok=True)
+        for stale in os.listdir(out_dir):
+            if stale.endswith(".safetensors") or stale == SAFETENSORS_INDEX:
+                os.remove(os.path.join(out_dir, stale))
+
+    def flush() -> None:
+        files.append(f"tmp-{len(files):05d}.safetensors")
+        save_file(shards[-1], os.path.join(out_dir, files[-1]), metadata={"format": "pt"})
+        shards[-1], sizes[-1] = {}, 0
+
+    out_dtype = dtype
+    for hf_name, tensor in export_hf_weights(model, arch, layout):
+        tensor = tensor.to(dtype) if dtype is not None else tensor
+        out_dtype = tensor.dtype
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and sizes[-1] + nbytes > max_shard_bytes:
+            flush()
+        shards[-1][hf_name] = tensor.contiguous().clone()
+        sizes[-1] += nbytes
+        total_bytes += nbytes
+    if not writer:
+        return
+    weight_map = {}
+    if shards[-1]:
+        flush()
+    names = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    if len(files) == 1:
+        names = ["model.safetensors"]
+    for tmp, final in zip(files, names):
+        os.replace(os.path.join(out_dir, tmp), os.path.join(out_dir, final))
+        if len(files) > 1:
+            from safetensors import safe_open
+            with safe_open(os.path.join(out_dir, final), framework="pt") as f:
+                weight_map.update({k: final for k in f.keys()})
+    if weight_map:
+        with open(os.path.join(out_dir, SAFETENSORS_INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f, indent=2,
+                      sort_keys=True)
+    write_hf_config(arch, out_dir, out_dtype, tokenizer_dir)
+
+
+__all__ = [
+    "load_hf_weights", "export_hf_weights", "save_hf_checkpoint", "write_hf_config", "SafetensorsReader",
+    "global_param_names", "TOKENIZER_FILES",
+    "FAMILIES", "family_names", "hf_to_megatron", "megatron_to_hf", "canonical_names", "tp_slice",
+    "tp_merge", "pad_vocab", "unpad_vocab", "padded_vocab_size", "full_shape", "is_replicated",
+    "split_layer_name", "check_hf_names", "hf_names_for", "EMBEDDING", "FINAL_NORM", "OUTPUT_LAYER",
+]

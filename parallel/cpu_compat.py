@@ -1,0 +1,242 @@
+"""Run megatron-core 0.16.1 on a CPU-only torch build with gloo (fp32).
+
+`apply_cpu_compat()` installs six shims, once per process, and only when CUDA is absent (it is a
+no-op on a GPU machine). Each shim is listed below with the megatron call sites that need it
+(paths under megatron/core/, line numbers of 0.16.1; measured in shared/probes/megatron-cpu):
+
+  rng_tracker      tensor_parallel/random.py:235 `CudaRNGStatesTracker.add` calls
+                   torch.cuda.get_rng_state(); `fork()` swaps CUDA RNG states. Replaced by a tracker
+                   of CPU generator states (same seeds, same names).
+  current_device   torch.cuda.current_device() -> cpu. ~175 sites; hit on CPU runs:
+                   models/common/embeddings/rotary_pos_embedding.py:162, utils.py:631
+                   (GlobalMemoryBuffer), pipeline_parallel/p2p_communication.py:313/321,
+                   distributed/param_and_grad_buffer.py:800/806, tensor_parallel/layers.py:552,
+                   tensor_parallel/mappings.py:141/181 (sequence parallel).
+  synchronize      torch.cuda.synchronize() no-op: p2p_communication.py:242/398 after batch_isend_irecv.
+  cuda_device_arg  device="cuda" / Tensor.cuda() rewritten to CPU by a process-wide TorchFunctionMode:
+                   pipeline_parallel/schedules.py:596/983/2138, optimizer/optimizer.py:481/485/907,
+                   optimizer/clip_grads.py:103, utils.py:1207 (local_multi_tensor_l2_norm).
+  tensor_type      Tensor.type() answers 'torch.cuda.FloatTensor' for fp32 CPU tensors, but only when
+                   the caller is megatron code: optimizer/clip_grads.py:167 asserts it,
+                   optimizer/distrib_optimizer.py:431 refuses other types, optimizer.py:671/690 branch.
+  sp_torch_norm    transformer/torch_norm.py:32 refuses sequence_parallel for the local-spec norm
+                   (TE/apex norms do not exist on CPU). The norm is built without SP and its params
+                   are tagged `.sequence_parallel=True` so finalize_model_grads all-reduces their grads
+                   over TP, exactly what the TE norm does.
+
+Trace mode (`apply_cpu_compat(trace=True)` or env TRIPOD_CPU_COMPAT_TRACE=1) records, for every shim
+hit, the innermost megatron frame (file, function, line): `traced_call_sites()`. The canary test
+(tests/test_cpu_compat.py) runs TP2xPP2 (+SP, +DistOpt) train steps under the trace and fails on a
+(shim, file, function) not in `ALLOWED_CALL_SITES`, so a megatron upgrade that adds a CUDA
+hard-code is noticed instead of silently shimmed. fp32 only: the Tensor.type() spoof in bf16 would
+steer megatron onto its mixed-precision path, which is untested on CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_MEGATRON_MARK = os.sep + "megatron" + os.sep + "core" + os.sep
+
+# (shim, megatron/core file, function) pairs that are known and shimmed on purpose.
+ALLOWED_CALL_SITES: frozenset[tuple[str, str, str]] = frozenset({
+    ("rng_tracker", "tensor_parallel/random.py", "model_parallel_cuda_manual_seed"),
+    ("current_device", "models/common/embeddings/rotary_pos_embedding.py", "forward"),
+    ("current_device", "models/common/embeddings/rotary_pos_embedding.py", "get_freqs_non_repeated"),
+    ("current_device", "utils.py", "get_tensor"),
+    ("current_device", "pipeline_parallel/p2p_communication.py", "_communicate"),
+    ("current_device", "pipeline_parallel/p2p_communication.py", "create_tensor_recv_prev"),
+    ("current_device", "pipeline_parallel/p2p_communication.py", "create_tensor_recv_next"),
+    ("current_device", "distributed/param_and_grad_buffer.py", "__init__"),
+    ("current_device", "tensor_parallel/layers.py", "__init__"),
+    ("current_device", "tensor_parallel/mappings.py", "_gather_along_first_dim"),
+    ("current_device", "tensor_parallel/mappings.py", "_reduce_scatter_along_first_dim"),
+    ("current_device", "optimizer/distrib_optimizer.py", "_build_model_and_main_param_groups"),
+    ("current_device", "optimizer/distrib_optimizer.py", "__init__"),
+    ("synchronize", "pipeline_parallel/p2p_communication.py", "_communicate"),
+    ("cuda_device_arg", "pipeline_parallel/schedules.py", "forward_backward_no_pipelining"),
+    ("cuda_device_arg", "pipeline_parallel/schedules.py", "forward_backward_pipelining_without_interleaving"),
+    ("cuda_device_arg", "pipeline_parallel/schedules.py", "forward_step"),
+    ("cuda_device_arg", "optimizer/optimizer.py", "get_grad_norm"),
+    ("cuda_device_arg", "optimizer/optimizer.py", "_unscale_main_grads_and_check_for_nan"),
+    ("cuda_device_arg", "optimizer/optimizer.py", "step_with_ready_grads"),
+    ("cuda_device_arg", "optimizer/optimizer.py", "prepare_grads"),
+    ("cuda_device_arg", "optimizer/optimizer.py", "__init__"),
+    ("cuda_device_arg", "optimizer/clip_grads.py", "get_grad_norm_fp32"),
+    ("cuda_device_arg", "optimizer/clip_grads.py", "clip_grad_by_total_norm_fp32"),
+    ("cuda_device_arg", "optimizer/clip_grads.py", "count_zeros_fp32"),
+    ("cuda_device_arg", "utils.py", "local_multi_tensor_l2_norm"),
+    ("cuda_device_arg", "utils.py", "local_multi_tensor_scale"),
+    ("tensor_type", "optimizer/clip_grads.py", "get_grad_norm_fp32"),
+    ("tensor_type", "optimizer/clip_grads.py", "clip_grad_by_total_norm_fp32"),
+    ("tensor_type", "optimizer/distrib_optimizer.py", "_build_model_and_main_param_groups"),
+    ("tensor_type", "optimizer/optimizer.py", "_get_model_and_main_params_data_float32"),
+    ("sp_torch_norm", "transformer/torch_norm.py", "__new__"),
+})
+
+_applied = False
+_trace_on = False
+_trace_lock = threading.Lock()
+_traced: dict[tuple[str, str, str], int] = {}   # (shim, file, function) -> first line seen
+
+
+def _megatron_caller() -> tuple[str, str, int] | None:
+    """(file relative to megatron/core, function, line) of the innermost megatron frame, if any."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        idx = filename.find(_MEGATRON_MARK)
+        if idx >= 0:
+            rel = filename[idx + len(_MEGATRON_MARK):].replace(os.sep, "/")
+            return rel, frame.f_code.co_name, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
+def _record(shim: str) -> None:
+    if not _trace_on:
+        return
+    site = _megatron_caller()
+    if site is None:
+        return
+    key = (shim, site[0], site[1])
+    with _trace_lock:
+        _traced.setdefault(key, site[2])
+
+
+def traced_call_sites() -> dict[tuple[str, str, str], int]:
+    """Every (shim, megatron file, function) -> line caught since tracing was turned on."""
+    with _trace_lock:
+        return dict(_traced)
+
+
+def unexpected_call_sites() -> list[str]:
+    """Traced call sites missing from ALLOWED_CALL_SITES, as 'shim <- file:line (function)'."""
+    return [f"{s} <- megatron/core/{f}:{line} ({fn})"
+            for (s, f, fn), line in sorted(traced_call_sites().items()) if (s, f, fn) not in ALLOWED_CALL_SITES]
+
+
+def _install_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """megatron's tracker API over CPU generator states (add / fork / get_states / set_states)."""
+
+        def add(self, name: str, seed: int) -> None:
+            _record("rng_tracker")
+            if seed in self.seeds_:
+                raise RuntimeError(f"seed {seed} already exists")
+            if name in self.states_:
+                raise RuntimeError(f"rng state {name} already exists")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise RuntimeError(f"rng state {name} is not added")
+            saved = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(saved)
+
+    mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def _cpu_current_device() -> torch.device:
+    _record("current_device")
+    return torch.device("cpu")
+
+
+def _cpu_synchronize(device=None) -> None:
+    _record("synchronize")
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites device='cuda' arguments and Tensor.cuda() to CPU; spoofs Tensor.type() for megatron."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda(kwargs.get("device")):
+            _record("cuda_device_arg")
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.cuda:
+            _record("cuda_device_arg")
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            _record("cuda_device_arg")
+            args = (args[0], "cpu", *args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            if name.startswith("torch.") and not name.startswith("torch.cuda.") and _megatron_caller():
+                _record("tensor_type")
+                name = "torch.cuda." + name[len("torch."):]
+            return name
+        return func(*args, **kwargs)
+
+
+def _allow_sequence_parallel_torch_norm() -> None:
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        sequence_parallel = config.sequence_parallel
+        if sequence_parallel:
+            _record("sp_torch_norm")
+        config.sequence_parallel = False
+        try:
+            norm = original_new(cls, config, hidden_size, eps, **kwargs)
+        finally:
+            config.sequence_parallel = sequence_parallel
+        for p in norm.parameters():
+            p.sequence_parallel = sequence_parallel
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
+def apply_cpu_compat(trace: bool | None = None) -> bool:
+    """Install the CPU shims (idempotent). Returns True when they are active, False on a CUDA machine.
+
+    `trace=True` (or TRIPOD_CPU_COMPAT_TRACE=1) records each megatron call site a shim catches.
+    """
+    global _applied, _trace_on
+    if trace is None:
+        trace = os.environ.get("TRIPOD_CPU_COMPAT_TRACE") == "1"
+    if torch.cuda.is_available():
+        return False
+    _trace_on = _trace_on or trace
+    if _applied:
+        return True
+    _install_rng_tracker()
+    torch.cuda.current_device = _cpu_current_device
+    torch.cuda.synchronize = _cpu_synchronize
+    _allow_sequence_parallel_torch_norm()
+    # A process-wide mode (not one per call) because the optimizer and grad clipping run outside
+    # any tripod-owned call frame; its overhead was below noise in the probe (p7_overhead.py).
+    CudaToCpuMode().__enter__()
+    _applied = True
+    return True
+
+
+def cpu_compat_applied() -> bool:
+    return _applied

@@ -1,0 +1,108 @@
+"""`HybridEngine`: the per-step round trip of the actor's weights between training and rollout.
+
+    hybrid = HybridEngine(arch, actor_layout, rollout_tp=2)          # plan validated before any weight moves
+    with hybrid.rollout(actor_model, rollout_engine):                 # reshard -> load into the engine
+        out = rollout_engine.generate(prompts, params)
+    # back: the generation shard and the engine's KV cache are released; training shards were never written
+
+The training shard is read straight from the megatron model's parameters (local layer index -> global), so nothing
+is copied on the training side; the generation shard is either freed after rollout or, with `keep_buffer=True`,
+kept as a reusable buffer for the next step (no allocation churn on GPU).
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Iterator
+
+import torch
+
+from parallel.arch import ModelArch
+from parallel.hybrid_engine.plan import ReshardPlan, build_reshard_plan
+from parallel.hybrid_engine.transport import MicroDPGather
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):  # megatron DDP / Float16Module wrappers
+        model = model.module
+    return model
+
+
+def train_shard_from_model(model: torch.nn.Module, layout, arch: ModelArch, plan: ReshardPlan) -> dict[str, torch.Tensor]:
+    """This rank's training shard as {global megatron name: parameter data} (views, no copies)."""
+    layers = layout.stage_layers(arch.num_layers)
+    wanted = {s.name for s in plan.owned_specs(_global_rank())}
+    shard = {}
+    for name, p in _unwrap(model).named_parameters():
+        m = _LAYER.match(name)
+        if m:
+            name = f"decoder.layers.{layers[int(m.group(1))]}.{m.group(2)}"
+        if name in wanted:
+            shard[name] = p.data
+    missing = sorted(wanted - set(shard))
+    if missing:
+        raise ValueError(f"actor model on rank {_global_rank()} lacks parameters the rollout needs: {missing[:6]}")
+    return shard
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank()
+
+
+class HybridEngine:
+    """Owns the resharding plan and the micro-DP / rollout-TP process groups for one actor layout."""
+
+    def __init__(self, arch: ModelArch, actor_layout, rollout_tp: int, *, bucket_bytes: int = 64 << 20,
+                 dtype: torch.dtype = torch.float32, keep_buffer: bool = False):
+        import torch.distributed as dist
+        self.arch, self.layout = arch, actor_layout
+        self.plan = build_reshard_plan(arch, actor_layout.tp, actor_layout.pp, actor_layout.dp, rollout_tp,
+                                       bucket_bytes=bucket_bytes, dtype=dtype, world_size=dist.get_world_size())
+        if list(actor_layout.ranks) != list(range(dist.get_world_size())):
+            raise ValueError("the hybrid engine reshards an actor laid over the whole world; "
+                             f"actor ranks are {actor_layout.ranks}")
+        self.gather = MicroDPGather(self.plan)
+        self.keep_buffer = keep_buffer
+        self._buffer: dict[str, torch.Tensor] | None = None
+
+    @property
+    def rollout_tp_group(self):
+        return self.gather.rollout_tp_group
+
+    @property
+    def rollout_tp_rank(self) -> int:
+        return self.plan.rollout_tp_rank(_global_rank())
+
+    @property
+    def rollout_dp_rank(self) -> int:
+        """Index of this rank's rollout replica (rollout TP group) in the world."""
+        me = _global_rank()
+        return next(i for i, g in enumerate(self.plan.rollout_tp_groups) if me in g)
+
+    @property
+    def rollout_dp_size(self) -> int:
+        return len(self.plan.rollout_tp_groups)
+
+    def to_rollout(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Gather this rank's generation shard from the actor's training shards."""
+        shard = train_shard_from_model(model, self.layout, self.arch, self.plan)
+        with torch.no_grad():
+            gen = self.gather.gather(shard, out=self._buffer)
+        if self.keep_buffer:
+            self._buffer = gen
+        return gen
+
+    @contextlib.contextmanager
+    def rollout(self, model: torch.nn.Module, rollout_engine) -> Iterator[dict[str, torch.Tensor]]:
+        """Reshard into `rollout_engine`, yield, then release the rollout copy and the engine's memory."""
+        gen = self.to_rollout(model)
+        rollout_engine.resume_memory()
+        rollout_engine.load_weights(gen)
+        try:
+            yield gen
+        finally:
+            rollout_engine.release_memory()
+            del gen

@@ -1,0 +1,291 @@
+"""Per-model parallel layouts: TP x PP x DP (x EP) process groups owned by one model.
+
+Actor, critic and reference each get their OWN `ParallelLayout` in one torch.distributed world
+(e.g. actor TP2xPP2 and critic TP1xPP2xDP2 on the same 4 ranks, or layouts over subsets of the
+world). Ranks are laid out the megatron way, "tp-cp-ep-dp-pp": tp varies fastest, then dp, then pp,
+over the layout's `ranks` list.
+
+Group creation is collective over the WHOLE world (torch.distributed.new_group must be called by
+every rank, in the same order), so every rank constructs every layout, even one it is not part
+of (`layout.is_member` is then False and the rank-dependent properties raise).
+
+megatron-core 0.16.1 reads process groups in two ways:
+  * explicitly, from a `ProcessGroupCollection`: GPTModel and its TP layers / attention / embeddings
+    (`pg_collection=`), the pipeline schedules (`pg_collection=` + `p2p_communicator=`);
+  * from the global `megatron.core.parallel_state`: DistributedDataParallel (dp / dp_cp / expert
+    groups when no pg_collection is given), finalize_model_grads (embedding-group tied-grad
+    all-reduce, layernorm SP all-reduce, num-tokens all-reduce over pp), get_megatron_optimizer and
+    grad clipping (model-parallel group for the grad norm), the RNG tracker seeding
+    (model_parallel_cuda_manual_seed reads the tp/ep rank), dist_checkpointing sharded_state_dict
+    (replica ids from dp/tp/pp ranks) and some helpers inside the forward (e.g. vocab-parallel
+    cross entropy, `is_pipeline_last_stage` in older paths).
+Tripod is correct on both: it passes `pg_collection` wherever megatron accepts one, and it runs
+every piece of megatron work for a model inside `with layout.activate():`, which points the
+parallel_state globals at this layout's groups and restores the previous ones on exit. The
+training loop therefore never has to remember which megatron path reads what.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch.distributed as dist
+
+
+def _parallel_error(name: str, key: str, size: int, what: str, value: int) -> ValueError:
+    divisors = [d for d in range(1, value + 1) if value % d == 0]
+    return ValueError(f"{name} {key}={size} does not divide {what}={value}; use one of {divisors}")
+
+
+class _MissingIsNone(dict):
+    def __missing__(self, key):
+        return None
+
+
+@dataclass
+class ParallelLayout:
+    """The process groups of one model. `ranks` defaults to the whole world.
+
+    Sizes: tp (tensor_model_parallel_size), pp (pipeline_model_parallel_size), dp (data parallel;
+    None = len(ranks) // (tp*pp)), ep (expert parallel; 1 only, no MoE yet). `name` (actor / critic
+    / reference) prefixes every error message. `arch` (a ModelArch), when given, is validated
+    (`validate_for`) before anything else, so a bad layout fails before any process group exists.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None
+    ep: int = 1
+    ranks: Sequence[int] | None = None
+    name: str = "model"
+    arch: Any = field(default=None, repr=False)
+    _groups: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    _group_ranks: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for key, value in (("tensor_model_parallel_size", self.tp), ("pipeline_model_parallel_size", self.pp)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{self.name} {key}={value!r} must be a positive integer")
+        if self.ep != 1:
+            raise ValueError(f"{self.name} expert_model_parallel_size={self.ep}: tripod has no MoE models; use 1")
+        if self.arch is not None:
+            self.validate_for(self.arch)
+        if not dist.is_initialized():
+            raise RuntimeError(f"{self.name} ParallelLayout needs torch.distributed initialised first "
+                               "(dist.init_process_group('gloo' or 'nccl'), e.g. under torchrun)")
+        world = dist.get_world_size()
+        self.ranks = list(range(world)) if self.ranks is None else [int(r) for r in self.ranks]
+        n = len(self.ranks)
+        if len(set(self.ranks)) != n or any(r < 0 or r >= world for r in self.ranks):
+            raise ValueError(f"{self.name} ranks={self.ranks} must be distinct ranks of the world 0..{world - 1}")
+        if self.dp is None:
+            if n % (self.tp * self.pp):
+                raise ValueError(f"{self.name} world size {n} is not a multiple of tensor_model_parallel_size"
+                                 f"*pipeline_model_parallel_size={self.tp}*{self.pp}; change tp/pp or the "
+                                 "number of processes")
+            self.dp = n // (self.tp * self.pp)
+        if self.tp * self.pp * self.dp != n:
+            raise ValueError(f"{self.name} world size {n} != tp*pp*dp = {self.tp}*{self.pp}*{self.dp}="
+                             f"{self.tp * self.pp * self.dp}; launch {self.tp * self.pp * self.dp} processes "
+                             "or change tensor/pipeline/data_parallel_size")
+        self._build_groups()
+
+    # ---- rank arithmetic (tp fastest, then dp, then pp) -------------------------------------
+    def _coords(self, index: int) -> tuple[int, int, int]:
+        return index % self.tp, (index // self.tp) % self.dp, index // (self.tp * self.dp)
+
+    def _rank_at(self, tp: int, dp: int, pp: int) -> int:
+        return self.ranks[tp + self.tp * (dp + self.dp * pp)]
+
+    def _enumerate(self) -> dict[str, list[list[int]]]:
+        t, d, p = self.tp, self.dp, self.pp
+        pp_lists = [[self._rank_at(i, j, k) for k in range(p)] for j in range(d) for i in range(t)]
+        embd = [sorted({g[0], g[-1]}) for g in pp_lists]
+        return {
+            "tp": [[self._rank_at(i, j, k) for i in range(t)] for k in range(p) for j in range(d)],
+            "dp": [[self._rank_at(i, j, k) for j in range(d)] for k in range(p) for i in range(t)],
+            "pp": pp_lists,
+            "mp": [[self._rank_at(i, j, k) for k in range(p) for i in range(t)] for j in range(d)],
+            "tp_dp": [[self._rank_at(i, j, k) for j in range(d) for i in range(t)] for k in range(p)],
+            "embd": embd,
+            "pos_embd": [[g[0]] for g in pp_lists],
+            "self": [[r] for r in self.ranks],
+        }
+
+    def _build_groups(self) -> None:
+        me = dist.get_rank()
+        for kind, lists in self._enumerate().items():
+            unique = [list(x) for x in dict.fromkeys(tuple(g) for g in lists)]
+            for ranks in unique:
+                # every rank of the world calls new_group for every group, in the same order
+                group = dist.new_group(ranks=ranks)
+                if me in ranks:
+                    self._groups[kind] = group
+                    self._group_ranks[kind] = ranks
+        self._pg_collection = None
+
+    # ---- membership and ranks -----------------------------------------------------------------
+    @property
+    def is_member(self) -> bool:
+        return dist.get_rank() in self.ranks
+
+    def _check_member(self) -> None:
+        if not self.is_member:
+            raise RuntimeError(f"{self.name} layout over ranks {self.ranks} does not include rank {dist.get_rank()}")
+
+    def _index(self) -> int:
+        self._check_member()
+        return self.ranks.index(dist.get_rank())
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def tp_rank(self) -> int:
+        return self._coords(self._index())[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return self._coords(self._index())[1]
+
+    @property
+    def pp_rank(self) -> int:
+        return self._coords(self._index())[2]
+
+    @property
+    def tp_group(self):
+        self._check_member()
+        return self._groups["tp"]
+
+    @property
+    def pp_group(self):
+        self._check_member()
+        return self._groups["pp"]
+
+    @property
+    def dp_group(self):
+        self._check_member()
+        return self._groups["dp"]
+
+    @property
+    def mp_group(self):
+        self._check_member()
+        return self._groups["mp"]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def group_ranks(self, kind: str) -> list[int]:
+        """Global ranks of this rank's group of `kind` (tp, dp, pp, mp, tp_dp, embd, pos_embd)."""
+        self._check_member()
+        return list(self._group_ranks[kind])
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Global layer ids held by this rank's pipeline stage (equal split)."""
+        if num_layers % self.pp:
+            raise _parallel_error(self.name, "pipeline_model_parallel_size", self.pp, "num_hidden_layers", num_layers)
+        per_stage = num_layers // self.pp
+        return list(range(self.pp_rank * per_stage, (self.pp_rank + 1) * per_stage))
+
+    def validate_for(self, arch) -> None:
+        """Refuse a layout that cannot shard `arch` (a parallel.arch.ModelArch), naming key and fix."""
+        if arch.num_heads % self.tp:
+            raise _parallel_error(self.name, "tensor_model_parallel_size", self.tp, "num_attention_heads",
+                                  arch.num_heads)
+        if arch.num_kv_heads % self.tp:
+            raise _parallel_error(self.name, "tensor_model_parallel_size", self.tp, "num_key_value_heads",
+                                  arch.num_kv_heads)
+        if arch.num_layers % self.pp:
+            raise _parallel_error(self.name, "pipeline_model_parallel_size", self.pp, "num_hidden_layers",
+                                  arch.num_layers)
+
+    def describe(self) -> str:
+        where = (f"rank {dist.get_rank()} = (tp {self.tp_rank}, dp {self.dp_rank}, pp {self.pp_rank})"
+                 if self.is_member else f"rank {dist.get_rank()} not a member")
+        return (f"{self.name}: TP{self.tp} x PP{self.pp} x DP{self.dp} over ranks {self.ranks} "
+                f"(order tp-cp-ep-dp-pp); {where}")
+
+    # ---- megatron views -------------------------------------------------------------------------
+    @property
+    def pg_collection(self):
+        """megatron ProcessGroupCollection of this rank's groups (cp / ep are size-1 groups)."""
+        self._check_member()
+        if self._pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            g = _MissingIsNone(self._groups)  # embd / pos_embd are None off the first/last stages
+            self._pg_collection = ProcessGroupCollection(
+                tp=g["tp"], pp=g["pp"], mp=g["mp"], embd=g["embd"], pos_embd=g["pos_embd"],
+                cp=g["self"], tp_cp=g["tp"], hcp=None, ep=g["self"], expt_tp=g["tp"], tp_ep=g["tp"],
+                tp_ep_pp=g["mp"], tp_dp_cp=g["tp_dp"], dp=g["dp"], dp_cp=g["dp"], expt_dp=g["dp"],
+                intra_dp_cp=g["dp"], intra_expt_dp=g["dp"], intra_dist_opt=g["dp"],
+            )
+        return self._pg_collection
+
+    def p2p_communicator(self, config):
+        """megatron P2PCommunicator over this layout's pipeline group (for the PP schedules)."""
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        return P2PCommunicator(pp_group=self.pp_group, config=config)
+
+    def _parallel_state_values(self) -> dict[str, Any]:
+        g, r = _MissingIsNone(self._groups), _MissingIsNone(self._group_ranks)
+        return {
+            "_TENSOR_MODEL_PARALLEL_GROUP": g["tp"], "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": r["tp"],
+            "_PIPELINE_MODEL_PARALLEL_GROUP": g["pp"], "_PIPELINE_GLOBAL_RANKS": r["pp"],
+            "_MODEL_PARALLEL_GROUP": g["mp"], "_MODEL_PARALLEL_GLOBAL_RANKS": r["mp"],
+            "_EMBEDDING_GROUP": g["embd"], "_EMBEDDING_GLOBAL_RANKS": r["embd"],
+            "_POSITION_EMBEDDING_GROUP": g["pos_embd"], "_POSITION_EMBEDDING_GLOBAL_RANKS": r["pos_embd"],
+            "_DATA_PARALLEL_GROUP": g["dp"], "_DATA_PARALLEL_GROUP_GLOO": g["dp"],
+            "_DATA_PARALLEL_GLOBAL_RANKS": r["dp"],
+            "_DATA_PARALLEL_GROUP_WITH_CP": g["dp"], "_DATA_PARALLEL_GROUP_WITH_CP_AG": g["dp"],
+            "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": g["dp"], "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": r["dp"],
+            "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": g["dp"],
+            "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": g["dp"],
+            "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": g["dp"],
+            "_CONTEXT_PARALLEL_GROUP": g["self"], "_CONTEXT_PARALLEL_GLOBAL_RANKS": r["self"],
+            "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": g["tp"],
+            "_TENSOR_AND_DATA_PARALLEL_GROUP": g["tp_dp"], "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": g["tp_dp"],
+            "_EXPERT_MODEL_PARALLEL_GROUP": g["self"], "_EXPERT_MODEL_PARALLEL_RANKS": r["self"],
+            "_EXPERT_TENSOR_PARALLEL_GROUP": g["tp"], "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": g["tp"],
+            "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": g["mp"],
+            "_EXPERT_DATA_PARALLEL_GROUP": g["dp"], "_EXPERT_DATA_PARALLEL_GROUP_GLOO": g["dp"],
+            "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": g["dp"],
+            "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": g["dp"],
+            # cached sizes/ranks override the groups when set; clear them
+            "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE": None, "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": None,
+            "_MPU_DATA_PARALLEL_WORLD_SIZE": None, "_MPU_DATA_PARALLEL_RANK": None,
+            "_MPU_TENSOR_MODEL_PARALLEL_RANK": None, "_MPU_PIPELINE_MODEL_PARALLEL_RANK": None,
+            "_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE": None, "_MPU_EXPERT_MODEL_PARALLEL_RANK": None,
+            "_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE": None, "_MPU_EXPERT_TENSOR_PARALLEL_RANK": None,
+            "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK": None, "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": None,
+        }
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator["ParallelLayout"]:
+        """Point megatron's global parallel_state at this layout for the duration of the block.
+
+        Nests (restores whatever was active before). Run model building, forward/backward,
+        finalize_model_grads, DDP/optimizer construction and steps, and checkpointing inside it.
+        """
+        from megatron.core import parallel_state as ps
+
+        self._check_member()
+        values = self._parallel_state_values()
+        saved = {k: getattr(ps, k) for k in values}
+        if ps._GLOBAL_MEMORY_BUFFER is None:
+            ps._set_global_memory_buffer()
+        for k, v in values.items():
+            setattr(ps, k, v)
+        try:
+            yield self
+        finally:
+            for k, v in saved.items():
+                setattr(ps, k, v)

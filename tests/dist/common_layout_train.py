@@ -1,0 +1,56 @@
+"""Shared by the layout and cpu-compat torchrun workers: one megatron train step of a tripod model
+(megatron DDP + get_megatron_optimizer + the pipeline schedule), all under `layout.activate()`."""
+from typing import Callable
+
+import torch
+
+
+def wrap_for_training(model, layout, *, distributed_optimizer: bool = False, lr: float = 1e-3):
+    """(ddp_model, optimizer) for `model`; grad clipping at 1e9 so the grad norm is computed but inert."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    with layout.activate():
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=distributed_optimizer)
+        ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model,
+                                      pg_collection=layout.pg_collection)
+        opt_config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, clip_grad=1e9,
+                                     use_distributed_optimizer=distributed_optimizer, params_dtype=torch.float32)
+        # our groups already are gloo groups; megatron refuses its extra gloo copies with a pg_collection
+        optimizer = get_megatron_optimizer(opt_config, [ddp], use_gloo_process_groups=False,
+                                           pg_collection=layout.pg_collection)
+        model.config.finalize_model_grads_func = finalize_model_grads
+    return ddp, optimizer
+
+
+def train_step(ddp, optimizer, layout, batch: dict, loss_fn: Callable) -> tuple[float | None, float]:
+    """One fwd+bwd+step on one micro-batch; `loss_fn(output) -> scalar`. Returns (loss on last stage
+    else None, grad_norm)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    b, s = batch["input_ids"].shape
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        out = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=mb["attention_mask"])
+
+        def loss_func(output):
+            loss = loss_fn(output)
+            return loss, {"loss": loss.detach()}
+        return out, loss_func
+
+    with layout.activate():
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        kwargs = dict(pg_collection=layout.pg_collection)
+        if layout.pp > 1:
+            kwargs["p2p_communicator"] = layout.p2p_communicator(ddp.config)
+        losses = get_forward_backward_func(pp_size=layout.pp)(
+            forward_step_func=forward_step, data_iterator=iter([batch]), model=[ddp], num_microbatches=1,
+            seq_length=s, micro_batch_size=b, forward_only=False, **kwargs)
+        ok, grad_norm, _ = optimizer.step()
+        assert ok, "optimizer step skipped"
+    loss = losses[0]["loss"].item() if losses else None
+    return loss, float(grad_norm)
