@@ -106,6 +106,11 @@ def run_distributed(world_size: int, fn: Callable[..., Any], *args: Any) -> None
 
 # ----------------------------------------------------------------------------- convert / export
 
+def _say(line: str) -> None:
+    if os.environ.get("RANK", "0") == "0":  # once, also under torchrun
+        print(line)
+
+
 def _check_parallel_sizes(arch, tp: int, pp: int) -> None:
     from parallel.convert.common import check_tp_size
 
@@ -120,28 +125,30 @@ def _check_parallel_sizes(arch, tp: int, pp: int) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from parallel.arch import arch_from_hf
-    from parallel.checkpoint import convert_hf_to_checkpoint
+    from parallel.checkpoint import check_checkpoint_destination, convert_hf_to_checkpoint
     from parallel.convert import SafetensorsReader, check_hf_names, family_names
 
     arch = arch_from_hf(args.hf_dir)
     names = family_names(arch)
     _check_parallel_sizes(arch, args.tp, args.pp)
     check_hf_names(arch, names, SafetensorsReader(args.hf_dir).names(), source=args.hf_dir)
+    check_checkpoint_destination(args.out_dir)
     run_distributed(args.tp * args.pp, convert_hf_to_checkpoint, args.hf_dir, args.out_dir, args.tp, args.pp)
-    print(f"tripod convert: {args.hf_dir} -> {args.out_dir} ({arch.family}, TP{args.tp} x PP{args.pp})")
+    _say(f"tripod convert: {args.hf_dir} -> {args.out_dir} ({arch.family}, TP{args.tp} x PP{args.pp})")
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from parallel.checkpoint import checkpoint_arch, export_checkpoint_to_hf
+    from parallel.checkpoint import checkpoint_arch, check_exportable, export_checkpoint_to_hf
 
     arch = checkpoint_arch(args.ckpt_dir)
+    check_exportable(args.ckpt_dir)
     _check_parallel_sizes(arch, args.tp, args.pp)
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     run_distributed(args.tp * args.pp, export_checkpoint_to_hf, args.ckpt_dir, args.hf_dir, args.tp, args.pp, dtype)
-    print(f"tripod export: {args.ckpt_dir} -> {args.hf_dir} ({arch.family})")
+    _say(f"tripod export: {args.ckpt_dir} -> {args.hf_dir} ({arch.family}, loaded at TP{args.tp} x PP{args.pp})")
     return 0
 
 

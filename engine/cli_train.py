@@ -41,8 +41,36 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     world = _world_size(cfg)
     validate_config(cfg, world)
+    if os.environ.get("RANK", "0") == "0":
+        preflight(cfg)
     run_distributed(world, _train_on_rank, config_to_yaml(cfg))
     return 0
+
+
+def preflight(cfg) -> None:
+    """Everything that can be checked without a model: HF config, rollout TP, data files and reward sources."""
+    from transformers import AutoTokenizer
+
+    from engine.data import PromptDataset
+    from engine.rewards import check_data_sources
+    from engine.rollout import validate_rollout_tp
+    from parallel.arch import arch_from_hf
+    from parallel.hybrid_engine import validate_layouts
+
+    arch = arch_from_hf(cfg.actor_rollout_ref.model.path)
+    m = cfg.actor_rollout_ref.actor.megatron
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    world = _world_size(cfg)
+    validate_rollout_tp(arch, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)
+    validate_layouts(arch, tp, pp, world // (tp * pp), cfg.actor_rollout_ref.rollout.tensor_model_parallel_size,
+                     world)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path)
+    d = cfg.data
+    for files in (d.train_files, d.val_files):
+        if files:
+            ds = PromptDataset(files, tokenizer, d.prompt_key, d.max_prompt_length, d.filter_overlong_prompts,
+                               d.apply_chat_template, d.reward_fn_key)
+            check_data_sources(ds.data_sources)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -76,7 +76,7 @@ class PPOTrainer:
         self.actor = PolicyWorker("actor", self.arch, actor_layout, path, seed=seed,
                                   optim=_optim(actor_cfg.optim, actor_cfg.grad_clip))
         self.ref = (PolicyWorker("reference", self.arch, _layout(arc.ref.megatron, "reference", self.arch), path,
-                                 trainable=False, seed=seed) if self.use_ref else None)
+                                 trainable=False, seed=seed, offload=arc.ref.offload) if self.use_ref else None)
         self.critic = (CriticWorker("critic", self.arch, _layout(cfg.critic.megatron, "critic", self.arch),
                                     cfg.critic.model.path, value_head=True, seed=seed,
                                     optim=_optim(cfg.critic.optim, cfg.critic.grad_clip))
@@ -110,8 +110,7 @@ class PPOTrainer:
         replicas = self.hybrid.rollout_dp_size
         bounds = [len(prompts) * i // replicas for i in range(replicas + 1)]
         mine = self.hybrid.rollout_dp_rank
-        with timer("reshard"):
-            self.rollout.resume_memory()
+        with timer("reshard"):  # the engine adopts the gathered shard (no second copy)
             self.rollout.load_weights(self.hybrid.to_rollout(self.actor.model))
         with timer("gen"):
             out = self.rollout.generate(prompts[bounds[mine]:bounds[mine + 1]], params)

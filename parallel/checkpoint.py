@@ -76,6 +76,24 @@ def checkpoint_arch(path: str | os.PathLike) -> ModelArch:
     return arch_from_hf(os.path.join(os.fspath(path), HF_SUBDIR))
 
 
+def check_checkpoint_destination(path: str | os.PathLike) -> None:
+    """Refuse to write a checkpoint into a non-empty directory that is not a tripod checkpoint."""
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(f"checkpoint destination {path} is a file; pass a directory")
+    if os.path.isdir(path) and os.listdir(path) and not (
+            os.path.isfile(os.path.join(path, METADATA_FILE)) or os.path.isdir(os.path.join(path, MODEL_SUBDIR))):
+        raise ValueError(f"checkpoint destination {path} is a non-empty directory that is not a tripod "
+                         "checkpoint; pass a new or empty directory (an old checkpoint there is replaced)")
+
+
+def check_exportable(path: str | os.PathLike) -> None:
+    """Refuse checkpoints that have no HF causal-LM form (a critic's value head)."""
+    if read_checkpoint_metadata(path).get("value_head"):
+        raise ValueError(f"{path} is a critic checkpoint (value head); only actor / reference models "
+                         "export to an HF causal LM")
+
+
 def save_model_checkpoint(model: torch.nn.Module, path: str | os.PathLike, arch: ModelArch, layout, *,
                           tokenizer_dir: str | os.PathLike | None = None,
                           extra_metadata: dict[str, Any] | None = None) -> None:
@@ -87,9 +105,11 @@ def save_model_checkpoint(model: torch.nn.Module, path: str | os.PathLike, arch:
     from megatron.core import dist_checkpointing
 
     _check_world_layout(layout, "save_model_checkpoint")
+    check_checkpoint_destination(path)  # every rank, on the same untouched directory
     path = os.fspath(path)
     gpt = _unwrap(model)
     model_dir = os.path.join(path, MODEL_SUBDIR)
+    dist.barrier()
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
         if os.path.exists(os.path.join(path, METADATA_FILE)):
@@ -177,6 +197,7 @@ def export_checkpoint_to_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLi
     from parallel.model import build_gpt_model
 
     arch = checkpoint_arch(ckpt_dir)
+    check_exportable(ckpt_dir)
     layout = _layout_for(tp, pp, "export")
     model = build_gpt_model(arch, layout)
     load_model_checkpoint(model, ckpt_dir, layout)
@@ -186,4 +207,5 @@ def export_checkpoint_to_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLi
 
 
 __all__ = ["save_model_checkpoint", "load_model_checkpoint", "read_checkpoint_metadata", "checkpoint_arch",
+           "check_checkpoint_destination", "check_exportable",
            "convert_hf_to_checkpoint", "export_checkpoint_to_hf", "METADATA_FILE", "TOKENIZER_FILES"]

@@ -77,6 +77,12 @@ ALLOWED_CALL_SITES: frozenset[tuple[str, str, str]] = frozenset({
     ("tensor_type", "optimizer/distrib_optimizer.py", "_build_model_and_main_param_groups"),
     ("tensor_type", "optimizer/optimizer.py", "_get_model_and_main_params_data_float32"),
     ("sp_torch_norm", "transformer/torch_norm.py", "__new__"),
+    # measured by tests/test_cpu_compat.py (TP2xPP2 + SP + DistOpt step, megatron-core 0.16.1):
+    ("current_device", "models/common/embeddings/rotary_pos_embedding.py", "get_emb"),  # :162
+    ("current_device", "tensor_parallel/layers.py", "backward"),  # :552
+    ("current_device", "tensor_parallel/mappings.py", "_gather_along_last_dim"),  # :91
+    ("sp_torch_norm", "transformer/spec_utils.py", "build_module"),  # :119 builds the norm
+    ("tensor_type", "optimizer/distrib_optimizer.py", "__init__"),  # :582
 })
 
 _applied = False

@@ -121,15 +121,20 @@ def logprobs_child(method: str, tokens: int, vocab: int, hidden: int, dtype: str
             "grad_norm_h": h.grad.float().norm().item()}
 
 
-def bench_logprobs(quick: bool, dtype: str, hidden: int, repeats: int) -> dict:
-    tokens, vocab = (512, 32000) if quick else (4096, 151936)
+def bench_logprobs(quick: bool, dtype: str, hidden: int, repeats: int, tokens: int) -> dict:
+    tokens, vocab = (512, 32000) if quick else (tokens, 151936)
     runs: dict[str, list[dict]] = {"fused": [], "full": []}
     for _ in range(repeats):  # interleaved so both see the same machine load
         for method in ("fused", "full"):
             cmd = [sys.executable, os.path.abspath(__file__), "--_logprobs-child", method, "--tokens",
                    str(tokens), "--vocab", str(vocab), "--hidden", str(hidden), "--dtype", dtype]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO,
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
                                  env=dict(os.environ, PYTHONPATH=REPO))
+            if out.returncode != 0:  # e.g. the full-logits path killed by the OOM killer
+                return {"tokens": tokens, "vocab": vocab, "hidden": hidden, "dtype": dtype,
+                        "failed": f"{method} child exited with {out.returncode} "
+                                  f"({'SIGKILL, likely OOM' if out.returncode == -9 else out.stderr[-500:]})",
+                        "completed_runs": runs}
             runs[method].append(json.loads(out.stdout.strip().splitlines()[-1]))
     best = {m: min(r, key=lambda x: x["seconds"]) for m, r in runs.items()}
     peak = {m: max(x["peak_above_inputs_mib"] for x in r) for m, r in runs.items()}
@@ -215,13 +220,18 @@ def print_table(result: dict) -> None:
             print(f"{r['T']:>6} {r['batch']:>5} {r['loop_ms']:>10.2f} {r['gae_ms']:>9.3f} "
                   f"{r['speedup']:>7.1f}x {r['max_abs_diff']:>10.2e}")
     lp = result["logprobs"]
-    print(f"\n## log-prob + entropy, fwd+bwd: {lp['tokens']} tokens x {lp['vocab']} vocab, H={lp['hidden']}, "
+    if "failed" in lp:
+        print(f"\n## log-prob + entropy at {lp['tokens']} x {lp['vocab']}: FAILED: {lp['failed']}")
+        print(json.dumps(lp["completed_runs"]))
+        lp = None
+    if lp:
+        print(f"\n## log-prob + entropy, fwd+bwd: {lp['tokens']} tokens x {lp['vocab']} vocab, H={lp['hidden']}, "
           f"{lp['dtype']}, CPU {lp['threads']} threads, best of {lp['repeats']}")
-    print(f"{'method':>28} {'time s':>8} {'peak MiB above inputs':>22}")
-    print(f"{'full logits + log_softmax':>28} {lp['full_s']:>8.2f} {lp['full_peak_mib']:>22.0f}")
-    print(f"{'logprobs_from_hidden':>28} {lp['fused_s']:>8.2f} {lp['fused_peak_mib']:>22.0f}")
-    print(f"time ratio {lp['time_ratio']:.2f}x, memory ratio {lp['memory_ratio']:.3f} "
-          f"(1/{1 / lp['memory_ratio']:.1f}), |grad h| rel diff {lp['grad_h_norm_rel_diff']:.1e}")
+        print(f"{'method':>28} {'time s':>8} {'peak MiB above inputs':>22}")
+        print(f"{'full logits + log_softmax':>28} {lp['full_s']:>8.2f} {lp['full_peak_mib']:>22.0f}")
+        print(f"{'logprobs_from_hidden':>28} {lp['fused_s']:>8.2f} {lp['fused_peak_mib']:>22.0f}")
+        print(f"time ratio {lp['time_ratio']:.2f}x, memory ratio {lp['memory_ratio']:.3f} "
+              f"(1/{1 / lp['memory_ratio']:.1f}), |grad h| rel diff {lp['grad_h_norm_rel_diff']:.1e}")
     gpu = result["gpu"]
     print("\n## GPU: Triton vs eager torch")
     if "skipped" in gpu:
@@ -243,7 +253,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=896, help="log-prob bench hidden size")
     parser.add_argument("--repeats", type=int, default=2, help="log-prob runs per method (best time)")
     parser.add_argument("--_logprobs-child", dest="child", choices=["full", "fused"], help=argparse.SUPPRESS)
-    parser.add_argument("--tokens", type=int, default=4096, help=argparse.SUPPRESS)
+    parser.add_argument("--tokens", type=int, default=4096, help="log-prob bench tokens (vocab 151936)")
     parser.add_argument("--vocab", type=int, default=151936, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -251,7 +261,7 @@ def main() -> None:
         return
     result = {"machine": f"{platform.machine()} {os.cpu_count()}-core CPU", "torch": torch.__version__,
               "gae": bench_gae(args.quick),
-              "logprobs": bench_logprobs(args.quick, args.dtype, args.hidden, args.repeats),
+              "logprobs": bench_logprobs(args.quick, args.dtype, args.hidden, args.repeats, args.tokens),
               "gpu": bench_gpu(args.quick)}
     if args.json:
         print(json.dumps(result))

@@ -64,6 +64,7 @@ def test_checkpoint_reshards_to_every_layout(converted, tmp_path):
     root, hf_dir, ckpt = converted
     llama_dir = make_tiny_hf_model(tmp_path, "llama", seed=12, tie_word_embeddings=False, vocab_size=300)
     proc = run_torchrun("ckpt_convert_reshard.py", 4, str(ckpt), hf_dir, llama_dir, str(tmp_path), timeout=400)
+    print("\n".join(line for line in proc.stdout.splitlines() if "] OK " in line))  # shown by pytest -rP
     for what in ("TP1xPP1", "TP1xPP2", "TP2xPP1", "TP2xPP2"):
         assert proc.stdout.count(f"OK qwen2 ckpt(TP2xPP2) -> {what}") == 4, proc.stdout[-3000:]
     assert proc.stdout.count("OK llama ckpt TP2xPP1 -> TP1xPP2") == 4
@@ -113,6 +114,8 @@ def test_bad_inputs_are_one_clear_line(converted, tmp_path, capsys):
     assert "no_ckpt does not exist" in err, err
     err = _cli_error(capsys, "export", hf_dir, str(tmp_path / "o8"))
     assert "not a tripod checkpoint" in err, err
+    err = _cli_error(capsys, "convert", hf_dir, hf_dir)  # would write into the HF model dir
+    assert "not a tripod checkpoint" in err and "new or empty directory" in err, err
     half = tmp_path / "half"
     (half / "model").mkdir(parents=True)
     err = _cli_error(capsys, "export", str(half), str(tmp_path / "o9"))

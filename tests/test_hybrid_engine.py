@@ -24,3 +24,11 @@ def test_reshard_tp2pp2dp2_to_rollout_tp2(tmp_path):
     hf = make_tiny_hf_model(tmp_path, "llama", tie_word_embeddings=True)
     rows = _parse(run_torchrun("hybrid_reshard.py", 8, hf, 2, 2, 2, "2", timeout=400).stdout)
     assert len(rows) == 8 * 2
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("rollout_tp", [2, 1])
+def test_round_trip_around_a_megatron_actor(tmp_path, rollout_tp):
+    hf = make_tiny_hf_model(tmp_path, "qwen2", vocab_size=128)
+    out = run_torchrun("hybrid_actor_roundtrip.py", 4, hf, rollout_tp).stdout
+    assert f"OK rollout_tp={rollout_tp}" in out

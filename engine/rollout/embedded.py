@@ -46,13 +46,14 @@ class EmbeddedRolloutEngine(RolloutEngine):
 
     # ---- memory / weights -----------------------------------------------------------------------
     def load_weights(self, generation_shard: dict[str, torch.Tensor]) -> None:
-        """Copy the shard into engine-owned buffers (reused across steps; the caller may free its own)."""
+        """Take the shard: copied into existing buffers (after `resume_memory`), else adopted without a copy
+        when dtype and device already match (the hybrid engine's freshly gathered shard: no second copy)."""
         self.decoder.check_shard(generation_shard)
         weights = self.decoder.weights
         for name, tensor in generation_shard.items():
             buf = weights.get(name)
             if buf is None or buf.shape != tensor.shape:
-                weights[name] = tensor.detach().to(self.device, self.dtype, copy=True)
+                weights[name] = tensor.detach().to(self.device, self.dtype)
             else:
                 buf.copy_(tensor.detach())
         self._weights_loaded = True

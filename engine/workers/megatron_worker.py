@@ -14,6 +14,7 @@ and the vocab-parallel LM-head weight.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -47,7 +48,7 @@ def _bypass_output_layer(model) -> None:
 class MegatronWorker:
     def __init__(self, name: str, arch: ModelArch, layout, hf_dir: str, *, value_head: bool = False,
                  trainable: bool = True, optim: OptimSettings | None = None, seed: int = 1234,
-                 params_dtype: torch.dtype = torch.float32):
+                 params_dtype: torch.dtype = torch.float32, offload: bool = False):
         from parallel.convert import load_hf_weights
         from parallel.model import build_gpt_model
 
@@ -65,6 +66,27 @@ class MegatronWorker:
         else:
             for p in model.parameters():
                 p.requires_grad_(False)
+        self.offload = offload and not trainable
+        self._device = next(model.parameters()).device
+        if self.offload:
+            self._move_params(torch.device("cpu"))
+
+    def _move_params(self, device: torch.device) -> None:
+        for p in self.module.parameters():
+            if p.device != device:
+                p.data = p.data.to(device, non_blocking=True).pin_memory() if device.type == "cpu" and \
+                    torch.cuda.is_available() else p.data.to(device, non_blocking=True)
+
+    @contextlib.contextmanager
+    def resident(self):
+        """Parameters on the compute device for the block (a no-op unless the worker offloads them)."""
+        if self.offload:
+            self._move_params(self._device)
+        try:
+            yield
+        finally:
+            if self.offload:
+                self._move_params(torch.device("cpu"))
 
     def _wrap_for_training(self, model, optim: OptimSettings):
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
@@ -165,11 +187,13 @@ class MegatronWorker:
 
     def sum_over_dp(self, values: dict[str, float]) -> dict[str, float]:
         """Sum scalar metrics over the DP group (after bringing them from the last stage)."""
+        lay = self.layout
+        if lay.pp > 1:  # only the last stage has them (other stages pass {})
+            box = [values]
+            dist.broadcast_object_list(box, src=lay.group_ranks("pp")[-1], group=lay.pp_group)
+            values = box[0]
         keys = sorted(values)
         t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-        lay = self.layout
-        if lay.pp > 1:
-            dist.broadcast(t, src=lay.group_ranks("pp")[-1], group=lay.pp_group)
         if lay.dp > 1:
             dist.all_reduce(t, group=lay.dp_group)
         return dict(zip(keys, t.tolist()))

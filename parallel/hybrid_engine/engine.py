@@ -99,8 +99,7 @@ class HybridEngine:
     def rollout(self, model: torch.nn.Module, rollout_engine) -> Iterator[dict[str, torch.Tensor]]:
         """Reshard into `rollout_engine`, yield, then release the rollout copy and the engine's memory."""
         gen = self.to_rollout(model)
-        rollout_engine.resume_memory()
-        rollout_engine.load_weights(gen)
+        rollout_engine.load_weights(gen)  # the embedded engine adopts these tensors; SGLang copies them in
         try:
             yield gen
         finally:
