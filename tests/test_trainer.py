@@ -42,7 +42,8 @@ def _export(ckpt, out):
 
 
 GREEDY = ["actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.n=1",
-          "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.response_length=6"]
+          "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+          "actor_rollout_ref.rollout.response_length=6"]
 
 
 @pytest.mark.dist
