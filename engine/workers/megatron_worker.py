@@ -35,14 +35,11 @@ class OptimSettings:
 
 
 def _bypass_output_layer(model) -> None:
-    """Make GPTModel return hidden states [b, s, h]; remember the LM-head weight it was called with."""
-    head = model.output_layer
-
+    """Make GPTModel return hidden states [b, s, h] (the LM head is applied by the fused log-prob kernel)."""
     def forward(hidden, weight=None, runtime_gather_output=None):
-        head.tripod_lm_weight = weight if weight is not None else head.weight
         return hidden, None
 
-    head.forward = forward
+    model.output_layer.forward = forward
 
 
 class MegatronWorker:
@@ -158,7 +155,8 @@ class MegatronWorker:
 
         pos = mb.response_positions()
         hidden = output.gather(1, pos[..., None].expand(-1, -1, output.shape[-1]))
-        weight = self.module.output_layer.tripod_lm_weight
+        m = self.module  # the weight GPTModel's output layer would use (tied: the embedding, or its last-stage copy)
+        weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else m.output_layer.weight
         return logprobs_from_hidden(hidden, weight, mb["responses"], temperature=temperature,
                                     tp_group=self.layout.tp_group if self.layout.tp > 1 else None,
                                     with_entropy=with_entropy, vocab_size=self.arch.vocab_size)

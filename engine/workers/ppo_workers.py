@@ -23,6 +23,14 @@ def _microbatches(batch: PPOBatch, micro: int) -> list[PPOBatch]:
     return [batch.select(s) for s in split_rows(n, n // micro)]
 
 
+def _split_mini_batch(worker: MegatronWorker, mini: PPOBatch, cfg):
+    """(this rank's micro-batches, global loss normaliser, global token count, loss scale) of a mini-batch."""
+    mask = mini["response_mask"]
+    mine = mini.select(worker.dp_rows(mini.size))
+    micro = _microbatches(mine, cfg.ppo_micro_batch_size_per_gpu or mine.size)
+    return micro, agg_norm(mask, cfg.loss_agg_mode), mask.sum().clamp(min=1), len(micro) * worker.layout.dp
+
+
 def _mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
     keys = dicts[0].keys() if dicts else []
     return {k: sum(d[k] for d in dicts) / len(dicts) for k in keys}
@@ -82,12 +90,8 @@ class PolicyWorker(MegatronWorker):
         return out
 
     def _update_mini_batch(self, mini: PPOBatch, cfg, temperature: float) -> dict[str, float]:
-        agg, mask_all = cfg.loss_agg_mode, mini["response_mask"]
-        norm = agg_norm(mask_all, agg)
-        tokens = mask_all.sum().clamp(min=1)
-        mine = mini.select(self.dp_rows(mini.size))
-        micro = _microbatches(mine, cfg.ppo_micro_batch_size_per_gpu or mine.size)
-        scale = len(micro) * self.layout.dp
+        agg = cfg.loss_agg_mode
+        micro, norm, tokens, scale = _split_mini_batch(self, mini, cfg)
         need_entropy = True  # logged always; cheap next to the forward
 
         def loss_fn(output, mb):
@@ -140,12 +144,8 @@ class CriticWorker(MegatronWorker):
         return out
 
     def _update_mini_batch(self, mini: PPOBatch, cfg) -> dict[str, float]:
-        agg, mask_all = cfg.loss_agg_mode, mini["response_mask"]
-        norm = agg_norm(mask_all, agg)
-        tokens = mask_all.sum().clamp(min=1)
-        mine = mini.select(self.dp_rows(mini.size))
-        micro = _microbatches(mine, cfg.ppo_micro_batch_size_per_gpu or mine.size)
-        scale = len(micro) * self.layout.dp
+        agg = cfg.loss_agg_mode
+        micro, norm, tokens, scale = _split_mini_batch(self, mini, cfg)
 
         def loss_fn(output, mb):
             mask = mb["response_mask"]
