@@ -65,6 +65,10 @@ class PPOTrainer:
         self.rewards = RewardPool(cfg.reward_model.num_workers, cfg.reward_model.timeout_s,
                                   cfg.reward_model.use_ray, data_sources=sources) if self.rank == 0 else None
 
+        for key, m in (("actor_rollout_ref.actor", actor_cfg), ("critic", cfg.critic)):
+            if m.use_dynamic_bsz and m.megatron.pipeline_model_parallel_size > 1:
+                raise ValueError(f"{key}.use_dynamic_bsz=true needs {key}.megatron.pipeline_model_parallel_size=1 "
+                                 "(megatron's pipeline schedule sends fixed-shape micro-batches); turn one off")
         algo = cfg.algorithm
         self.use_critic = algo.adv_estimator in CRITIC_ESTIMATORS
         self.use_ref = algo.use_kl_in_reward or actor_cfg.use_kl_loss

@@ -27,10 +27,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no_negative", action="store_true", help="only problems with a non-negative answer")
     parser.add_argument("--instruction", default=INSTRUCTION, help="appended to every question")
     parser.add_argument("--seed", type=int, default=0, help="the test split uses seed + 1")
+    parser.add_argument("--train_format_score", type=float, default=0.0,
+                        help="reward for a well-formed wrong answer in the train split (test is exact match)")
     args = parser.parse_args(argv)
     common = dict(min_digits=args.min_digits, max_digits=args.max_digits, ops=args.ops,
                   num_operands=args.num_operands, allow_negative=not args.no_negative, instruction=args.instruction)
-    train = make_arithmetic_rows(args.train_count, seed=args.seed, split="train", **common)
+    train = make_arithmetic_rows(args.train_count, seed=args.seed, split="train",
+                                 format_score=args.train_format_score, **common)
     test = make_arithmetic_rows(args.test_count, seed=args.seed + 1, split="test", **common)
     seen = {r["extra_info"]["expression"] for r in train}
     overlap = sum(r["extra_info"]["expression"] in seen for r in test)

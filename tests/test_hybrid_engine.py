@@ -32,3 +32,17 @@ def test_round_trip_around_a_megatron_actor(tmp_path, rollout_tp):
     hf = make_tiny_hf_model(tmp_path, "qwen2", vocab_size=128)
     out = run_torchrun("hybrid_actor_roundtrip.py", 4, hf, rollout_tp).stdout
     assert f"OK rollout_tp={rollout_tp}" in out
+
+
+def test_tripod_plan_prints_groups_and_bytes(tmp_path, capsys):
+    from engine.cli import main
+    hf = make_tiny_hf_model(tmp_path, "qwen2")
+    args = ["plan", "recipes/defaults.yaml", f"actor_rollout_ref.model.path={hf}", "trainer.n_gpus_per_node=4",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "--bucket-mb", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "micro-DP groups   [[0, 2], [1, 3]]" in out and "rollout TP groups [[0, 1], [2, 3]]" in out
+    assert main(args[:-3] + ["actor_rollout_ref.rollout.tensor_model_parallel_size=4"]) == 2
+    assert "must divide" in capsys.readouterr().err

@@ -48,15 +48,17 @@ GREEDY = ["actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollou
 
 @pytest.mark.dist
 def test_layouts_give_the_same_training(tmp_path):
-    """3 PPO steps at (TP,PP,DP) = (1,1,1), (2,2,1), (1,2,2): same losses, grad norms, rollouts and weights."""
+    """3 PPO steps at (TP,PP,DP) = (1,1,1), (2,2,1), (1,2,2), and with token-budget micro-batches: same losses,
+    grad norms, rollouts and weights."""
     setup = make_ppo_setup(tmp_path)
     runs = {}
-    for tp, pp, world in ((1, 1, 1), (2, 2, 4), (1, 2, 4)):
-        run_dir = str(tmp_path / f"run_tp{tp}pp{pp}w{world}")
-        proc = _train(tiny_overrides(setup, run_dir, world=world, tp=tp, pp=pp, steps=3) + GREEDY)
+    dynamic = ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=60"]
+    for tp, pp, world, extra in ((1, 1, 1, []), (2, 2, 4, []), (1, 2, 4, []), (1, 1, 1, dynamic)):
+        run_dir = str(tmp_path / f"run_tp{tp}pp{pp}w{world}{'dyn' if extra else ''}")
+        proc = _train(tiny_overrides(setup, run_dir, world=world, tp=tp, pp=pp, steps=3) + GREEDY + extra)
         assert proc.returncode == 0, proc.stdout[-5000:]
-        runs[(tp, pp, world)] = (run_dir, _metrics(run_dir))
-    base_dir, base = runs[(1, 1, 1)]
+        runs[(tp, pp, world, bool(extra))] = (run_dir, _metrics(run_dir))
+    base_dir, base = runs[(1, 1, 1, False)]
     base_w = _export(os.path.join(base_dir, "checkpoints", "global_step_3", "actor"), str(tmp_path / "hf_base"))
     for key, (run_dir, metrics) in runs.items():
         assert [m["step"] for m in metrics] == [0, 1, 2, 3]
@@ -64,7 +66,7 @@ def test_layouts_give_the_same_training(tmp_path):
             for k in COMPARED:
                 if k in want:
                     assert got[k] == pytest.approx(want[k], abs=1e-5, rel=1e-5), (key, want["step"], k)
-        if key != (1, 1, 1):
+        if key != (1, 1, 1, False):
             weights = _export(os.path.join(run_dir, "checkpoints", "global_step_3", "actor"),
                               str(tmp_path / f"hf_{key}"))
             assert weights.keys() == base_w.keys()

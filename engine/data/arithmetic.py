@@ -57,7 +57,8 @@ def _evaluate(values: list[int], ops: list[str]) -> int | None:
 
 def make_arithmetic_rows(count: int, seed: int = 0, min_digits: int = 1, max_digits: int = 2,
                          ops: Sequence[str] = ("+", "-"), num_operands: int = 2, allow_negative: bool = True,
-                         instruction: str = INSTRUCTION, split: str = "train") -> list[dict[str, Any]]:
+                         instruction: str = INSTRUCTION, split: str = "train",
+                         format_score: float = 0.0) -> list[dict[str, Any]]:
     """`count` problems as parquet rows (prompt, data_source, ability, reward_model, extra_info)."""
     if count < 1:
         raise ValueError(f"count={count} must be >= 1")
@@ -78,6 +79,7 @@ def make_arithmetic_rows(count: int, seed: int = 0, min_digits: int = 1, max_dig
             "prompt": [{"role": "user", "content": f"{question} {instruction}"}],
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": str(value)},
-            "extra_info": {"split": split, "index": index, "question": question, "expression": expression},
+            "extra_info": {"split": split, "index": index, "question": question, "expression": expression,
+                           "format_score": float(format_score)},
         })
     return rows

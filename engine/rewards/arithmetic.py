@@ -28,4 +28,5 @@ def compute_score(solution_str: str, ground_truth: str, format_score: float = 0.
 
 @register_reward("arithmetic")
 def arithmetic_reward(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
-    return compute_score(solution_str, ground_truth)
+    """Exact-match score; a sample's `extra_info.format_score` (default 0) credits a well-formed wrong answer."""
+    return compute_score(solution_str, ground_truth, format_score=float((extra_info or {}).get("format_score", 0.0)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.algorithms import agg_norm, entropy_loss, kl_loss, masked_mean, policy_loss, value_loss
+from engine.data.batching import split_by_token_budget
 from engine.workers.batch import PPOBatch, split_rows
 from engine.workers.megatron_worker import MegatronWorker
 
@@ -27,7 +28,11 @@ def _split_mini_batch(worker: MegatronWorker, mini: PPOBatch, cfg):
     """(this rank's micro-batches, global loss normaliser, global token count, loss scale) of a mini-batch."""
     mask = mini["response_mask"]
     mine = mini.select(worker.dp_rows(mini.size))
-    micro = _microbatches(mine, cfg.ppo_micro_batch_size_per_gpu or mine.size)
+    if cfg.use_dynamic_bsz:  # balanced micro-batches under a token budget instead of a fixed row count
+        lens = mine["attention_mask"].sum(-1).tolist()
+        micro = [mine.select(rows).trimmed() for rows in split_by_token_budget(lens, cfg.ppo_max_token_len_per_gpu)]
+    else:
+        micro = _microbatches(mine, cfg.ppo_micro_batch_size_per_gpu or mine.size)
     return micro, agg_norm(mask, cfg.loss_agg_mode), mask.sum().clamp(min=1), len(micro) * worker.layout.dp
 
 

