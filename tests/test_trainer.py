@@ -52,7 +52,7 @@ def test_layouts_give_the_same_training(tmp_path):
     grad norms, rollouts and weights."""
     setup = make_ppo_setup(tmp_path)
     runs = {}
-    dynamic = ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=60"]
+    dynamic = ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=70"]
     for tp, pp, world, extra in ((1, 1, 1, []), (2, 2, 4, []), (1, 2, 4, []), (1, 1, 1, dynamic)):
         run_dir = str(tmp_path / f"run_tp{tp}pp{pp}w{world}{'dyn' if extra else ''}")
         proc = _train(tiny_overrides(setup, run_dir, world=world, tp=tp, pp=pp, steps=3) + GREEDY + extra)
