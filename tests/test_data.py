@@ -16,7 +16,7 @@ from engine.data import (PromptDataLoader, PromptDataset, make_arithmetic_rows, 
 from engine.rewards import check_data_sources, get_reward_fn
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GSM8K_DIR = "/work/shared/data/gsm8k"
+GSM8K_DIR = os.path.join(REPO, "..", "shared", "data", "gsm8k")  # ../shared beside the checkout
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 

@@ -10,7 +10,8 @@ import pytest
 from engine.rewards import RewardPool, check_data_sources, get_reward_fn, register_reward, registered_data_sources
 from engine.rewards import arithmetic, gsm8k
 
-GSM8K_TEST = "/work/shared/data/gsm8k/test.jsonl"
+GSM8K_TEST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data",
+                          "gsm8k", "test.jsonl")  # ../shared beside the checkout (CI lays a copy there)
 
 
 # ------------------------------------------------------------------------------------------------ GSM8K rules
