@@ -8,7 +8,10 @@ So tool/observation tokens inside a multi-turn response do not break the chain, 
 on masked tokens are ignored. returns = A + V at every position; advantages at masked positions
 hold the carried value (callers mask them). This is verl's multi-turn GAE, unwhitened.
 
-Torch twin (CPU and reference): a blocked scan with no per-token Python loop. Inside a block of
+Torch twin (CPU and reference): GAE's pairs have b_t in {gamma*lam, 1}, so `scan_counted` turns each block of the
+recurrence into one float64 suffix sum weighted by powers of gamma*lam, with a carry between blocks (the fast path);
+`reverse_linear_scan` solves the general recurrence (any b, including b = 0) as a blocked scan with no per-token
+Python loop. Inside a block of
 C tokens, A = L a + tail * carry with L[t, s] = prod_{k=t}^{s-1} b_k built by a cumulative
 *product* (never a quotient of prefix products, so b = 0 and long spans of gamma*lam < 1 neither
 divide by zero nor overflow; they underflow to 0 exactly as the true product does). The block
@@ -18,6 +21,8 @@ Triton (CUDA): one program per row walks the row back to front in blocks, each b
 Optional KL reward shaping r_t - kl_coef * kl(logp_t, ref_logp_t) is fused into the same pass.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -56,6 +61,35 @@ def reverse_linear_scan(a: torch.Tensor, b: torch.Tensor, block: int = SCAN_BLOC
     return local.reshape(B, n_blocks * block)[:, :T]
 
 
+def scan_counted(a: torch.Tensor, counted: torch.Tensor, c: float, block: int = 256) -> torch.Tensor:
+    """`reverse_linear_scan` for GAE's pairs: b_t = c at counted tokens, 1 elsewhere (where a_t = 0).
+
+    Inside a block, prod_{k=t}^{s-1} b_k = c^(k_s - k_t) with k_t the counted tokens before t, so
+    A_t = c^-k_t * sum_{s>=t} a_s c^k_s: one suffix sum in float64, blocks short enough that c^k stays far from
+    float64's range (c^-k_t <= 1e260), then a carry from block to block (T / block steps).
+    """
+    B, T = a.shape
+    if not c > 0.0:  # gamma*lam == 0: no powers to take; the general scan handles b = 0 exactly
+        b = torch.where(counted, torch.full_like(a, c), torch.ones_like(a))
+        return reverse_linear_scan(a, b)
+    log_c = math.log(c)
+    if log_c != 0.0:
+        block = max(1, min(block, int(600.0 / abs(log_c))))
+    a64, cnt = a.to(torch.float64), counted.to(torch.float64)
+    out = torch.empty_like(a64)
+    carry = a64.new_zeros(B, 1)
+    for end in range(T, 0, -block):
+        start = max(0, end - block)
+        cb = cnt[:, start:end]
+        k = torch.cumsum(cb, 1) - cb
+        w = torch.exp(k * log_c)
+        suffix = torch.flip(torch.cumsum(torch.flip(a64[:, start:end] * w, [1]), 1), [1])
+        local = suffix / w + torch.exp((cb.sum(1, keepdim=True) - k) * log_c) * carry
+        out[:, start:end] = local
+        carry = local[:, :1]
+    return out.to(a.dtype)
+
+
 def next_counted_values(values: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
     """V_next(t): the value at the first counted position strictly after t (0 if there is none)."""
     B, T = values.shape
@@ -75,8 +109,7 @@ def gae_torch(token_rewards, values, mask, gamma, lam, logp=None, ref_logp=None,
     counted = mask.bool()
     delta = rewards + gamma * next_counted_values(values, counted) - values
     a = torch.where(counted, delta, torch.zeros_like(delta))
-    b = torch.where(counted, torch.full_like(delta, gamma * lam), torch.ones_like(delta))
-    advantages = reverse_linear_scan(a, b)
+    advantages = scan_counted(a, counted, gamma * lam)
     return advantages, advantages + values
 
 
