@@ -10,14 +10,13 @@ critic entirely; the reference model is only built when a KL term needs it.
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
 from engine.algorithms import apply_kl_penalty, build_kl_controller, compute_advantage, masked_mean
 from engine.checkpoints import CheckpointManager
-from engine.config import TripodConfig, data_parallel_size, save_resolved_config
+from engine.config import TripodConfig, save_resolved_config
 from engine.data import PromptBatch, PromptDataLoader, PromptDataset
 from engine.logging import Timer, Tracker
 from engine.perf import PerfCounter

@@ -18,7 +18,6 @@ import dataclasses
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from parallel.arch import ModelArch

@@ -167,10 +167,10 @@ def bench_gpu(quick: bool) -> dict:
     import kernels
     dev, n = "cuda", (1 << 20) if quick else (1 << 24)
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    ceil_tflops = 2 * 8192 ** 3 / cuda_time(lambda: a @ a) / 1e12
+    ceil_tflops = 2 * 8192 ** 3 / cuda_time(lambda a=a: a @ a) / 1e12
     src = torch.randn(1 << 28, device=dev)
     dst = torch.empty_like(src)
-    ceil_gbs = 2 * src.numel() * 4 / cuda_time(lambda: dst.copy_(src)) / 1e9
+    ceil_gbs = 2 * src.numel() * 4 / cuda_time(lambda src=src, dst=dst: dst.copy_(src)) / 1e9
     del a, src, dst
     rows = []
     x = [torch.randn(8, n // 8, device=dev) * 0.1 for _ in range(3)]

@@ -14,7 +14,7 @@ log-probs with the training engine anyway; these are for diagnostics and mismatc
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
