@@ -24,6 +24,17 @@ def _microbatches(batch: PPOBatch, micro: int) -> list[PPOBatch]:
     return [batch.select(s) for s in split_rows(n, n // micro)]
 
 
+def _mini_batch_rows(batch: PPOBatch, mini_rows: int, shuffle: bool, epoch: int) -> list:
+    """Row sets of the mini-batches of one PPO epoch; with `shuffle`, a permutation every rank derives alike
+    (seeded by the batch's prompt ids and the epoch, so a resumed run shuffles the same way)."""
+    slices = split_rows(batch.size, batch.size // mini_rows)
+    if not shuffle:
+        return slices
+    seed = int(batch["index"].sum()) * 1009 + epoch
+    order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(seed))
+    return [order[s] for s in slices]
+
+
 def _split_mini_batch(worker: MegatronWorker, mini: PPOBatch, cfg):
     """(this rank's micro-batches, global loss normaliser, global token count, loss scale) of a mini-batch."""
     mask = mini["response_mask"]
@@ -77,8 +88,8 @@ class PolicyWorker(MegatronWorker):
         """PPO epochs over mini-batches of `cfg.ppo_mini_batch_size * n_samples` rows (verl semantics)."""
         mini_rows = cfg.ppo_mini_batch_size * n_samples
         per_step, grad_norms, stopped = [], [], False
-        for _ in range(cfg.ppo_epochs):
-            for rows in split_rows(batch.size, batch.size // mini_rows):
+        for epoch in range(cfg.ppo_epochs):
+            for rows in _mini_batch_rows(batch, mini_rows, cfg.shuffle, epoch):
                 mini = batch.select(rows)
                 metrics = self._update_mini_batch(mini, cfg, temperature)
                 grad_norms.append(self.step())
@@ -140,8 +151,8 @@ class CriticWorker(MegatronWorker):
     def update(self, batch: PPOBatch, cfg, n_samples: int) -> dict[str, float]:
         mini_rows = cfg.ppo_mini_batch_size * n_samples
         per_step, grad_norms = [], []
-        for _ in range(cfg.ppo_epochs):
-            for rows in split_rows(batch.size, batch.size // mini_rows):
+        for epoch in range(cfg.ppo_epochs):
+            for rows in _mini_batch_rows(batch, mini_rows, cfg.shuffle, epoch):
                 per_step.append(self._update_mini_batch(batch.select(rows), cfg))
                 grad_norms.append(self.step())
         out = _mean_dicts(per_step)
