@@ -44,11 +44,9 @@ def measure_peak_flops() -> float:
 def peak_memory_gb() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2 ** 30
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 2 ** 20
-    return 0.0
+    from parallel.hybrid_engine.memory import proc_status_kib
+
+    return proc_status_kib("VmHWM") / 2 ** 20
 
 
 class PerfCounter:

@@ -23,19 +23,13 @@ import torch
 import torch.distributed as dist
 
 from parallel.arch import ModelArch, arch_from_hf
-from parallel.convert import (TOKENIZER_FILES, family_names, load_hf_weights, padded_vocab_size,
+from parallel.convert import (TOKENIZER_FILES, family_names, load_hf_weights, padded_vocab_size, unwrap_model,
                               save_hf_checkpoint, write_hf_config)
 
 METADATA_FILE = "tripod_checkpoint.json"
 MODEL_SUBDIR = "model"
 HF_SUBDIR = "hf"
 FORMAT_VERSION = 1
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while not hasattr(model, "decoder") and hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def _check_world_layout(layout, what: str) -> None:
@@ -107,7 +101,7 @@ def save_model_checkpoint(model: torch.nn.Module, path: str | os.PathLike, arch:
     _check_world_layout(layout, "save_model_checkpoint")
     check_checkpoint_destination(path)  # every rank, on the same untouched directory
     path = os.fspath(path)
-    gpt = _unwrap(model)
+    gpt = unwrap_model(model)
     model_dir = os.path.join(path, MODEL_SUBDIR)
     dist.barrier()
     if dist.get_rank() == 0:
@@ -147,7 +141,7 @@ def load_model_checkpoint(model: torch.nn.Module, path: str | os.PathLike, layou
 
     _check_world_layout(layout, "load_model_checkpoint")
     meta = read_checkpoint_metadata(path)
-    gpt = _unwrap(model)
+    gpt = unwrap_model(model)
     value_head = bool(getattr(gpt, "tripod_value_head", False))
     if meta.get("value_head", False) != value_head:
         raise ValueError(f"{path}: checkpoint value_head={meta.get('value_head')} but the model has "

@@ -21,15 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from parallel.arch import ModelArch
+from parallel.convert import padded_vocab_size, unwrap_model
 from parallel.layout import ParallelLayout
-
-VOCAB_DIVISIBLE_BY = 128
-
-
-def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
-    """Vocab rounded up to a multiple of divisible_by * tp (megatron's make_vocab_size_divisible_by)."""
-    multiple = divisible_by * tp
-    return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
 def _transformer_engine_available() -> bool:
@@ -152,19 +145,13 @@ def causal_attention_mask(seq_len: int, attention_mask: torch.Tensor | None = No
     return causal | keys_padded
 
 
-def _unwrap(model):
-    while hasattr(model, "module") and not hasattr(model, "rotary_pos_emb"):
-        model = model.module
-    return model
-
-
 def run_forward_only(model, layout: ParallelLayout, microbatches: list[dict[str, torch.Tensor]],
                      output_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor] | None:
     """Forward each micro-batch (dicts with input_ids, position_ids, attention_mask [megatron mask])
     through megatron's pipeline schedule; returns the last stage's outputs (after `output_fn`), else None."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    inner = _unwrap(model)
+    inner = unwrap_model(model)
     config = inner.config
     b, s = microbatches[0]["input_ids"].shape
 
@@ -206,7 +193,7 @@ def forward_logits(model, layout: ParallelLayout, input_ids: torch.Tensor,
     a critic — and None on other stages. `attention_mask` is HF-style [b, s] (1 = real token).
     Every rank of the layout must call it with the same input_ids.
     """
-    inner = _unwrap(model)
+    inner = unwrap_model(model)
     arch: ModelArch = inner.tripod_arch
     b, s = input_ids.shape
     if position_ids is None:

@@ -25,6 +25,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from parallel.hybrid_engine.memory import proc_status_kib  # noqa: E402
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -76,14 +77,6 @@ def bench_gae(quick: bool) -> dict:
 
 
 # ----------------------------------------------------------------------------- log-probs
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _full_logits_loss(h, w, labels, g_logp, g_ent):
     """The path being replaced: materialise [tokens, vocab] logits, log_softmax, gather, entropy."""
     log_p = torch.log_softmax((h @ w.T).float(), dim=-1)
@@ -111,11 +104,11 @@ def logprobs_child(method: str, tokens: int, vocab: int, hidden: int, dtype: str
     g_logp, g_ent = torch.randn(tokens, generator=gen), torch.randn(tokens, generator=gen)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
-    base_kib = _rss_kib("VmRSS")
+    base_kib = proc_status_kib("VmRSS")
     start = time.perf_counter()
     loss_fn(h, w, labels, g_logp, g_ent).backward()
     elapsed = time.perf_counter() - start
-    peak_kib = _rss_kib("VmHWM")
+    peak_kib = proc_status_kib("VmHWM")
     return {"method": method, "seconds": elapsed, "peak_above_inputs_mib": (peak_kib - base_kib) / 1024,
             "peak_rss_mib": peak_kib / 1024, "input_and_param_mib": base_kib / 1024,
             "grad_norm_h": h.grad.float().norm().item()}

@@ -102,7 +102,7 @@ class SafetensorsReader:
 
 # ----------------------------------------------------------------------------- sharded models
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The GPTModel inside DDP / Float16Module-style wrappers."""
     while not hasattr(model, "decoder") and hasattr(model, "module"):
         model = model.module
@@ -111,7 +111,7 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 def global_param_names(model: torch.nn.Module) -> dict[str, str]:
     """This PP stage's local parameter names -> canonical names with the GLOBAL layer index."""
-    gpt = _unwrap(model)
+    gpt = unwrap_model(model)
     out = {}
     for local, _ in gpt.named_parameters():
         layer, suffix = split_layer_name(local)
@@ -136,7 +136,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike, arch: Mod
     names = family_names(arch)
     reader = SafetensorsReader(hf_dir)
     check_hf_names(arch, names, reader.names(), source=os.fspath(hf_dir))
-    gpt = _unwrap(model)
+    gpt = unwrap_model(model)
     params = dict(gpt.named_parameters())
     not_loaded = []
     with torch.no_grad():
@@ -170,7 +170,7 @@ def export_hf_weights(model: torch.nn.Module, arch: ModelArch, layout, *,
     with `to_all_ranks=True`; other ranks iterate and get nothing.
     """
     names = family_names(arch)
-    gpt = _unwrap(model)
+    gpt = unwrap_model(model)
     if getattr(gpt, "tripod_value_head", False):
         raise ValueError("export_hf_weights: a critic (value_head=True) has no HF causal-LM form; "
                          "keep it as a tripod checkpoint (parallel.checkpoint.save_model_checkpoint)")

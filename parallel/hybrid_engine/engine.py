@@ -18,16 +18,11 @@ from typing import Iterator
 import torch
 
 from parallel.arch import ModelArch
+from parallel.convert import unwrap_model
 from parallel.hybrid_engine.plan import ReshardPlan, build_reshard_plan
 from parallel.hybrid_engine.transport import MicroDPGather
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module"):  # megatron DDP / Float16Module wrappers
-        model = model.module
-    return model
 
 
 def train_shard_from_model(model: torch.nn.Module, layout, arch: ModelArch, plan: ReshardPlan) -> dict[str, torch.Tensor]:
@@ -35,7 +30,7 @@ def train_shard_from_model(model: torch.nn.Module, layout, arch: ModelArch, plan
     layers = layout.stage_layers(arch.num_layers)
     wanted = {s.name for s in plan.owned_specs(_global_rank())}
     shard = {}
-    for name, p in _unwrap(model).named_parameters():
+    for name, p in unwrap_model(model).named_parameters():
         m = _LAYER.match(name)
         if m:
             name = f"decoder.layers.{layers[int(m.group(1))]}.{m.group(2)}"

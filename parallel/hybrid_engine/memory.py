@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 
-def _status_kib(field: str) -> int:
+def proc_status_kib(field: str) -> int:
+    """A `/proc/self/status` field in KiB (VmRSS, VmHWM, ...)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -58,6 +59,6 @@ def measure_peak_memory(device: torch.device | str = "cpu"):
     _release_free_heap()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    m.baseline_bytes = _status_kib("VmRSS") * 1024
+    m.baseline_bytes = proc_status_kib("VmRSS") * 1024
     yield m
-    m.peak_bytes = _status_kib("VmHWM") * 1024
+    m.peak_bytes = proc_status_kib("VmHWM") * 1024

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from parallel.arch import ModelArch
+from parallel.convert.common import padded_vocab_size
 
 # How a megatron parameter is split over TP (see parallel/convert/ for the same rules applied to full tensors).
 ROW, COL, SWIGLU, REPLICATED = "row", "col", "swiglu", "replicated"
@@ -31,11 +32,6 @@ ROW, COL, SWIGLU, REPLICATED = "row", "col", "swiglu", "replicated"
 
 class ReshardPlanError(ValueError):
     """An unsupported or inconsistent training -> rollout layout pair (raised before any weight moves)."""
-
-
-def padded_vocab(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
-    multiple = divisible_by * tp
-    return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
 def tp_rule(name: str) -> str:
@@ -62,7 +58,7 @@ class ParamSpec:
 def actor_param_specs(arch: ModelArch, tp: int, pp: int) -> list[ParamSpec]:
     """Every parameter the rollout needs, in megatron naming, with full (TP-unsplit, vocab-padded) shapes."""
     h, hd, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
-    v = padded_vocab(arch.vocab_size, tp)
+    v = padded_vocab_size(arch.vocab_size, tp)
     qkv_rows = (arch.num_heads + 2 * arch.num_kv_heads) * hd
     per_stage = arch.num_layers // pp
     specs = [ParamSpec("embedding.word_embeddings.weight", (v, h), 0, ROW)]
