@@ -2,8 +2,9 @@
 
 Every room that needs the shape of a model (Megatron model building, the weight converter, the
 embedded rollout engine, the resharding plan) reads it from `ModelArch`, so the HF config is parsed
-in exactly one place. Supported families: Llama and Qwen2/Qwen2.5 (RMSNorm, SwiGLU, RoPE with
-optional scaling, GQA, optional QKV bias, tied or untied embeddings).
+in exactly one place. Which HF `model_type`s are supported is the family registry's business
+(parallel/families/): built in are Llama and Qwen2/Qwen2.5 (RMSNorm, SwiGLU, RoPE with optional
+scaling, GQA, optional QKV bias, tied or untied embeddings).
 """
 from __future__ import annotations
 
@@ -13,9 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-# HF `model_type` -> tripod family name (each family has its own name map in parallel/convert/).
-SUPPORTED_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
 
 
 @dataclass(frozen=True)
@@ -80,12 +78,15 @@ def read_hf_config(path_or_dict: str | os.PathLike | dict) -> dict[str, Any]:
 
 def arch_from_hf(path_or_dict: str | os.PathLike | dict) -> ModelArch:
     """Parse and validate an HF config into a `ModelArch` (clear errors for unsupported models)."""
+    from parallel.families import family_for_model_type, supported_model_types
+
     cfg = read_hf_config(path_or_dict)
     model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    family = family_for_model_type(model_type)
+    if family is None:
         raise ValueError(f"config.json model_type={model_type!r} (architectures={cfg.get('architectures')}) "
-                         f"is not supported; tripod converts {sorted(SUPPORTED_MODEL_TYPES)}. "
-                         "Add a name map in parallel/convert/ for a new family.")
+                         f"is not supported; tripod converts {supported_model_types()}. "
+                         "Add a FamilySpec in parallel/families/ for a new family (docs/extending.md).")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"config.json hidden_act={act!r}: only SwiGLU ('silu') MLPs are supported")
@@ -96,14 +97,11 @@ def arch_from_hf(path_or_dict: str | os.PathLike | dict) -> ModelArch:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    if model_type == "qwen2":
-        qkv_bias = True
-    else:
-        qkv_bias = bool(cfg.get("attention_bias", False))
+    qkv_bias = family.qkv_bias(cfg)
     if cfg.get("mlp_bias"):
         raise ValueError("config.json mlp_bias=true is not supported (Llama/Qwen2 MLPs have no bias)")
     return ModelArch(
-        family=SUPPORTED_MODEL_TYPES[model_type],
+        family=family.name,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         num_layers=cfg["num_hidden_layers"],

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.arch import ModelArch, arch_from_hf
-from parallel.convert import (TOKENIZER_FILES, family_names, load_hf_weights, padded_vocab_size, unwrap_model,
+from parallel.convert import (TOKENIZER_FILES, family_of, load_hf_weights, padded_vocab_size, unwrap_model,
                               save_hf_checkpoint, write_hf_config)
 
 METADATA_FILE = "tripod_checkpoint.json"
@@ -178,7 +178,7 @@ def convert_hf_to_checkpoint(hf_dir: str | os.PathLike, out_dir: str | os.PathLi
     from parallel.model import build_gpt_model
 
     arch = arch_from_hf(hf_dir)
-    family_names(arch)
+    family_of(arch)
     layout = _layout_for(tp, pp, "convert")
     model = build_gpt_model(arch, layout)
     load_hf_weights(model, hf_dir, arch, layout)

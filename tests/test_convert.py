@@ -9,8 +9,12 @@ import torch
 import transformers
 
 from parallel.arch import arch_from_hf
-from parallel.convert import (canonical_names, full_shape, hf_to_megatron, megatron_to_hf, pad_vocab,
-                              padded_vocab_size, tp_merge, tp_slice, unpad_vocab)
+from parallel.convert import (canonical_names, family_of, hf_to_megatron, megatron_to_hf, pad_vocab,
+                              padded_vocab_size, unpad_vocab)
+
+
+def tp_shard(arch, name, full, tp, rank):
+    return family_of(arch).shard(arch, name, full, tp, rank)
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=8, num_key_value_heads=4, head_dim=16, max_position_embeddings=64)
@@ -50,14 +54,14 @@ def test_round_trip_every_tp_bit_exact(variant):
     full = hf_to_megatron(arch, hf_state)
     assert list(full) == canonical_names(arch)
     for name, t in full.items():
-        assert tuple(t.shape) == full_shape(arch, name), name
+        assert tuple(t.shape) == family_of(arch).shape(arch, name), name
     for tp in (1, 2, 4):
         rebuilt: dict[str, torch.Tensor] = {}
         for name, t in full.items():
-            shards = [tp_slice(arch, name, t, tp, r) for r in range(tp)]
+            shards = [tp_shard(arch, name, t, tp, r) for r in range(tp)]
             if name.endswith("word_embeddings.weight") or name == "output_layer.weight":
                 assert all(s.shape[0] == padded_vocab_size(arch.vocab_size, tp) // tp for s in shards)
-            merged = tp_merge(arch, name, shards)
+            merged = family_of(arch).merge(arch, name, shards)
             for hf_name, tensor in megatron_to_hf(arch, name, merged):
                 assert hf_name not in rebuilt
                 rebuilt[hf_name] = tensor
@@ -91,14 +95,14 @@ def test_layout_contract_qkv_fc1_vocab():
         assert torch.equal(qkv_b[v_rows], hf[pre + "v_proj.bias"][g * hd:(g + 1) * hd])
     # TP shard r holds whole KV groups r*nkv/t ... and fc1 shard = [gate chunk r, up chunk r]
     tp = 2
-    shard = tp_slice(arch, "decoder.layers.1.self_attention.linear_qkv.weight", qkv_w, tp, 1)
+    shard = tp_shard(arch, "decoder.layers.1.self_attention.linear_qkv.weight", qkv_w, tp, 1)
     assert torch.equal(shard, qkv_w[(nkv // tp) * group_rows:])
     gate, up = hf["model.layers.0.mlp.gate_proj.weight"], hf["model.layers.0.mlp.up_proj.weight"]
     f = arch.ffn_hidden_size // tp
-    fc1 = tp_slice(arch, "decoder.layers.0.mlp.linear_fc1.weight",
+    fc1 = tp_shard(arch, "decoder.layers.0.mlp.linear_fc1.weight",
                    full["decoder.layers.0.mlp.linear_fc1.weight"], tp, 1)
     assert torch.equal(fc1, torch.cat([gate[f:], up[f:]]))
-    proj = tp_slice(arch, "decoder.layers.0.self_attention.linear_proj.weight",
+    proj = tp_shard(arch, "decoder.layers.0.self_attention.linear_proj.weight",
                     full["decoder.layers.0.self_attention.linear_proj.weight"], tp, 0)
     assert torch.equal(proj, hf["model.layers.0.self_attn.o_proj.weight"][:, : arch.num_heads * hd // tp])
     # vocab: padded to a multiple of 128*tp with zero rows; the shard boundary is in the padded space
@@ -107,11 +111,11 @@ def test_layout_contract_qkv_fc1_vocab():
     padded = pad_vocab(arch, emb, 2)
     assert padded.shape == (512, arch.hidden_size) and torch.count_nonzero(padded[300:]) == 0
     assert torch.equal(unpad_vocab(arch, padded), emb)
-    emb_shard1 = tp_slice(arch, "embedding.word_embeddings.weight", emb, 2, 1)
+    emb_shard1 = tp_shard(arch, "embedding.word_embeddings.weight", emb, 2, 1)
     assert torch.equal(emb_shard1[:44], emb[256:]) and torch.count_nonzero(emb_shard1[44:]) == 0
     # layernorms replicated
     norm = full["decoder.final_layernorm.weight"]
-    assert torch.equal(tp_slice(arch, "decoder.final_layernorm.weight", norm, 4, 3), norm)
+    assert torch.equal(tp_shard(arch, "decoder.final_layernorm.weight", norm, 4, 3), norm)
 
 
 def test_missing_and_extra_tensors_are_listed():
@@ -140,7 +144,7 @@ def test_bad_tp_and_unsupported_configs():
     full = hf_to_megatron(arch, _hf_state(model))
     name = "decoder.layers.0.self_attention.linear_qkv.weight"
     with pytest.raises(ValueError, match="tensor_model_parallel_size=4 must divide .*num_key_value_heads=2"):
-        tp_slice(arch, name, full[name], 4, 0)
+        tp_shard(arch, name, full[name], 4, 0)
     with pytest.raises(ValueError, match="attention_bias=true"):
         hf_to_megatron(arch_from_hf({**model.config.to_dict(), "attention_bias": True}), {})
     with pytest.raises(ValueError, match="model_type='gpt2'.*not supported"):

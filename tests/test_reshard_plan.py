@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from parallel.arch import arch_from_hf
-from parallel.hybrid_engine.plan import REPLICATED, ReshardPlanError, build_reshard_plan, local_shape, segments_of
+from parallel.families import Split
+from parallel.hybrid_engine.plan import ReshardPlanError, build_reshard_plan, local_shape, segments_of
 
 
 def tiny_arch(**kw):
@@ -33,8 +34,8 @@ def test_plan_covers_every_generation_element_exactly_once(tp, pp, dp, tg, bucke
         cover = {n: torch.zeros(s, dtype=torch.int32) for n, s in shapes.items()}
         for spec in plan.owned_specs(rank):  # own pieces
             for seg in segments_of(spec, plan.train_coords(rank)[0] % k, k, tp):
-                cover[spec.name][seg.dst_slices] += 1 if spec.rule != REPLICATED else 0
-                if spec.rule == REPLICATED:
+                cover[spec.name][seg.dst_slices] += 1 if spec.rule != Split.REPLICATED else 0
+                if spec.rule == Split.REPLICATED:
                     cover[spec.name][seg.dst_slices] = 1
         for owner in plan.micro_dp_group_of(rank):
             if owner == rank:
@@ -43,7 +44,7 @@ def test_plan_covers_every_generation_element_exactly_once(tp, pp, dp, tg, bucke
                 assert b.numel * 4 <= max(bucket_bytes, 4 * max(s.numel // s.shape[0] for s in b.segments))
                 for seg in b.segments:
                     spec = next(s for s in plan.specs if s.name == seg.name)
-                    if spec.rule == REPLICATED:
+                    if spec.rule == Split.REPLICATED:
                         cover[seg.name][seg.dst_slices] = 1
                     else:
                         cover[seg.name][seg.dst_slices] += 1
@@ -56,7 +57,7 @@ def test_bytes_match_the_hybridflow_formula():
                      num_attention_heads=8, num_key_value_heads=4)
     for tp, pp, tg in [(2, 2, 2), (2, 2, 1), (4, 2, 2), (4, 2, 1), (2, 4, 1)]:
         plan = build_reshard_plan(arch, tp, pp, 1, tg)
-        replicated = sum(s.full_shape[0] for s in plan.specs if s.rule == REPLICATED) * 4
+        replicated = sum(s.global_shape[0] for s in plan.specs if s.rule == Split.REPLICATED) * 4
         m = plan.micro_dp_size
         got = [plan.bytes_received(rank) for rank in range(tp * pp)]
         for rank in range(tp * pp):
@@ -77,7 +78,7 @@ def test_generation_shapes_are_megatron_tp_slices():
     arch = tiny_arch()
     plan = build_reshard_plan(arch, 2, 2, 1, 1)
     for spec in plan.specs:
-        assert plan.generation_shapes()[spec.name] == local_shape(spec, 1) == spec.full_shape
+        assert plan.generation_shapes()[spec.name] == local_shape(spec, 1) == spec.global_shape
 
 
 @pytest.mark.parametrize("kw,msg", [

@@ -17,8 +17,17 @@ import torch.distributed as dist
 from engine.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutEngine, RolloutOutput, SamplingParams,
                                  tp_size_and_rank, validate_rollout_tp)
 from engine.rollout.sampling import sample_next_token
-from engine.rollout.tp_decoder import KVCache, TPDecoder
+from engine.rollout.tp_decoder import KVCache
 from parallel.arch import ModelArch
+from parallel.families import get_family
+
+
+def decoder_class(arch: ModelArch) -> type:
+    """The decoder class the family of `arch` names (`FamilySpec.rollout_decoder`, "module:Class")."""
+    import importlib
+
+    module, _, cls = get_family(arch.family).rollout_decoder.partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 class EmbeddedRolloutEngine(RolloutEngine):
@@ -31,7 +40,7 @@ class EmbeddedRolloutEngine(RolloutEngine):
         validate_rollout_tp(arch, self.tp_size)
         self.dtype, self.device = dtype, torch.device(device)
         self.pad_token_id = pad_token_id if pad_token_id is not None else self._default_pad_id(arch)
-        self.decoder = TPDecoder(arch, tp_group, self.tp_size, self.tp_rank)
+        self.decoder = decoder_class(arch)(arch, tp_group, self.tp_size, self.tp_rank)
         self._weights_loaded = False
         self._released_shapes: dict[str, torch.Size] | None = None
         self.kv_cache: KVCache | None = None

@@ -4,8 +4,8 @@ Layout: the TP group's first rank launches one `sglang.Engine(tp_size=tg, ...)`,
 scheduler processes on that group's tg GPUs (GPU ids base_gpu_id .. base_gpu_id + tg - 1; by default
 the first rank's current device). Every PPO step:
   resume_memory()  -> engine.resume_memory_occupation()         (needs enable_memory_saver=True)
-  load_weights(s)  -> each rank's TP slice is gathered to the first rank, merged (parallel.convert
-                      tp_merge), renamed to HF (parallel.convert.megatron_to_hf) and pushed in
+  load_weights(s)  -> each rank's TP slice is gathered to the first rank, merged (the family's
+                      FamilySpec.merge), renamed to HF (parallel.convert.megatron_to_hf) and pushed in
                       buckets through engine.update_weights_from_tensor; the last bucket flushes the
                       prefix cache (the old weights' KV entries are stale).
   generate(...)    -> first rank calls engine.generate(input_ids=..., return_logprob=True); the
@@ -108,14 +108,15 @@ class SGLangRolloutEngine(RolloutEngine):
     # ---- weights --------------------------------------------------------------------------------
     def _gather_full(self, name: str, local: torch.Tensor) -> torch.Tensor | None:
         """The canonical full tensor `name` on the first rank (None elsewhere), from every rank's slice."""
-        from parallel.convert import tp_merge
+        from parallel.convert import family_of
 
+        family = family_of(self.arch)
         local = local.contiguous()
         if self.tp_size == 1:
-            return tp_merge(self.arch, name, [local])
+            return family.merge(self.arch, name, [local])
         parts = [torch.empty_like(local) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
         dist.gather(local, parts, group=self.tp_group, group_dst=0)
-        return tp_merge(self.arch, name, parts) if self.tp_rank == 0 else None
+        return family.merge(self.arch, name, parts) if self.tp_rank == 0 else None
 
     def load_weights(self, generation_shard: dict[str, torch.Tensor]) -> None:
         from parallel.convert import canonical_names, megatron_to_hf

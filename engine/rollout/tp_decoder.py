@@ -1,7 +1,7 @@
 """The tensor-parallel Llama/Qwen2 decoder the embedded rollout engine runs, with a KV cache.
 
-It computes straight from a generation shard in megatron's layout (docs: the layout contract in
-parallel/convert/, mirrored in docs/rollout.md): column-parallel linear_qkv / linear_fc1 give each
+It computes straight from a generation shard in megatron's layout (the shapes and TP splits of every
+tensor come from the model family's table, parallel/families/; docs/rollout.md): column-parallel linear_qkv / linear_fc1 give each
 TP rank its own KV groups and its own slice of the FFN; row-parallel linear_proj / linear_fc2
 produce partial sums that are all-reduced over the TP group; the embedding and the LM head are
 vocab-parallel. Math follows the HF reference (RMSNorm in fp32, SwiGLU, RoPE from
@@ -17,36 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from parallel.arch import ModelArch
-
-
-def layer_param_names(i: int, qkv_bias: bool) -> list[str]:
-    p = f"decoder.layers.{i}."
-    names = [p + "input_layernorm.weight", p + "self_attention.linear_qkv.weight",
-             p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight",
-             p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
-    if qkv_bias:
-        names.append(p + "self_attention.linear_qkv.bias")
-    return names
-
-
-def expected_local_shapes(arch: ModelArch, tp_size: int, padded_vocab_local: int) -> dict[str, tuple[int, ...]]:
-    """Shape of every parameter of a TP=tp_size generation shard on one rank."""
-    H, hd = arch.hidden_size, arch.head_dim
-    nq, nkv, ffn = arch.num_heads // tp_size, arch.num_kv_heads // tp_size, arch.ffn_hidden_size // tp_size
-    qkv_rows = (nq + 2 * nkv) * hd
-    shapes: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (padded_vocab_local, H),
-                                          "decoder.final_layernorm.weight": (H,)}
-    if not arch.tie_word_embeddings:
-        shapes["output_layer.weight"] = (padded_vocab_local, H)
-    for i in range(arch.num_layers):
-        p = f"decoder.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (H,), p + "pre_mlp_layernorm.weight": (H,),
-                       p + "self_attention.linear_qkv.weight": (qkv_rows, H),
-                       p + "self_attention.linear_proj.weight": (H, nq * hd),
-                       p + "mlp.linear_fc1.weight": (2 * ffn, H), p + "mlp.linear_fc2.weight": (H, ffn)})
-        if arch.qkv_bias:
-            shapes[p + "self_attention.linear_qkv.bias"] = (qkv_rows,)
-    return shapes
+from parallel.families import get_family
 
 
 @dataclass
@@ -108,7 +79,7 @@ class TPDecoder:
         if vocab_local * self.tp_size < self.arch.vocab_size:
             raise ValueError(f"generation shard: embedding rows {vocab_local} x TP {self.tp_size} < "
                              f"vocab_size {self.arch.vocab_size}; was it resharded to rollout TP={self.tp_size}?")
-        want = expected_local_shapes(self.arch, self.tp_size, vocab_local)
+        want = get_family(self.arch.family).local_shapes(self.arch, self.tp_size, vocab_local * self.tp_size)
         missing = sorted(set(want) - set(shard))
         extra = sorted(set(shard) - set(want))
         if missing or extra:

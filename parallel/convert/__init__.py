@@ -3,7 +3,7 @@
 Pure tensors (no process groups; the layout contract is documented in common.py):
     hf_to_megatron(arch, hf_state) -> {global megatron name: full tensor}
     megatron_to_hf(arch, name, full) -> [(hf_name, tensor), ...]
-    tp_slice / tp_merge / pad_vocab / unpad_vocab / padded_vocab_size
+    family_of(arch).shard / .merge (TP split rules: parallel/families/), pad_vocab / unpad_vocab
 Sharded models (every rank of the model's layout calls these together):
     load_hf_weights(model, hf_dir, arch, layout)     lazy safetensors read -> this rank's TP/PP shard
     export_hf_weights(model, arch, layout)           -> Iterator[(hf_name, full tensor)], one at a time
@@ -20,24 +20,18 @@ import torch
 import torch.distributed as dist
 
 from parallel.arch import ModelArch
-from parallel.convert import llama, qwen2
-from parallel.convert.common import (EMBEDDING, FINAL_NORM, LAYER_PREFIX, OUTPUT_LAYER, FamilyNames,
-                                     check_hf_names, full_shape, fuse_to_megatron, hf_names_for,
-                                     hf_to_megatron_state, is_replicated, megatron_names, megatron_to_hf_tensor,
-                                     pad_vocab, padded_vocab_size, split_layer_name, tp_merge, tp_slice,
-                                     unpad_vocab)
-
-FAMILIES: dict[str, FamilyNames] = {"llama": llama.NAMES, "qwen2": qwen2.NAMES}
+from parallel.convert.common import (EMBEDDING, FINAL_NORM, LAYER_PREFIX, OUTPUT_LAYER, check_hf_names,
+                                     fuse_to_megatron, hf_names_for, hf_to_megatron_state, is_replicated,
+                                     megatron_names, megatron_to_hf_tensor, pad_vocab, padded_vocab_size,
+                                     split_layer_name, unpad_vocab)
+from parallel.families import FamilySpec, get_family
 
 
-def family_names(arch: ModelArch) -> FamilyNames:
-    """The name map of `arch.family`, after checking that tripod supports this exact config."""
-    if arch.family not in FAMILIES:
-        raise ValueError(f"model family {arch.family!r} has no name map; supported: {sorted(FAMILIES)} "
-                         "(add parallel/convert/<family>.py)")
-    names = FAMILIES[arch.family]
-    names.check_supported(arch)
-    return names
+def family_of(arch: ModelArch) -> FamilySpec:
+    """The registered family of `arch`, after checking that it supports this exact config."""
+    family = get_family(arch.family)
+    family.check_supported(arch)
+    return family
 
 
 def hf_to_megatron(arch: ModelArch, hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -45,17 +39,17 @@ def hf_to_megatron(arch: ModelArch, hf_state: Mapping[str, torch.Tensor]) -> dic
 
     Missing or unexpected HF tensors raise ValueError listing their names.
     """
-    return hf_to_megatron_state(arch, family_names(arch), hf_state)
+    return hf_to_megatron_state(arch, family_of(arch), hf_state)
 
 
 def megatron_to_hf(arch: ModelArch, name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """One canonical Megatron tensor (vocab padded or not) -> its HF tensors ([] for a tied output layer)."""
-    return megatron_to_hf_tensor(arch, family_names(arch), name, full)
+    return megatron_to_hf_tensor(arch, family_of(arch), name, full)
 
 
 def canonical_names(arch: ModelArch) -> list[str]:
     """All canonical Megatron names of `arch` in checkpoint order (global layer index)."""
-    return megatron_names(arch, family_names(arch))
+    return megatron_names(arch, family_of(arch))
 
 
 # Files copied next to exported weights so the directory is a complete HF model.
@@ -133,7 +127,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike, arch: Mod
     Reads only the tensors this rank needs (safetensors, lazily). Returns the names of model
     parameters that have no HF counterpart and were left as initialised (a critic's value head).
     """
-    names = family_names(arch)
+    names = family_of(arch)
     reader = SafetensorsReader(hf_dir)
     check_hf_names(arch, names, reader.names(), source=os.fspath(hf_dir))
     gpt = unwrap_model(model)
@@ -151,8 +145,8 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike, arch: Mod
             except KeyError as e:
                 raise ValueError(f"model parameter {local!r} (global {name!r}) has no HF counterpart: {e}; "
                                  "was the model built from this config.json?") from None
-            full = fuse_to_megatron(arch, source, [reader.get(h) for h in hf])
-            shard = tp_slice(arch, source, full, layout.tp, layout.tp_rank)
+            full = fuse_to_megatron(arch, names, source, [reader.get(h) for h in hf])
+            shard = names.shard(arch, source, full, layout.tp, layout.tp_rank)
             if shard.shape != param.shape:
                 raise ValueError(f"{'/'.join(hf)} -> {local}: shard shape {tuple(shard.shape)} != model "
                                  f"parameter shape {tuple(param.shape)} (TP{layout.tp} rank {layout.tp_rank}); "
@@ -169,7 +163,7 @@ def export_hf_weights(model: torch.nn.Module, arch: ModelArch, layout, *,
     lockstep). Tensors are yielded on TP rank 0 of PP stage 0 of each DP replica, or on every rank
     with `to_all_ranks=True`; other ranks iterate and get nothing.
     """
-    names = family_names(arch)
+    names = family_of(arch)
     gpt = unwrap_model(model)
     if getattr(gpt, "tripod_value_head", False):
         raise ValueError("export_hf_weights: a critic (value_head=True) has no HF causal-LM form; "
@@ -192,26 +186,26 @@ def export_hf_weights(model: torch.nn.Module, arch: ModelArch, layout, *,
         stage, full = owner[name], None
         if layout.pp_rank == stage:
             shard = local[name].detach().contiguous()
-            if layout.tp == 1 or is_replicated(name):
-                full = unpad_vocab(arch, shard) if name in (EMBEDDING, OUTPUT_LAYER) else shard
+            if layout.tp == 1 or is_replicated(arch, names, name):
+                full = names.merge(arch, name, [shard])
             elif to_all_ranks:
                 shards = [torch.empty_like(shard) for _ in range(layout.tp)]
                 dist.all_gather(shards, shard, group=layout.tp_group)
-                full = tp_merge(arch, name, shards)
+                full = names.merge(arch, name, shards)
             else:
                 shards = [torch.empty_like(shard) for _ in range(layout.tp)] if layout.tp_rank == 0 else None
                 dist.gather(shard, shards, dst=tp_ranks[0], group=layout.tp_group)
-                full = tp_merge(arch, name, shards) if layout.tp_rank == 0 else None
+                full = names.merge(arch, name, shards) if layout.tp_rank == 0 else None
         if layout.pp > 1 and (to_all_ranks or stage != 0):
-            full = _move_over_pp(arch, name, full, stage, dtype, layout, pp_ranks, to_all_ranks)
+            full = _move_over_pp(names.shape(arch, name), full, stage, dtype, layout, pp_ranks, to_all_ranks)
         if is_dst:
             yield from megatron_to_hf_tensor(arch, names, name, full)
 
 
-def _move_over_pp(arch, name, full, stage, dtype, layout, pp_ranks, to_all_ranks):
+def _move_over_pp(shape, full, stage, dtype, layout, pp_ranks, to_all_ranks):
     """Bring the owner stage's full tensor to stage 0 (TP rank 0 only) or to every stage."""
     if to_all_ranks:
-        buf = full.contiguous() if layout.pp_rank == stage else torch.empty(full_shape(arch, name), dtype=dtype)
+        buf = full.contiguous() if layout.pp_rank == stage else torch.empty(shape, dtype=dtype)
         dist.broadcast(buf, src=pp_ranks[stage], group=layout.pp_group)
         return buf
     if layout.tp_rank != 0:
@@ -220,7 +214,7 @@ def _move_over_pp(arch, name, full, stage, dtype, layout, pp_ranks, to_all_ranks
         dist.send(full.contiguous(), dst=pp_ranks[0], group=layout.pp_group)
         return None
     if layout.pp_rank == 0:
-        buf = torch.empty(full_shape(arch, name), dtype=dtype)
+        buf = torch.empty(shape, dtype=dtype)
         dist.recv(buf, src=pp_ranks[stage], group=layout.pp_group)
         return buf
     return None
@@ -306,7 +300,7 @@ def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArch, layout, out_dir:
 __all__ = [
     "load_hf_weights", "export_hf_weights", "save_hf_checkpoint", "write_hf_config", "SafetensorsReader",
     "global_param_names", "TOKENIZER_FILES",
-    "FAMILIES", "family_names", "hf_to_megatron", "megatron_to_hf", "canonical_names", "tp_slice",
-    "tp_merge", "pad_vocab", "unpad_vocab", "padded_vocab_size", "full_shape", "is_replicated",
+    "family_of", "hf_to_megatron", "megatron_to_hf", "canonical_names",
+    "pad_vocab", "unpad_vocab", "padded_vocab_size", "is_replicated",
     "split_layer_name", "check_hf_names", "hf_names_for", "EMBEDDING", "FINAL_NORM", "OUTPUT_LAYER",
 ]

@@ -24,66 +24,40 @@ from dataclasses import dataclass, field
 import torch
 
 from parallel.arch import ModelArch
-from parallel.convert.common import padded_vocab_size
-
-# How a megatron parameter is split over TP (see parallel/convert/ for the same rules applied to full tensors).
-ROW, COL, SWIGLU, REPLICATED = "row", "col", "swiglu", "replicated"
+from parallel.families import get_family
+from parallel.families.spec import Split, padded_vocab_size, subshard_segments
+from parallel.families.spec import local_shape as split_local_shape
 
 
 class ReshardPlanError(ValueError):
     """An unsupported or inconsistent training -> rollout layout pair (raised before any weight moves)."""
 
 
-def tp_rule(name: str) -> str:
-    """The TP partition rule of a megatron (local spec) parameter name."""
-    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")):
-        return ROW
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-        return COL
-    if name.endswith("linear_fc1.weight"):
-        return SWIGLU
-    if name.endswith(("layernorm.weight", "layernorm.bias")):
-        return REPLICATED
-    raise ReshardPlanError(f"no TP partition rule for parameter {name!r}")
-
-
 @dataclass(frozen=True)
 class ParamSpec:
-    name: str            # global megatron name (global layer index)
-    full_shape: tuple[int, ...]
-    stage: int           # PP stage holding it in the training layout
-    rule: str
+    name: str                   # global megatron name (global layer index)
+    global_shape: tuple[int, ...]  # megatron's TP-unsplit shape, vocab padded for the training TP size
+    stage: int                  # PP stage holding it in the training layout
+    rule: Split                 # its TP split, from the family's table
 
 
 def actor_param_specs(arch: ModelArch, tp: int, pp: int) -> list[ParamSpec]:
-    """Every parameter the rollout needs, in megatron naming, with full (TP-unsplit, vocab-padded) shapes."""
-    h, hd, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
-    v = padded_vocab_size(arch.vocab_size, tp)
-    qkv_rows = (arch.num_heads + 2 * arch.num_kv_heads) * hd
+    """Every parameter the rollout needs, in megatron naming, with global (TP-unsplit, vocab-padded) shapes."""
+    family = get_family(arch.family)
+    vocab_rows = padded_vocab_size(arch.vocab_size, tp)
     per_stage = arch.num_layers // pp
-    specs = [ParamSpec("embedding.word_embeddings.weight", (v, h), 0, ROW)]
-    for i in range(arch.num_layers):
-        s, pre = i // per_stage, f"decoder.layers.{i}."
-        layer = [("input_layernorm.weight", (h,)), ("self_attention.linear_qkv.weight", (qkv_rows, h))]
-        if arch.qkv_bias:
-            layer.append(("self_attention.linear_qkv.bias", (qkv_rows,)))
-        layer += [("self_attention.linear_proj.weight", (h, arch.num_heads * hd)),
-                  ("pre_mlp_layernorm.weight", (h,)), ("mlp.linear_fc1.weight", (2 * f, h)),
-                  ("mlp.linear_fc2.weight", (h, f))]
-        specs += [ParamSpec(pre + n, shape, s, tp_rule(n)) for n, shape in layer]
-    specs.append(ParamSpec("decoder.final_layernorm.weight", (h,), pp - 1, REPLICATED))
-    if not arch.tie_word_embeddings:
-        specs.append(ParamSpec("output_layer.weight", (v, h), pp - 1, ROW))
+    specs = []
+    for name, row in family.rows(arch).items():
+        if name.startswith("decoder.layers."):
+            stage = int(name.split(".")[2]) // per_stage
+        else:
+            stage = 0 if name == "embedding.word_embeddings.weight" else pp - 1
+        specs.append(ParamSpec(name, family.padded_shape(arch, name, vocab_rows), stage, row.tp))
     return specs
 
 
 def local_shape(spec: ParamSpec, tp: int) -> tuple[int, ...]:
-    shape = list(spec.full_shape)
-    if spec.rule in (ROW, SWIGLU):
-        shape[0] //= tp
-    elif spec.rule == COL:
-        shape[1] //= tp
-    return tuple(shape)
+    return split_local_shape(spec.rule, spec.global_shape, tp)
 
 
 @dataclass(frozen=True)
@@ -112,23 +86,8 @@ class Bucket:
 
 def segments_of(spec: ParamSpec, q: int, k: int, t: int) -> list[Segment]:
     """Where training TP-local index q (of the k training slices inside one generation slice) lands."""
-    shape = local_shape(spec, t)
-    full = tuple(slice(0, n) for n in shape)
-    if spec.rule == REPLICATED:
-        return [Segment(spec.name, full, full, shape)]
-    if spec.rule == ROW:
-        r = shape[0]
-        return [Segment(spec.name, full, (slice(q * r, (q + 1) * r),) + full[1:], shape)]
-    if spec.rule == COL:
-        c = shape[1]
-        return [Segment(spec.name, full, (full[0], slice(q * c, (q + 1) * c)), shape)]
-    # SWIGLU: the training slice is [gate_r; up_r]; the generation slice is [gate_j; up_j].
-    half = shape[0] // 2
-    half_shape = (half,) + shape[1:]
-    gen_half = half * k
-    return [Segment(spec.name, (slice(0, half), full[1]), (slice(q * half, (q + 1) * half), full[1]), half_shape),
-            Segment(spec.name, (slice(half, 2 * half), full[1]),
-                    (slice(gen_half + q * half, gen_half + (q + 1) * half), full[1]), half_shape)]
+    return [Segment(spec.name, src, dst, shape)
+            for src, dst, shape in subshard_segments(spec.rule, local_shape(spec, t), q, k)]
 
 
 def _split_rows(seg: Segment, max_numel: int) -> list[Segment]:
@@ -191,7 +150,7 @@ class ReshardPlan:
         return torch.empty((), dtype=self.dtype).element_size()
 
     def model_bytes(self) -> int:
-        return sum(_prod(s.full_shape) for s in self.specs) * self.elem_size()
+        return sum(_prod(s.global_shape) for s in self.specs) * self.elem_size()
 
     def generation_shard_bytes(self) -> int:
         return sum(_prod(s) for s in self.generation_shapes().values()) * self.elem_size()
@@ -286,7 +245,7 @@ def build_reshard_plan(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: i
         q = tp_rank % k
         segs = []
         for spec in specs:
-            if spec.stage != stage or (spec.rule == REPLICATED and q != 0):
+            if spec.stage != stage or (spec.rule is Split.REPLICATED and q != 0):
                 continue  # replicated params are sent once per stage, by its first TP rank in the group
             for seg in segments_of(spec, q, k, tp):
                 segs += _split_rows(seg, max_numel)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallel.hybrid_engine.plan import (COL, REPLICATED, ROW, SWIGLU, Bucket, ParamSpec, ReshardPlan, segments_of,
-                                         local_shape)
+from parallel.families.spec import Split, merge, shard
+from parallel.hybrid_engine.plan import Bucket, ParamSpec, ReshardPlan, local_shape, segments_of
 
 
 @dataclass
@@ -130,17 +130,17 @@ def naive_full_gather(plan: ReshardPlan, train_shard: dict[str, torch.Tensor], t
     for spec in plan.specs:
         if spec.stage == stage:
             local = train_shard[spec.name].contiguous()
-            if spec.rule == REPLICATED or t == 1:
+            if spec.rule is Split.REPLICATED or t == 1:
                 whole = local.clone()
             else:
                 parts = [torch.empty_like(local) for _ in range(t)]
                 dist.all_gather(parts, local, group=tp_group)
                 stats.collectives += 1
                 stats.bytes_received += (t - 1) * local.numel() * es
-                whole = _merge(spec, parts)
+                whole = merge(spec.rule, parts)
                 del parts
         else:
-            whole = torch.empty(spec.full_shape, dtype=plan.dtype, device=next(iter(train_shard.values())).device)
+            whole = torch.empty(spec.global_shape, dtype=plan.dtype, device=next(iter(train_shard.values())).device)
         if plan.pp > 1:
             dist.broadcast(whole, src=pp_ranks[spec.stage], group=pp_group)
             stats.collectives += 1
@@ -148,28 +148,7 @@ def naive_full_gather(plan: ReshardPlan, train_shard: dict[str, torch.Tensor], t
                 stats.bytes_received += whole.numel() * es
         full[spec.name] = whole
     j, tg = plan.rollout_tp_rank(me), plan.rollout_tp
-    gen = {spec.name: _slice(spec, full[spec.name], tg, j).clone() for spec in plan.specs}
+    gen = {spec.name: shard(spec.rule, full[spec.name], tg, j).clone() for spec in plan.specs}
     del full
     return gen
 
-
-def _merge(spec: ParamSpec, parts: list[torch.Tensor]) -> torch.Tensor:
-    if spec.rule == ROW:
-        return torch.cat(parts, 0)
-    if spec.rule == COL:
-        return torch.cat(parts, 1)
-    if spec.rule == SWIGLU:
-        halves = [p.chunk(2, 0) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
-    return parts[0]
-
-
-def _slice(spec: ParamSpec, full: torch.Tensor, tg: int, j: int) -> torch.Tensor:
-    if spec.rule == ROW:
-        return full.chunk(tg, 0)[j]
-    if spec.rule == COL:
-        return full.chunk(tg, 1)[j]
-    if spec.rule == SWIGLU:
-        gate, up = full.chunk(2, 0)
-        return torch.cat([gate.chunk(tg, 0)[j], up.chunk(tg, 0)[j]], 0)
-    return full

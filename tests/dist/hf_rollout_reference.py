@@ -3,7 +3,7 @@
 Shared by tests/test_rollout.py (in-process, TP=1) and tests/dist/tp2_rollout_check.py (torchrun).
 The references are `transformers` itself: `generate(do_sample=False)` for greedy tokens and a plain
 forward over prompt + response for the log-probs. Shards come from the converter
-(`parallel.convert.hf_to_megatron` + `tp_slice`), i.e. exactly what the resharder hands the engine.
+(`parallel.convert.hf_to_megatron` + `FamilySpec.shard`), i.e. exactly what the resharder hands the engine.
 """
 from __future__ import annotations
 
@@ -48,10 +48,10 @@ def load_hf(model_dir: str):
 
 def generation_shard(arch, hf_state: dict[str, torch.Tensor], tp_size: int, tp_rank: int) -> dict[str, torch.Tensor]:
     """This TP rank's generation shard {megatron name: TP slice} built by the converter."""
-    from parallel.convert import hf_to_megatron, tp_slice
+    from parallel.convert import family_of, hf_to_megatron
 
-    full = hf_to_megatron(arch, hf_state)
-    return {name: tp_slice(arch, name, t, tp_size, tp_rank) for name, t in full.items()}
+    full, family = hf_to_megatron(arch, hf_state), family_of(arch)
+    return {name: family.shard(arch, name, t, tp_size, tp_rank) for name, t in full.items()}
 
 
 def random_prompts(vocab_size: int, lengths: list[int], seed: int) -> list[list[int]]:

@@ -15,19 +15,21 @@ from utils import dist_worker
 
 
 def train_shard_from_full(plan, full, rank):
-    from parallel.convert import tp_slice
-    tp_rank = plan.train_coords(rank)[0]
-    return {s.name: tp_slice(plan.arch, s.name, full[s.name], plan.tp, tp_rank).clone() for s in plan.owned_specs(rank)}
+    from parallel.convert import family_of
+    tp_rank, family = plan.train_coords(rank)[0], family_of(plan.arch)
+    return {s.name: family.shard(plan.arch, s.name, full[s.name], plan.tp, tp_rank).clone()
+            for s in plan.owned_specs(rank)}
 
 
 def expected_generation(plan, full, rank):
-    from parallel.convert.common import pad_vocab, tp_slice
-    j, out = plan.rollout_tp_rank(rank), {}
+    from parallel.convert import family_of
+    from parallel.convert.common import pad_vocab
+    j, out, family = plan.rollout_tp_rank(rank), {}, family_of(plan.arch)
     for s in plan.specs:
         if s.name in ("embedding.word_embeddings.weight", "output_layer.weight"):  # keeps the training padding
             out[s.name] = pad_vocab(plan.arch, full[s.name], plan.tp).chunk(plan.rollout_tp, 0)[j]
         else:
-            out[s.name] = tp_slice(plan.arch, s.name, full[s.name], plan.rollout_tp, j)
+            out[s.name] = family.shard(plan.arch, s.name, full[s.name], plan.rollout_tp, j)
     return out
 
 
@@ -57,10 +59,9 @@ def check(plan, full, tag, measure_memory):
 
 
 def random_full(arch, seed=0):
-    from parallel.convert import canonical_names
-    from parallel.convert.common import full_shape
-    g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(full_shape(arch, n), generator=g) for n in canonical_names(arch)}
+    from parallel.convert import canonical_names, family_of
+    g, family = torch.Generator().manual_seed(seed), family_of(arch)
+    return {n: torch.randn(family.shape(arch, n), generator=g) for n in canonical_names(arch)}
 
 
 def main():
