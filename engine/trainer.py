@@ -99,7 +99,8 @@ class PPOTrainer:
         self.step = 0
 
     # ---- rollout -----------------------------------------------------------------------------
-    def sampling(self, validate: bool, step: int) -> SamplingParams:
+    def sampling_params(self, validate: bool, step: int) -> SamplingParams:
+        """The rollout's `SamplingParams` for a training step (`validate=False`) or for validation."""
         r = self.cfg.actor_rollout_ref.rollout
         kw = r.val_kwargs if validate else r
         greedy = not kw.do_sample or kw.temperature == 0
@@ -139,7 +140,7 @@ class PPOTrainer:
         arc, algo = cfg.actor_rollout_ref, cfg.algorithm
         n, temperature = arc.rollout.n, arc.rollout.temperature
         with timer("step"):
-            responses = self.generate(prompts.input_ids, self.sampling(False, self.step), timer)
+            responses = self.generate(prompts.input_ids, self.sampling_params(False, self.step), timer)
             rep_prompts = [p for p in prompts.input_ids for _ in range(n)]
             batch = build_ppo_batch(rep_prompts, responses, arc.rollout.response_length, self.pad_id,
                                     [i for i in prompts.indices for _ in range(n)])
@@ -208,7 +209,7 @@ class PPOTrainer:
         if self.val_set is None:
             return {}
         prompts = self.val_set.batch(list(range(len(self.val_set))))
-        params = self.sampling(True, -1)
+        params = self.sampling_params(True, -1)
         responses = self.generate(prompts.input_ids, params)
         scores, _ = self.score(prompts, responses, params.n)
         out = {"val/reward_mean": sum(scores) / len(scores)}

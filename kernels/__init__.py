@@ -14,8 +14,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "gae": "kernels.gae_scan",
     "kl": "kernels.kl_penalty",
-    "policy_loss": "kernels.ppo_losses",
-    "value_loss": "kernels.ppo_losses",
+    "policy_loss_per_token": "kernels.ppo_losses",
+    "value_loss_per_token": "kernels.ppo_losses",
     "logprobs_from_hidden": "kernels.logprobs",
 }
 __all__ = list(_EXPORTS)

@@ -1,4 +1,4 @@
-"""Per-token PPO losses with their clip indicators: `kernels.policy_loss`, `kernels.value_loss`.
+"""Per-token PPO losses with their clip indicators: `kernels.policy_loss_per_token`, `kernels.value_loss_per_token`.
 
 Both are custom autograd Functions whose forward computes the loss, the clip indicators and the
 elementwise gradient factor d(loss)/d(input) in one pass (Triton kernel on CUDA, torch ops on CPU)
@@ -113,7 +113,7 @@ def _check_no_grad(**named: torch.Tensor) -> None:
             raise ValueError(f"{name} requires grad but is treated as data by this loss; pass {name}.detach()")
 
 
-def policy_loss(
+def policy_loss_per_token(
     old_logp: torch.Tensor,
     logp: torch.Tensor,
     advantages: torch.Tensor,
@@ -137,7 +137,7 @@ def policy_loss(
                                      float(clip_c), resolve_backend(backend, old_logp, logp, advantages))
 
 
-def value_loss(
+def value_loss_per_token(
     values: torch.Tensor,
     returns: torch.Tensor,
     old_values: torch.Tensor,

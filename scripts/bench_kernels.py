@@ -171,8 +171,8 @@ def bench_gpu(quick: bool) -> dict:
     elementwise = {
         "gae": (lambda be: kernels.gae(x[0], x[1], mask, 0.99, 0.95, backend=be), 4 * 4 + 2 * 4),
         "kl(k3)": (lambda be: kernels.kl(x[0], x[1], "k3", backend=be), 2 * 4 + 4),
-        "policy_loss": (lambda be: kernels.policy_loss(x[0], x[1], x[2], backend=be), 3 * 4 + 3 * 4),
-        "value_loss": (lambda be: kernels.value_loss(x[0], x[1], x[2], backend=be), 3 * 4 + 2 * 4),
+        "policy_loss": (lambda be: kernels.policy_loss_per_token(x[0], x[1], x[2], backend=be), 3 * 4 + 3 * 4),
+        "value_loss": (lambda be: kernels.value_loss_per_token(x[0], x[1], x[2], backend=be), 3 * 4 + 2 * 4),
     }
     for name, (fn, bytes_per_elem) in elementwise.items():
         t_tri, t_eager = cuda_time(lambda: fn("triton")), cuda_time(lambda: fn("torch"))

@@ -1,4 +1,4 @@
-"""kernels.gae / kernels.kl / kernels.policy_loss / kernels.value_loss against float64 references
+"""kernels.gae / kernels.kl / kernels.policy_loss_per_token / kernels.value_loss_per_token against float64 references
 written straight from the formulas (per-token loops for the recurrences), for the torch backend
 (fp32, 1e-6 relative to the output's scale) and the Triton kernels (TRITON_INTERPRET=1, set by
 tests/conftest.py before triton is imported, 1e-5)."""
@@ -12,7 +12,7 @@ import torch
 
 from kernels.gae_scan import gae
 from kernels.kl_penalty import kl
-from kernels.ppo_losses import policy_loss, value_loss
+from kernels.ppo_losses import policy_loss_per_token, value_loss_per_token
 
 TRITON_RUNNABLE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
@@ -207,7 +207,7 @@ def test_policy_loss_value_indicators_and_gradient(backend, clips):
     adv = torch.randn(shape, generator=gen) * 2
     weight = torch.randn(shape, generator=gen)
     logp.requires_grad_()
-    loss, clipped, clipped_lower = policy_loss(old, logp, adv, *clips, backend=backend)
+    loss, clipped, clipped_lower = policy_loss_per_token(old, logp, adv, *clips, backend=backend)
     (loss * weight).sum().backward()
     logp64 = logp.detach().double().requires_grad_()
     ref_loss, ref_clipped, ref_lower = policy_loss_reference(old.double(), logp64, adv.double(), *clips)
@@ -227,7 +227,7 @@ def test_value_loss_value_indicators_and_gradient(backend):
     values = (old + torch.randn(shape, generator=gen) * 0.6).requires_grad_()
     returns = old + torch.randn(shape, generator=gen)
     weight = torch.randn(shape, generator=gen)
-    loss, clipped = value_loss(values, returns, old, clip, backend=backend)
+    loss, clipped = value_loss_per_token(values, returns, old, clip, backend=backend)
     (loss * weight).sum().backward()
     values64 = values.detach().double().requires_grad_()
     ref_loss, ref_clipped = value_loss_reference(values64, returns.double(), old.double(), clip)
@@ -241,17 +241,17 @@ def test_value_loss_value_indicators_and_gradient(backend):
 def test_losses_bad_inputs():
     x = torch.randn(2, 3)
     with pytest.raises(ValueError, match="clip_c"):
-        policy_loss(x, x, x, clip_c=1.0)
+        policy_loss_per_token(x, x, x, clip_c=1.0)
     with pytest.raises(ValueError, match="advantages"):
-        policy_loss(x, x, torch.randn(2, 4))
+        policy_loss_per_token(x, x, torch.randn(2, 4))
     with pytest.raises(ValueError, match="old_logp"):
-        policy_loss(x.int(), x, x)
+        policy_loss_per_token(x.int(), x, x)
     with pytest.raises(ValueError, match="old_logp"):
-        policy_loss(x.clone().requires_grad_(), x, x)
+        policy_loss_per_token(x.clone().requires_grad_(), x, x)
     with pytest.raises(ValueError, match="old_values"):
-        value_loss(x, x, torch.randn(3, 2))
+        value_loss_per_token(x, x, torch.randn(3, 2))
     with pytest.raises(ValueError, match="clip"):
-        value_loss(x, x, x, clip=-1.0)
+        value_loss_per_token(x, x, x, clip=-1.0)
     with pytest.raises(ValueError, match="kind"):
         kl(x, x, "k4")
 

@@ -24,8 +24,8 @@ import torch
 
 from engine.algorithms.masked import masked_mean
 from kernels._triton_dispatch import check_mask
-from kernels.ppo_losses import policy_loss as policy_loss_op
-from kernels.ppo_losses import value_loss as value_loss_op
+from kernels.ppo_losses import policy_loss_per_token as policy_loss_op
+from kernels.ppo_losses import value_loss_per_token as value_loss_op
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 

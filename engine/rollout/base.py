@@ -1,8 +1,8 @@
-"""The rollout interface every generation backend implements, and the factory that picks one.
+"""The rollout interface every generation backend implements (the factory is engine/rollout/factory.py).
 
-Owns `SamplingParams`, `RolloutOutput`, the `RolloutEngine` ABC, `validate_rollout_tp` and
-`make_rollout_engine`. Backends: "embedded" (engine/rollout/embedded.py: our own TP decoder that
-generates straight from the resharded generation shard) and "sglang" (engine/rollout/sglang_engine.py).
+Owns `SamplingParams`, `RolloutOutput`, the `RolloutEngine` ABC and `validate_rollout_tp`; it imports no
+backend. Backends: "embedded" (engine/rollout/embedded.py: our own TP decoder that generates straight
+from the resharded generation shard) and "sglang" (engine/rollout/sglang_engine.py).
 
 Log-prob convention (both backends): `RolloutOutput.log_probs[i, t]` is
 log_softmax(logits / temperature)[token] over the real vocabulary (padded vocab ids dropped),
@@ -148,22 +148,3 @@ def validate_rollout_tp(arch: ModelArch, tg: int) -> None:
             raise ValueError(f"{key}={tg} does not divide the model's {what}={count} "
                              f"(num_attention_heads={arch.num_heads}, num_key_value_heads={arch.num_kv_heads}); "
                              f"set {key} to one of {divisors}")
-
-
-def make_rollout_engine(name: str, arch: ModelArch, tp_group: Any = None, **kwargs: Any) -> RolloutEngine:
-    """Build the rollout backend called `name` ("embedded" or "sglang") for this TP group.
-
-    Errors (unknown name, sglang not installed, bad TP size) are raised here, before any weights move.
-    """
-    if name not in ROLLOUT_NAMES:
-        raise ValueError(f"rollout.name={name!r} is not a rollout backend; set actor_rollout_ref.rollout.name "
-                         f"to one of {list(ROLLOUT_NAMES)}")
-    validate_rollout_tp(arch, tp_size_and_rank(tp_group)[0])
-    if name == "embedded":
-        from engine.rollout.embedded import EmbeddedRolloutEngine
-
-        return EmbeddedRolloutEngine(arch, tp_group, **kwargs)
-    from engine.rollout.sglang_engine import SGLangRolloutEngine, require_sglang
-
-    require_sglang()
-    return SGLangRolloutEngine(arch, tp_group, **kwargs)
