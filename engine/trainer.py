@@ -41,6 +41,11 @@ def _layout(m, name: str, arch) -> ParallelLayout:
     return ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, name=name, arch=arch)
 
 
+def _model_options(m) -> dict:
+    """Worker keyword arguments from a `megatron` config section: sequence parallel and virtual pipeline stages."""
+    return dict(sequence_parallel=m.sequence_parallel, virtual_pipeline_size=m.virtual_pipeline_model_parallel_size)
+
+
 class PPOTrainer:
     def __init__(self, cfg: TripodConfig):
         from transformers import AutoTokenizer
@@ -77,16 +82,19 @@ class PPOTrainer:
         seed = actor_cfg.megatron.seed
         actor_layout = _layout(actor_cfg.megatron, "actor", self.arch)
         self.actor = PolicyWorker("actor", self.arch, actor_layout, path, seed=seed,
-                                  optim=_optim(actor_cfg.optim, actor_cfg.grad_clip))
+                                  optim=_optim(actor_cfg.optim, actor_cfg.grad_clip), **_model_options(actor_cfg.megatron))
         self.ref = (PolicyWorker("reference", self.arch, _layout(arc.ref.megatron, "reference", self.arch), path,
-                                 trainable=False, seed=seed, offload=arc.ref.offload) if self.use_ref else None)
+                                 trainable=False, seed=seed, offload=arc.ref.offload, **_model_options(arc.ref.megatron))
+                    if self.use_ref else None)
         self.critic = (CriticWorker("critic", self.arch, _layout(cfg.critic.megatron, "critic", self.arch),
                                     cfg.critic.model.path, value_head=True, seed=seed,
-                                    optim=_optim(cfg.critic.optim, cfg.critic.grad_clip))
+                                    optim=_optim(cfg.critic.optim, cfg.critic.grad_clip),
+                                    **_model_options(cfg.critic.megatron))
                        if self.use_critic else None)
 
         rollout = arc.rollout
-        self.hybrid = HybridEngine(self.arch, actor_layout, rollout.tensor_model_parallel_size)
+        self.hybrid = HybridEngine(self.arch, actor_layout, rollout.tensor_model_parallel_size,
+                                   vpp=actor_cfg.megatron.virtual_pipeline_model_parallel_size)
         kwargs = dict(pad_token_id=self.pad_id) if rollout.name == "embedded" else dict(
             model_path=path, mem_fraction_static=rollout.mem_fraction_static)
         self.rollout = make_rollout_engine(rollout.name, self.arch, self.hybrid.rollout_tp_group, **kwargs)

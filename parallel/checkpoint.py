@@ -23,13 +23,22 @@ import torch
 import torch.distributed as dist
 
 from parallel.arch import ModelArch, arch_from_hf
-from parallel.convert import (TOKENIZER_FILES, family_of, load_hf_weights, padded_vocab_size, unwrap_model,
+from parallel.convert import (TOKENIZER_FILES, family_of, load_hf_weights, model_chunks, padded_vocab_size,
                               save_hf_checkpoint, write_hf_config)
 
 METADATA_FILE = "tripod_checkpoint.json"
 MODEL_SUBDIR = "model"
 HF_SUBDIR = "hf"
 FORMAT_VERSION = 1
+
+
+def sharded_model_state(model) -> dict[str, Any]:
+    """megatron sharded state dict of a model or of its virtual-pipeline chunks (`model0`, `model1`, ... as
+    Megatron-LM nests them). Tensor keys are global, so a checkpoint loads at any TP/PP/VPP."""
+    chunks = model_chunks(model)
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict()
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 
 def _check_world_layout(layout, what: str) -> None:
@@ -101,7 +110,7 @@ def save_model_checkpoint(model: torch.nn.Module, path: str | os.PathLike, arch:
     _check_world_layout(layout, "save_model_checkpoint")
     check_checkpoint_destination(path)  # every rank, on the same untouched directory
     path = os.fspath(path)
-    gpt = unwrap_model(model)
+    gpt = model_chunks(model)[-1]
     model_dir = os.path.join(path, MODEL_SUBDIR)
     dist.barrier()
     if dist.get_rank() == 0:
@@ -112,7 +121,7 @@ def save_model_checkpoint(model: torch.nn.Module, path: str | os.PathLike, arch:
         os.makedirs(model_dir)
     dist.barrier()
     with layout.activate():
-        dist_checkpointing.save(gpt.sharded_state_dict(), model_dir)
+        dist_checkpointing.save(sharded_model_state(model), model_dir)
     dist.barrier()
     if dist.get_rank() == 0:
         dtype = next(gpt.parameters()).dtype
@@ -141,7 +150,8 @@ def load_model_checkpoint(model: torch.nn.Module, path: str | os.PathLike, layou
 
     _check_world_layout(layout, "load_model_checkpoint")
     meta = read_checkpoint_metadata(path)
-    gpt = unwrap_model(model)
+    chunks = model_chunks(model)
+    gpt = chunks[0]
     value_head = bool(getattr(gpt, "tripod_value_head", False))
     if meta.get("value_head", False) != value_head:
         raise ValueError(f"{path}: checkpoint value_head={meta.get('value_head')} but the model has "
@@ -154,14 +164,17 @@ def load_model_checkpoint(model: torch.nn.Module, path: str | os.PathLike, layou
                          f"vocab {arch.vocab_size}; build the model from {os.path.join(path, HF_SUBDIR)}")
     model_dir = os.path.join(os.fspath(path), MODEL_SUBDIR)
     with layout.activate():
-        sharded = gpt.sharded_state_dict()
+        sharded = sharded_model_state(chunks)
         try:
             state = dist_checkpointing.load(sharded, model_dir)
         except Exception as e:  # megatron raises bare KeyError/CheckpointingException with long dumps
             raise ValueError(f"{path}: loading failed ({type(e).__name__}: {str(e)[:300]}); the checkpoint "
                              "does not match the model") from e
-    result = gpt.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    states = [state] if len(chunks) == 1 else [state[f"model{i}"] for i in range(len(chunks))]
+    missing = []
+    for chunk, chunk_state in zip(chunks, states):
+        result = chunk.load_state_dict(chunk_state, strict=False)
+        missing += [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing:
         raise ValueError(f"{path}: checkpoint lacks model tensors {missing[:8]}; it was saved from another model")
     return meta

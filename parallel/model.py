@@ -1,13 +1,15 @@
 """Megatron GPTModel built from a `ModelArch` (Llama / Qwen2) for one `ParallelLayout`.
 
-Owns: the TransformerConfig mapping (RMSNorm, SwiGLU, RoPE, GQA, QKV bias, tied embeddings),
-megatron-style vocab padding, the critic's scalar value head, the explicit causal attention mask
-used on CPU, and `forward_logits`, a forward-only pass through the pipeline schedule.
+Owns: the TransformerConfig mapping (RMSNorm, SwiGLU, RoPE, GQA, QKV bias, tied embeddings,
+sequence parallel, virtual pipeline stages), megatron-style vocab padding, the critic's scalar value
+head and the explicit causal attention mask used on CPU. The layer spec comes from the model family
+(parallel/families/). Running the model is parallel/pipeline.py's job.
 
-Shapes: the actor's GPTModel returns [b, s, V_pad / tp] logits (vocab-parallel) on the last stage;
-`forward_logits` gathers TP and strips the padding -> [b, s, V]. A critic (`value_head=True`)
-returns [b, s, 1] float values on the last stage (the output layer is replaced by `ValueHead`);
-`forward_logits` squeezes them to [b, s].
+Shapes: the actor's GPTModel returns [b, s, V_pad / tp] logits (vocab-parallel) on the last stage.
+A critic (`value_head=True`) returns [b, s, 1] float values on the last stage (the output layer is
+replaced by `ValueHead`). With `virtual_pipeline_model_parallel_size=v`, `build_model_chunks` gives
+each rank v chunks (megatron's interleaved layout: chunk c of PP rank r holds the layers of virtual
+stage c * pp + r).
 RoPE uses the HF definition (`arch.rope_inv_freq()`), so llama3 / linear scaling match
 `transformers` exactly. Caveat: megatron's rotary embedding takes positions 0..s-1 and ignores
 `position_ids`; left-padded batches must be handled by the caller (e.g. right padding).
@@ -15,13 +17,14 @@ RoPE uses the HF definition (`arch.rope_inv_freq()`), so llama3 / linear scaling
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from parallel.arch import ModelArch
-from parallel.convert import padded_vocab_size, unwrap_model
+from parallel.convert import padded_vocab_size
+from parallel.families import get_family
 from parallel.layout import ParallelLayout
 
 
@@ -68,7 +71,8 @@ class ValueHead(torch.nn.Module):
     """Critic head replacing GPTModel.output_layer: hidden [s, b, h] -> values [s, b, 1].
 
     The weight is replicated over TP (every TP rank sees the full hidden state, so the grads are
-    identical and need no TP all-reduce); with sequence parallel the hidden state is gathered first.
+    identical and need no TP all-reduce); with sequence parallel the hidden state is gathered first and
+    its gradient split back (not summed: every TP rank computed the same full gradient).
     """
 
     def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool, tp_group,
@@ -85,14 +89,32 @@ class ValueHead(torch.nn.Module):
         if self.sequence_parallel:
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-            hidden = gather_from_sequence_parallel_region(hidden, group=self.tp_group)
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
+                                                          group=self.tp_group)
         return F.linear(hidden, self.weight, self.bias), None
+
+
+def build_model_chunks(arch: ModelArch, layout: ParallelLayout, *, virtual_pipeline_size: int | None = None,
+                       **kwargs: Any) -> list:
+    """This rank's model chunks: one GPTModel, or one per virtual pipeline stage (`virtual_pipeline_size` > 1).
+
+    `kwargs` go to `build_gpt_model` (value_head, params_dtype, sequence_parallel, seed, config overrides).
+    """
+    vpp = virtual_pipeline_size if virtual_pipeline_size and virtual_pipeline_size > 1 else None
+    if vpp is None:
+        return [build_gpt_model(arch, layout, **kwargs)]
+    if layout.pp < 2 or arch.num_layers % (layout.pp * vpp):
+        raise ValueError(f"{layout.name} virtual_pipeline_model_parallel_size={vpp} needs "
+                         f"pipeline_model_parallel_size > 1 (is {layout.pp}) and num_hidden_layers="
+                         f"{arch.num_layers} divisible by pp*vpp={layout.pp * vpp}; unset it or change the layout")
+    return [build_gpt_model(arch, layout, vp_stage=v, virtual_pipeline_size=vpp, **kwargs) for v in range(vpp)]
 
 
 def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool = False,
                     params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
-                    seed: int = 1234, **config_overrides: Any):
-    """A megatron GPTModel (this rank's TP shard of its PP stage) for `arch` under `layout`.
+                    seed: int = 1234, vp_stage: int | None = None, virtual_pipeline_size: int | None = None,
+                    **config_overrides: Any):
+    """A megatron GPTModel (this rank's TP shard of its PP stage, or of virtual stage `vp_stage`).
 
     Weights are megatron's random init; load real ones with parallel.convert.load_hf_weights.
     `value_head=True` builds the critic (last stage outputs [b, s] values, untied output).
@@ -105,21 +127,21 @@ def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool
     if abs(attention_scaling - 1.0) > 1e-12:
         raise ValueError(f"rope_parameters.rope_type={arch.rope_parameters.get('rope_type')!r} scales attention "
                          f"by {attention_scaling}; megatron's RotaryEmbedding cannot; use default/linear/llama3 RoPE")
+    if virtual_pipeline_size:
+        config_overrides["virtual_pipeline_model_parallel_size"] = virtual_pipeline_size
     config = transformer_config_from_arch(arch, layout, params_dtype=params_dtype,
                                           sequence_parallel=sequence_parallel, **config_overrides)
-    if _transformer_engine_available():
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-        layer_spec = get_gpt_layer_with_transformer_engine_spec()
-    else:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer_spec = get_family(arch.family).layer_spec(arch, _transformer_engine_available())
+    vpp = virtual_pipeline_size or 1
+    first = layout.is_first_stage and (vp_stage or 0) == 0
+    last = layout.is_last_stage and (vp_stage or 0) == vpp - 1
     with layout.activate():
         model_parallel_cuda_manual_seed(seed, tp_rank=layout.tp_rank, ep_rank=0, etp_rank=layout.tp_rank)
         model = GPTModel(
             config=config, transformer_layer_spec=layer_spec,
             vocab_size=padded_vocab_size(arch.vocab_size, layout.tp),
             max_sequence_length=arch.max_position_embeddings,
-            pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
+            pre_process=first, post_process=last, vp_stage=vp_stage,
             parallel_output=True,
             share_embeddings_and_output_weights=arch.tie_word_embeddings and not value_head,
             position_embedding_type="rope", rotary_base=int(arch.rope_theta),
@@ -129,7 +151,7 @@ def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool
     model.rotary_pos_emb.inv_freq = inv_freq.to(torch.float32)
     model.tripod_arch = arch
     model.tripod_value_head = value_head
-    if value_head and layout.is_last_stage:
+    if value_head and last:
         model.output_layer = ValueHead(arch.hidden_size, params_dtype, config.sequence_parallel,
                                        layout.tp_group, seed)
     return model
@@ -143,66 +165,3 @@ def causal_attention_mask(seq_len: int, attention_mask: torch.Tensor | None = No
         return causal
     keys_padded = (attention_mask == 0)[:, None, None, :]
     return causal | keys_padded
-
-
-def run_forward_only(model, layout: ParallelLayout, microbatches: list[dict[str, torch.Tensor]],
-                     output_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor] | None:
-    """Forward each micro-batch (dicts with input_ids, position_ids, attention_mask [megatron mask])
-    through megatron's pipeline schedule; returns the last stage's outputs (after `output_fn`), else None."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    inner = unwrap_model(model)
-    config = inner.config
-    b, s = microbatches[0]["input_ids"].shape
-
-    def forward_step(data_iterator, step_model):
-        batch = next(data_iterator)
-        out = step_model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                         attention_mask=batch["attention_mask"])
-        return out, None
-
-    with layout.activate(), torch.no_grad():
-        schedule = get_forward_backward_func(pp_size=layout.pp)
-        kwargs = dict(pg_collection=layout.pg_collection)
-        if layout.pp > 1:
-            kwargs["p2p_communicator"] = layout.p2p_communicator(config)
-        outputs = schedule(forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
-                           num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
-                           forward_only=True, **kwargs)
-        if not layout.is_last_stage:
-            return None
-        return [output_fn(o) if output_fn else o for o in outputs]
-
-
-def gather_vocab_logits(logits: torch.Tensor, layout: ParallelLayout, vocab_size: int) -> torch.Tensor:
-    """[.., V_pad/tp] vocab-parallel logits -> [.., vocab_size] full, unpadded logits (autograd-aware:
-    the backward hands each TP rank its slice of the grad, so it can sit inside a loss)."""
-    if layout.tp > 1:
-        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-
-        logits = gather_from_tensor_model_parallel_region(logits, group=layout.tp_group)
-    return logits[..., :vocab_size]
-
-
-def forward_logits(model, layout: ParallelLayout, input_ids: torch.Tensor,
-                   position_ids: torch.Tensor | None = None,
-                   attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Forward [b, s] token ids through the (PP-staged, TP-sharded) model as one micro-batch.
-
-    Returns [b, s, vocab] logits (TP-gathered, unpadded) on the last stage — or [b, s] values for
-    a critic — and None on other stages. `attention_mask` is HF-style [b, s] (1 = real token).
-    Every rank of the layout must call it with the same input_ids.
-    """
-    inner = unwrap_model(model)
-    arch: ModelArch = inner.tripod_arch
-    b, s = input_ids.shape
-    if position_ids is None:
-        position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
-    batch = dict(input_ids=input_ids, position_ids=position_ids,
-                 attention_mask=causal_attention_mask(s, attention_mask))
-    if inner.tripod_value_head:
-        out = run_forward_only(model, layout, [batch], output_fn=lambda v: v.squeeze(-1))
-    else:
-        out = run_forward_only(model, layout, [batch],
-                               output_fn=lambda lg: gather_vocab_logits(lg, layout, arch.vocab_size))
-    return None if out is None else out[0]

@@ -38,16 +38,20 @@ def latest_complete(root: str) -> str | None:
 def _save_optimizer(worker, path: str) -> None:
     from megatron.core import dist_checkpointing
 
+    from parallel.checkpoint import sharded_model_state
+
     with worker.layout.activate():
-        model_sd = worker.module.sharded_state_dict()
+        model_sd = sharded_model_state(worker.chunks)
         dist_checkpointing.save(worker.optimizer.sharded_state_dict(model_sd), path)
 
 
 def _load_optimizer(worker, path: str) -> None:
     from megatron.core import dist_checkpointing
 
+    from parallel.checkpoint import sharded_model_state
+
     with worker.layout.activate():
-        model_sd = worker.module.sharded_state_dict()
+        model_sd = sharded_model_state(worker.chunks)
         sharded = worker.optimizer.sharded_state_dict(model_sd, is_loading=True)
         worker.optimizer.load_state_dict(dist_checkpointing.load(sharded, path))
 

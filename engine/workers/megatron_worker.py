@@ -1,7 +1,8 @@
 """One Megatron model (actor, critic or reference) on its own parallel layout, and how the PPO step drives it.
 
-A worker owns: the GPTModel shard of this rank (built from the HF checkpoint), its DDP wrapper and optimizer when it
-trains, and `run()`, which pushes micro-batches through megatron's pipeline schedule with a loss function.
+A worker owns: the GPTModel shard of this rank (built from the HF checkpoint; one chunk per virtual pipeline stage),
+its DDP wrappers and optimizer when it trains, and `run()`, which pushes micro-batches through megatron's pipeline
+schedule with a loss function (parallel/pipeline.py, the one driver).
 Everything megatron does for this model runs inside `layout.activate()` (see parallel/layout.py), so actor, critic
 and reference can have different TP/PP/DP sizes in the same world.
 
@@ -34,9 +35,18 @@ class OptimSettings:
     grad_clip: float = 1.0
 
 
-def _bypass_output_layer(model) -> None:
-    """Make GPTModel return hidden states [b, s, h] (the LM head is applied by the fused log-prob kernel)."""
+def _bypass_output_layer(model, tp_group) -> None:
+    """Make GPTModel return hidden states [b, s, h] (the LM head is applied by the fused log-prob kernel).
+
+    With sequence parallel the hidden state is gathered over the sequence first; that gather's backward
+    reduce-scatters, so it also sums the vocab-parallel partial gradients (see `token_logprobs`)."""
+    sequence_parallel = model.config.sequence_parallel
+
     def forward(hidden, weight=None, runtime_gather_output=None):
+        if sequence_parallel:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
         return hidden, None
 
     model.output_layer.forward = forward
@@ -45,31 +55,37 @@ def _bypass_output_layer(model) -> None:
 class MegatronWorker:
     def __init__(self, name: str, arch: ModelArch, layout, hf_dir: str, *, value_head: bool = False,
                  trainable: bool = True, optim: OptimSettings | None = None, seed: int = 1234,
-                 params_dtype: torch.dtype = torch.float32, offload: bool = False):
+                 params_dtype: torch.dtype = torch.float32, offload: bool = False, sequence_parallel: bool = False,
+                 virtual_pipeline_size: int | None = None):
         from parallel.convert import load_hf_weights
-        from parallel.model import build_gpt_model
+        from parallel.model import build_model_chunks
 
         self.name, self.arch, self.layout = name, arch, layout
         self.value_head, self.trainable = value_head, trainable
-        model = build_gpt_model(arch, layout, value_head=value_head, params_dtype=params_dtype, seed=seed)
+        # one GPTModel per virtual pipeline stage; `module` is the last one (it holds the output layer)
+        self.chunks = build_model_chunks(arch, layout, virtual_pipeline_size=virtual_pipeline_size,
+                                         value_head=value_head, params_dtype=params_dtype, seed=seed,
+                                         sequence_parallel=sequence_parallel)
+        model = self.chunks[-1]
         with layout.activate():
-            load_hf_weights(model, hf_dir, arch, layout)
+            load_hf_weights(self.chunks, hf_dir, arch, layout)
         if not value_head and layout.is_last_stage:
-            _bypass_output_layer(model)
+            _bypass_output_layer(model, layout.tp_group)
         self.module = model
-        self.model, self.optimizer = model, None
+        self.model, self.optimizer = list(self.chunks), None
         if trainable:
-            self.model, self.optimizer = self._wrap_for_training(model, optim or OptimSettings())
+            self.model, self.optimizer = self._wrap_for_training(self.chunks, optim or OptimSettings())
         else:
-            for p in model.parameters():
-                p.requires_grad_(False)
+            for chunk in self.chunks:
+                for p in chunk.parameters():
+                    p.requires_grad_(False)
         self.offload = offload and not trainable
         self._device = next(model.parameters()).device
         if self.offload:
             self._move_params(torch.device("cpu"))
 
     def _move_params(self, device: torch.device) -> None:
-        for p in self.module.parameters():
+        for p in (p for chunk in self.chunks for p in chunk.parameters()):
             if p.device != device:
                 p.data = p.data.to(device, non_blocking=True).pin_memory() if device.type == "cpu" and \
                     torch.cuda.is_available() else p.data.to(device, non_blocking=True)
@@ -85,22 +101,24 @@ class MegatronWorker:
             if self.offload:
                 self._move_params(torch.device("cpu"))
 
-    def _wrap_for_training(self, model, optim: OptimSettings):
+    def _wrap_for_training(self, chunks, optim: OptimSettings):
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                                finalize_model_grads)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        model = chunks[0]
         with self.layout.activate():
-            ddp = DistributedDataParallel(
-                config=model.config, module=model, pg_collection=self.layout.pg_collection,
+            ddp = [DistributedDataParallel(
+                config=chunk.config, module=chunk, pg_collection=self.layout.pg_collection,
                 ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                         use_distributed_optimizer=False))
+                                                         use_distributed_optimizer=False)) for chunk in chunks]
             opt = get_megatron_optimizer(OptimizerConfig(
                 optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
                 adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=optim.grad_clip,
-                params_dtype=model.config.params_dtype, bf16=model.config.bf16), [ddp],
+                params_dtype=model.config.params_dtype, bf16=model.config.bf16), ddp,
                 use_gloo_process_groups=False, pg_collection=self.layout.pg_collection)
-            model.config.finalize_model_grads_func = finalize_model_grads
+            for chunk in chunks:
+                chunk.config.finalize_model_grads_func = finalize_model_grads
         return ddp, opt
 
     # ---- running micro-batches ----------------------------------------------------------------
@@ -112,32 +130,27 @@ class MegatronWorker:
 
         Returns the dicts from the last stage (one per micro-batch); [] on other stages.
         """
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from parallel.pipeline import run_pipeline
 
         seq = max(mb["input_ids"].shape[1] for mb in microbatches)
+        if self.module.config.sequence_parallel:  # megatron splits the sequence evenly over TP
+            seq = -(-seq // self.layout.tp) * self.layout.tp
         mbs = [_pad_to(mb, seq) for mb in microbatches]
         mask = torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None]  # right padding: causal is enough
 
-        def forward_step(data_iterator, model):
-            mb = next(data_iterator)
+        def forward_step(mb, model):
             ids = mb["input_ids"]
             pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
             out = model(input_ids=ids, position_ids=pos, attention_mask=mask)
             return out, lambda output: loss_fn(output, mb)
 
-        with self.layout.activate():
-            if not forward_only:
-                self.model.zero_grad_buffer()
+        if not forward_only:
+            with self.layout.activate():
+                for chunk in self.model:
+                    chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
-            kwargs = dict(pg_collection=self.layout.pg_collection)
-            if self.layout.pp > 1:
-                kwargs["p2p_communicator"] = self.layout.p2p_communicator(self.module.config)
-            with torch.set_grad_enabled(not forward_only):
-                out = get_forward_backward_func(pp_size=self.layout.pp)(
-                    forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model],
-                    num_microbatches=len(mbs), seq_length=seq, micro_batch_size=mbs[0]["input_ids"].shape[0],
-                    forward_only=forward_only, **kwargs)
-        return out if self.layout.is_last_stage else []
+        return run_pipeline(self.model, self.layout, mbs, forward_step, forward_only=forward_only, seq_length=seq,
+                            micro_batch_size=mbs[0]["input_ids"].shape[0])
 
     def step(self) -> float:
         """Optimizer step after `run(..., forward_only=False)`; returns the global grad norm."""
@@ -159,7 +172,8 @@ class MegatronWorker:
         weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else m.output_layer.weight
         return logprobs_from_hidden(hidden, weight, mb["responses"], temperature=temperature,
                                     tp_group=self.layout.tp_group if self.layout.tp > 1 else None,
-                                    with_entropy=with_entropy, vocab_size=self.arch.vocab_size)
+                                    with_entropy=with_entropy, vocab_size=self.arch.vocab_size,
+                                    reduce_hidden_grad=not m.config.sequence_parallel)
 
     def token_values(self, output: torch.Tensor, mb: PPOBatch) -> torch.Tensor:
         """Critic values [b, R] at the positions that predict each response token."""

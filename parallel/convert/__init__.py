@@ -103,22 +103,25 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def global_param_names(model: torch.nn.Module) -> dict[str, str]:
-    """This PP stage's local parameter names -> canonical names with the GLOBAL layer index."""
-    gpt = unwrap_model(model)
+def model_chunks(model) -> list[torch.nn.Module]:
+    """The GPTModels of this rank: a model, or a list of chunks (one per virtual pipeline stage), unwrapped."""
+    return [unwrap_model(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
+
+
+def global_params(model) -> dict[str, torch.nn.Parameter]:
+    """This rank's parameters (every chunk) by canonical name with the GLOBAL layer index."""
     out = {}
-    for local, _ in gpt.named_parameters():
-        layer, suffix = split_layer_name(local)
-        if layer is None:
-            out[local] = local
-        else:
-            global_layer = gpt.decoder.layers[layer].layer_number - 1  # megatron's layer_number is 1-based global
-            out[local] = f"{LAYER_PREFIX}{global_layer}.{suffix}"
+    for gpt in model_chunks(model):
+        for local, param in gpt.named_parameters():
+            layer, suffix = split_layer_name(local)
+            if layer is not None:  # megatron's layer_number is 1-based and global
+                local = f"{LAYER_PREFIX}{gpt.decoder.layers[layer].layer_number - 1}.{suffix}"
+            out[local] = param
     return out
 
 
-def _is_value_head(gpt: torch.nn.Module, name: str) -> bool:
-    return bool(getattr(gpt, "tripod_value_head", False)) and name.startswith("output_layer.")
+def _is_value_head(model, name: str) -> bool:
+    return bool(getattr(model_chunks(model)[0], "tripod_value_head", False)) and name.startswith("output_layer.")
 
 
 def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike, arch: ModelArch, layout) -> list[str]:
@@ -130,13 +133,11 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike, arch: Mod
     names = family_of(arch)
     reader = SafetensorsReader(hf_dir)
     check_hf_names(arch, names, reader.names(), source=os.fspath(hf_dir))
-    gpt = unwrap_model(model)
-    params = dict(gpt.named_parameters())
     not_loaded = []
     with torch.no_grad():
-        for local, name in global_param_names(gpt).items():
-            param = params[local]
-            if _is_value_head(gpt, name):
+        for name, param in global_params(model).items():
+            local = name
+            if _is_value_head(model, name):
                 not_loaded.append(local)
                 continue
             source = EMBEDDING if (name == OUTPUT_LAYER and arch.tie_word_embeddings) else name
@@ -164,13 +165,11 @@ def export_hf_weights(model: torch.nn.Module, arch: ModelArch, layout, *,
     with `to_all_ranks=True`; other ranks iterate and get nothing.
     """
     names = family_of(arch)
-    gpt = unwrap_model(model)
-    if getattr(gpt, "tripod_value_head", False):
+    if getattr(model_chunks(model)[0], "tripod_value_head", False):
         raise ValueError("export_hf_weights: a critic (value_head=True) has no HF causal-LM form; "
                          "keep it as a tripod checkpoint (parallel.checkpoint.save_model_checkpoint)")
-    params = dict(gpt.named_parameters())
-    local = {name: params[loc] for loc, name in global_param_names(gpt).items()}
-    dtype = next(iter(params.values())).dtype
+    local = global_params(model)
+    dtype = next(iter(local.values())).dtype
     stages: list = [sorted(local)]
     if layout.pp > 1:  # which stage holds which layer (megatron may split layers unevenly)
         stages = [None] * layout.pp
@@ -299,7 +298,7 @@ def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArch, layout, out_dir:
 
 __all__ = [
     "load_hf_weights", "export_hf_weights", "save_hf_checkpoint", "write_hf_config", "SafetensorsReader",
-    "global_param_names", "TOKENIZER_FILES",
+    "global_params", "model_chunks", "TOKENIZER_FILES",
     "family_of", "hf_to_megatron", "megatron_to_hf", "canonical_names",
     "pad_vocab", "unpad_vocab", "padded_vocab_size", "is_replicated",
     "split_layer_name", "check_hf_names", "hf_names_for", "EMBEDDING", "FINAL_NORM", "OUTPUT_LAYER",

@@ -1,9 +1,9 @@
 """`HybridEngine`: the per-step round trip of the actor's weights between training and rollout.
 
     hybrid = HybridEngine(arch, actor_layout, rollout_tp=2)          # plan validated before any weight moves
-    with hybrid.rollout(actor_model, rollout_engine):                 # reshard -> load into the engine
-        out = rollout_engine.generate(prompts, params)
-    # back: the generation shard and the engine's KV cache are released; training shards were never written
+    rollout_engine.load_weights(hybrid.to_rollout(actor_chunks))      # reshard -> the engine adopts the shard
+    out = rollout_engine.generate(prompts, params)
+    rollout_engine.release_memory()                                   # back to training; shards never written
 
 The training shard is read straight from the megatron model's parameters (local layer index -> global), so nothing
 is copied on the training side; the generation shard is either freed after rollout or, with `keep_buffer=True`,
@@ -11,31 +11,20 @@ kept as a reusable buffer for the next step (no allocation churn on GPU).
 """
 from __future__ import annotations
 
-import contextlib
-import re
-from typing import Iterator
-
 import torch
 
 from parallel.arch import ModelArch
-from parallel.convert import unwrap_model
+from parallel.convert import global_params
 from parallel.hybrid_engine.plan import ReshardPlan, build_reshard_plan
 from parallel.hybrid_engine.transport import MicroDPGather
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
+def train_shard_from_model(model, layout, arch: ModelArch, plan: ReshardPlan) -> dict[str, torch.Tensor]:
+    """This rank's training shard as {global megatron name: parameter data} (views, no copies).
 
-def train_shard_from_model(model: torch.nn.Module, layout, arch: ModelArch, plan: ReshardPlan) -> dict[str, torch.Tensor]:
-    """This rank's training shard as {global megatron name: parameter data} (views, no copies)."""
-    layers = layout.stage_layers(arch.num_layers)
+    `model` is the actor's GPTModel or its list of virtual-pipeline chunks (DDP-wrapped or not)."""
     wanted = {s.name for s in plan.owned_specs(_global_rank())}
-    shard = {}
-    for name, p in unwrap_model(model).named_parameters():
-        m = _LAYER.match(name)
-        if m:
-            name = f"decoder.layers.{layers[int(m.group(1))]}.{m.group(2)}"
-        if name in wanted:
-            shard[name] = p.data
+    shard = {name: p.data for name, p in global_params(model).items() if name in wanted}
     missing = sorted(wanted - set(shard))
     if missing:
         raise ValueError(f"actor model on rank {_global_rank()} lacks parameters the rollout needs: {missing[:6]}")
@@ -51,11 +40,12 @@ class HybridEngine:
     """Owns the resharding plan and the micro-DP / rollout-TP process groups for one actor layout."""
 
     def __init__(self, arch: ModelArch, actor_layout, rollout_tp: int, *, bucket_bytes: int = 64 << 20,
-                 dtype: torch.dtype = torch.float32, keep_buffer: bool = False):
+                 dtype: torch.dtype = torch.float32, keep_buffer: bool = False, vpp: int | None = None):
         import torch.distributed as dist
         self.arch, self.layout = arch, actor_layout
         self.plan = build_reshard_plan(arch, actor_layout.tp, actor_layout.pp, actor_layout.dp, rollout_tp,
-                                       bucket_bytes=bucket_bytes, dtype=dtype, world_size=dist.get_world_size())
+                                       bucket_bytes=bucket_bytes, dtype=dtype, world_size=dist.get_world_size(),
+                                       vpp=vpp or 1)
         if list(actor_layout.ranks) != list(range(dist.get_world_size())):
             raise ValueError("the hybrid engine reshards an actor laid over the whole world; "
                              f"actor ranks are {actor_layout.ranks}")
@@ -89,14 +79,3 @@ class HybridEngine:
         if self.keep_buffer:
             self._buffer = gen
         return gen
-
-    @contextlib.contextmanager
-    def rollout(self, model: torch.nn.Module, rollout_engine) -> Iterator[dict[str, torch.Tensor]]:
-        """Reshard into `rollout_engine`, yield, then release the rollout copy and the engine's memory."""
-        gen = self.to_rollout(model)
-        rollout_engine.load_weights(gen)  # the embedded engine adopts these tensors; SGLang copies them in
-        try:
-            yield gen
-        finally:
-            rollout_engine.release_memory()
-            del gen

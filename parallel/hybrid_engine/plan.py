@@ -41,15 +41,18 @@ class ParamSpec:
     rule: Split                 # its TP split, from the family's table
 
 
-def actor_param_specs(arch: ModelArch, tp: int, pp: int) -> list[ParamSpec]:
-    """Every parameter the rollout needs, in megatron naming, with global (TP-unsplit, vocab-padded) shapes."""
+def actor_param_specs(arch: ModelArch, tp: int, pp: int, vpp: int = 1) -> list[ParamSpec]:
+    """Every parameter the rollout needs, in megatron naming, with global (TP-unsplit, vocab-padded) shapes.
+
+    With `vpp` virtual stages per PP rank, layer i sits in virtual stage i // (L / (pp*vpp)), which megatron
+    places on PP rank (virtual stage) mod pp."""
     family = get_family(arch.family)
     vocab_rows = padded_vocab_size(arch.vocab_size, tp)
-    per_stage = arch.num_layers // pp
+    per_chunk = arch.num_layers // (pp * vpp)
     specs = []
     for name, row in family.rows(arch).items():
         if name.startswith("decoder.layers."):
-            stage = int(name.split(".")[2]) // per_stage
+            stage = (int(name.split(".")[2]) // per_chunk) % pp
         else:
             stage = 0 if name == "embedding.word_embeddings.weight" else pp - 1
         specs.append(ParamSpec(name, family.padded_shape(arch, name, vocab_rows), stage, row.tp))
@@ -223,10 +226,10 @@ def validate_layouts(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: int
 
 def build_reshard_plan(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: int, *,
                        bucket_bytes: int = 64 << 20, dtype: torch.dtype = torch.float32,
-                       world_size: int | None = None) -> ReshardPlan:
+                       world_size: int | None = None, vpp: int = 1) -> ReshardPlan:
     validate_layouts(arch, tp, pp, dp, rollout_tp, world_size)
     k = tp // rollout_tp
-    specs = actor_param_specs(arch, tp, pp)
+    specs = actor_param_specs(arch, tp, pp, vpp)
     es = torch.empty((), dtype=dtype).element_size()
     max_numel = max(1, bucket_bytes // es)
 

@@ -32,7 +32,8 @@ def main() -> None:
     from parallel.arch import arch_from_hf
     from parallel.convert import load_hf_weights
     from parallel.layout import ParallelLayout
-    from parallel.model import build_gpt_model, forward_logits, gather_vocab_logits
+    from model_forward import forward_logits, gather_vocab_logits
+    from parallel.model import build_gpt_model
 
     hf_dir = sys.argv[1]
     arch = arch_from_hf(hf_dir)

@@ -15,7 +15,8 @@ def main() -> None:
     from parallel.arch import arch_from_hf
     from parallel.convert import load_hf_weights
     from parallel.layout import ParallelLayout
-    from parallel.model import build_gpt_model, causal_attention_mask, gather_vocab_logits
+    from model_forward import gather_vocab_logits
+    from parallel.model import build_gpt_model, causal_attention_mask
 
     assert cpu_compat.cpu_compat_applied() and cpu_compat.apply_cpu_compat(trace=True)  # idempotent
     arch = arch_from_hf(sys.argv[1])

@@ -42,7 +42,7 @@ def _check_export(model, arch, layout, reference, what, to_all_ranks=False):
 
 
 def _check_logits(model, layout, hf_model, what):
-    from parallel.model import forward_logits
+    from model_forward import forward_logits
 
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, hf_model.config.vocab_size, (2, 12), generator=g)
@@ -114,7 +114,7 @@ def main():
     load_hf_weights(model, qwen_hf, arch, pp2)
     err = _check_logits(model, pp2, hf_model, "tied qwen2 HF -> TP1xPP2")
     print(f"[rank{rank}] OK tied qwen2 HF -> TP1xPP2, logits err {err}", flush=True)
-    from parallel.model import forward_logits
+    from model_forward import forward_logits
 
     critic_layout = ParallelLayout(tp=2, pp=2, name="critic")
     critic = build_gpt_model(arch, critic_layout, value_head=True, seed=5)

@@ -1,5 +1,5 @@
 """Shared by the layout and cpu-compat torchrun workers: one megatron train step of a tripod model
-(megatron DDP + get_megatron_optimizer + the pipeline schedule), all under `layout.activate()`."""
+(megatron DDP + get_megatron_optimizer + tripod's pipeline driver, parallel/pipeline.py)."""
 from typing import Callable
 
 import torch
@@ -28,12 +28,11 @@ def wrap_for_training(model, layout, *, distributed_optimizer: bool = False, lr:
 def train_step(ddp, optimizer, layout, batch: dict, loss_fn: Callable) -> tuple[float | None, float]:
     """One fwd+bwd+step on one micro-batch; `loss_fn(output) -> scalar`. Returns (loss on last stage
     else None, grad_norm)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from parallel.pipeline import run_pipeline
 
     b, s = batch["input_ids"].shape
 
-    def forward_step(data_iterator, model):
-        mb = next(data_iterator)
+    def forward_step(mb, model):
         out = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=mb["attention_mask"])
 
         def loss_func(output):
@@ -44,12 +43,8 @@ def train_step(ddp, optimizer, layout, batch: dict, loss_fn: Callable) -> tuple[
     with layout.activate():
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        kwargs = dict(pg_collection=layout.pg_collection)
-        if layout.pp > 1:
-            kwargs["p2p_communicator"] = layout.p2p_communicator(ddp.config)
-        losses = get_forward_backward_func(pp_size=layout.pp)(
-            forward_step_func=forward_step, data_iterator=iter([batch]), model=[ddp], num_microbatches=1,
-            seq_length=s, micro_batch_size=b, forward_only=False, **kwargs)
+    losses = run_pipeline([ddp], layout, [batch], forward_step, forward_only=False, seq_length=s, micro_batch_size=b)
+    with layout.activate():
         ok, grad_norm, _ = optimizer.step()
         assert ok, "optimizer step skipped"
     loss = losses[0]["loss"].item() if losses else None

@@ -45,8 +45,9 @@ def main():
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, arch.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 7, 4)]
     params = SamplingParams(max_new_tokens=6, greedy=True, ignore_eos=True)
-    with hybrid.rollout(actor.model, engine):
-        out = engine.generate(prompts, params)
+    engine.load_weights(hybrid.to_rollout(actor.model))  # the trainer's round trip (PPOTrainer.generate)
+    out = engine.generate(prompts, params)
+    engine.release_memory()
     for n, p in actor.module.named_parameters():
         assert torch.equal(p.detach(), before[n]), f"training shard {n} changed by the round trip"
     assert engine.memory_bytes() == 0, "rollout copy not released"

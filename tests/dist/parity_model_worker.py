@@ -19,7 +19,8 @@ def main() -> None:
     from parallel.arch import arch_from_hf
     from parallel.convert import load_hf_weights
     from parallel.layout import ParallelLayout
-    from parallel.model import build_gpt_model, forward_logits, padded_vocab_size
+    from model_forward import forward_logits
+    from parallel.model import build_gpt_model, padded_vocab_size
 
     cases = torch.load(sys.argv[1])
     layouts = [ParallelLayout(tp=t, pp=p, dp=d, ranks=ranks, name=f"TP{t}PP{p}DP{d}")
