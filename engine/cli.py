@@ -126,10 +126,10 @@ def _check_parallel_sizes(arch, tp: int, pp: int) -> None:
 def cmd_convert(args: argparse.Namespace) -> int:
     from parallel.arch import arch_from_hf
     from parallel.checkpoint import check_checkpoint_destination, convert_hf_to_checkpoint
-    from parallel.convert import SafetensorsReader, check_hf_names, family_names
+    from parallel.convert import SafetensorsReader, check_hf_names, family_of
 
     arch = arch_from_hf(args.hf_dir)
-    names = family_names(arch)
+    names = family_of(arch)
     _check_parallel_sizes(arch, args.tp, args.pp)
     check_hf_names(arch, names, SafetensorsReader(args.hf_dir).names(), source=args.hf_dir)
     check_checkpoint_destination(args.out_dir)

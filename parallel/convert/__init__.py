@@ -146,6 +146,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike, arch: Mod
             except KeyError as e:
                 raise ValueError(f"model parameter {local!r} (global {name!r}) has no HF counterpart: {e}; "
                                  "was the model built from this config.json?") from None
+            _check_split_matches_megatron(names, arch, source, param, local)
             full = fuse_to_megatron(arch, names, source, [reader.get(h) for h in hf])
             shard = names.shard(arch, source, full, layout.tp, layout.tp_rank)
             if shard.shape != param.shape:
@@ -154,6 +155,16 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike, arch: Mod
                                  "the model was built for a different config or layout")
             param.copy_(shard)
     return not_loaded
+
+
+def _check_split_matches_megatron(family: FamilySpec, arch: ModelArch, name: str, param, local: str) -> None:
+    """The family table's TP split must be the one megatron built the parameter with (`partition_dim`)."""
+    want = family.row(arch, name).tp.megatron_partition_dim
+    got = getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
+    if want != got:
+        raise ValueError(f"family {family.name!r}: its table splits {name} as {family.row(arch, name).tp.value} "
+                         f"(partition dim {want}) but megatron built {local} with partition dim {got}; fix the "
+                         "family's table or its layer spec")
 
 
 def export_hf_weights(model: torch.nn.Module, arch: ModelArch, layout, *,
