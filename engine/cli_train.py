@@ -87,7 +87,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          f"actor's TP*PP = {tp}*{pp}")
     arch = arch_from_hf(cfg.actor_rollout_ref.model.path)
     plan = build_reshard_plan(arch, tp, pp, world // (tp * pp), cfg.actor_rollout_ref.rollout.tensor_model_parallel_size,
-                              bucket_bytes=int(args.bucket_mb * (1 << 20)), world_size=world)
+                              bucket_bytes=int(args.bucket_mb * (1 << 20)), world_size=world,
+                              vpp=m.virtual_pipeline_model_parallel_size or 1)
     print(plan.describe())
     return 0
 
