@@ -1,5 +1,5 @@
-"""The PPO trainer's configuration: the typed schema (every field documented where it is declared), the checks that
-need only one section, and YAML + command-line loading.
+"""The PPO trainer's configuration: the typed schema (every field documented where it is declared) and the checks
+that need only one section. Loading mechanics (omegaconf merging, unknown-key hints) are in engine/config_loading.py.
 
 Keys mirror verl's `ppo_megatron_trainer.yaml` wherever they mean the same thing, so a verl user can read a tripod
 recipe. Loading is three layers, later wins:
@@ -18,20 +18,17 @@ imports this module (never the reverse).
 """
 from __future__ import annotations
 
-import difflib
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import OmegaConf
+
+from engine.config_loading import (ConfigError, config_to_yaml, load_structured,  # noqa: F401 (re-exported)
+                                   save_resolved_config)
 
 DEVICES = ("cpu", "cuda")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")  # of megatron's OptimizerParamScheduler styles, those offered
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names every offending key and how to fix it."""
 
 
 def _choice(key: str, value: Any, allowed) -> list[str]:
@@ -502,86 +499,13 @@ MOVED_KEYS = {
 }
 
 
-def _unknown_keys(schema: DictConfig, user: Any, prefix: str = "") -> list[str]:
-    """Every key in `user` that the schema does not have, as a message with close matches."""
-    problems = []
-    if not isinstance(user, DictConfig):
-        return problems
-    for key in user.keys():
-        full = f"{prefix}{key}"
-        if full in MOVED_KEYS:
-            problems.append(f"{full}: not a tripod key; {MOVED_KEYS[full]}")
-        elif key not in schema:
-            near = difflib.get_close_matches(str(key), [str(k) for k in schema.keys()], n=1)
-            hint = f"did you mean '{prefix}{near[0]}'? " if near else ""
-            problems.append(f"{full}: unknown key; {hint}valid keys under '{prefix.rstrip('.') or '<root>'}' "
-                            f"are {sorted(str(k) for k in schema.keys())}")
-        elif isinstance(schema._get_node(key), DictConfig):
-            problems += _unknown_keys(schema[key], user._get_node(key), f"{full}.")
-    return problems
-
-
-def _merge(base: DictConfig, layer: DictConfig, source: str) -> DictConfig:
-    problems = _unknown_keys(base, layer)
-    if problems:
-        raise ConfigError(f"{source} has keys tripod does not know:\n  - " + "\n  - ".join(problems))
-    try:
-        return OmegaConf.merge(base, layer)
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "?"
-        reason = str(e).splitlines()[0]
-        raise ConfigError(f"{source}: bad value for {key}: {reason}; give {key} a value of the type in "
-                          "engine/config.py (see recipes/defaults.yaml)") from None
-
-
 def load_config(yaml_path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> TripodConfig:
-    """Defaults <- YAML recipe <- `key=value` overrides, resolved into a `TripodConfig` dataclass.
+    """Defaults <- YAML recipe <- `key=value` overrides, resolved into a `TripodConfig` (engine/config_loading.py).
 
-    Raises ConfigError for an unknown key (with the closest valid key), a value of the wrong type, a malformed
-    override, or a missing YAML file. Semantic checks are `engine.config_validation.validate_config`'s job.
+    Raises ConfigError for an unknown key, a wrong-typed value, a malformed override or a missing YAML file. Checks
+    of the values are `engine.config_validation.validate_config`'s job.
     """
-    cfg = OmegaConf.structured(TripodConfig)
-    if yaml_path is not None:
-        yaml_path = os.fspath(yaml_path)
-        if not os.path.isfile(yaml_path):
-            raise ConfigError(f"config file {yaml_path} does not exist; pass an existing YAML recipe (see recipes/)")
-        loaded = OmegaConf.load(yaml_path)
-        if not isinstance(loaded, DictConfig):
-            raise ConfigError(f"config file {yaml_path} must hold a mapping of keys at the top level")
-        cfg = _merge(cfg, loaded, f"config file {yaml_path}")
-    overrides = list(overrides or [])
-    bad = [o for o in overrides if "=" not in o or o.startswith(("+", "~"))]
-    if bad:
-        raise ConfigError(f"overrides {bad} are not of the form key=value (e.g. data.train_batch_size=64); "
-                          "tripod has no '+key'/'~key' syntax: every key already exists with a default")
-    if overrides:
-        cfg = _merge(cfg, OmegaConf.from_dotlist(overrides), f"command-line overrides {overrides}")
-    for key in ("data.train_files", "data.val_files"):  # a single path is a one-element list
-        value = OmegaConf.select(cfg, key)
-        if value is None:
-            OmegaConf.update(cfg, key, [], merge=False)
-        elif isinstance(value, str):
-            OmegaConf.update(cfg, key, [value], merge=False)
-    try:
-        return OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "?"
-        raise ConfigError(f"cannot resolve {key}: {str(e).splitlines()[0]}") from None
-
-
-def config_to_yaml(cfg: TripodConfig | DictConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg) if not isinstance(cfg, DictConfig) else cfg, resolve=True)
-
-
-def save_resolved_config(cfg: TripodConfig | DictConfig, run_dir: str | os.PathLike) -> str:
-    """Write the fully resolved config to `run_dir/config.yaml` (load it back with `load_config`); returns the path."""
-    os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(os.fspath(run_dir), "config.yaml")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(config_to_yaml(cfg))
-    os.replace(tmp, path)
-    return path
+    return load_structured(TripodConfig, yaml_path, overrides, MOVED_KEYS)
 
 
 if __name__ == "__main__":  # python -m engine.config > recipes/defaults.yaml
