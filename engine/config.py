@@ -106,8 +106,9 @@ class OptimConfig:
     """Warm-up length as a fraction of all optimizer steps of the run (used when lr_warmup_steps < 0).
     verl: optim.lr_warmup_steps_ratio; Megatron-LM: --lr-warmup-fraction."""
     lr_decay_style: str = "constant"
-    """LR after the warm-up: constant, or linear / cosine decay to min_lr_ratio * lr at the last optimizer step.
-    verl: optim.lr_decay_style (megatron) / lr_scheduler_type; Megatron-LM: --lr-decay-style."""
+    """LR after the warm-up: constant, or linear / cosine decay to min_lr_ratio * lr at the run's last optimizer
+    step (epochs cut short by actor.target_kl leave it short of the end). verl: optim.lr_decay_style (megatron) /
+    lr_scheduler_type; Megatron-LM: --lr-decay-style."""
     min_lr_ratio: float = 0.0
     """Floor of the decay as a fraction of lr. verl: optim.min_lr_ratio; Megatron-LM: --min-lr (= ratio * lr)."""
 
