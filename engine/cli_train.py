@@ -36,7 +36,8 @@ def _train_on_rank(config_yaml: str) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from engine.config import config_to_yaml, load_config, validate_config
+    from engine.config import config_to_yaml, load_config
+    from engine.config_validation import validate_config
 
     cfg = load_config(args.config, args.overrides)
     world = _world_size(cfg)

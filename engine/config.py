@@ -1,4 +1,5 @@
-"""The PPO trainer's configuration: typed defaults, YAML + command-line loading, and up-front validation.
+"""The PPO trainer's configuration: the typed schema (every field documented where it is declared) and the checks
+that need only one section. Loading mechanics (omegaconf merging, unknown-key hints) are in engine/config_loading.py.
 
 Keys mirror verl's `ppo_megatron_trainer.yaml` wherever they mean the same thing, so a verl user can read a tripod
 recipe. Loading is three layers, later wins:
@@ -7,71 +8,146 @@ recipe. Loading is three layers, later wins:
     2. a YAML recipe (only the keys it changes; see recipes/defaults.yaml for every key),
     3. `key=value` command-line overrides in omegaconf dot-list syntax (`data.train_batch_size=64`).
 
-`load_config` returns a plain `TripodConfig` dataclass instance with every `${...}` interpolation resolved (attribute
-access, picklable for Ray). `validate_config(cfg, world_size)` checks the whole config against the world it will run
-in and raises one `ConfigError` listing every problem, each naming its key and the fix.
+Every field carries an attribute docstring (the string literal right below it): meaning, unit, and the verl /
+Megatron-LM name it mirrors. `scripts/gen_config_docs.py` turns them into docs/config.md (a test keeps it in sync);
+`python -m engine.config > recipes/defaults.yaml` writes every key with its default.
+
+Each section has a `check(key)` that returns its own problems (ranges, choices taken from the registries that
+implement them). Checks that need several sections or the world size live in engine/config_validation.py, which
+imports this module (never the reverse).
 """
 from __future__ import annotations
 
-import difflib
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import OmegaConf
 
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-# KL estimators by verl's names: k1 == "kl", k2 == "mse", k3 == "low_var_kl".
-KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")  # = engine.algorithms.losses.AGG_MODES
-ROLLOUT_NAMES = ("embedded", "sglang")
-LOGGER_BACKENDS = ("console", "tensorboard", "jsonl")
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
+from engine.config_loading import (ConfigError, config_to_yaml, load_structured,  # noqa: F401 (re-exported)
+                                   save_resolved_config)
+
 DEVICES = ("cpu", "cuda")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")  # of megatron's OptimizerParamScheduler styles, those offered
 
 
-class ConfigError(ValueError):
-    """A configuration problem; the message names every offending key and how to fix it."""
+def _choice(key: str, value: Any, allowed) -> list[str]:
+    allowed = list(allowed)
+    return [] if value in allowed else [f"{key}={value!r} is not one of {allowed}"]
 
 
-# ---------------------------------------------------------------------------------------------- schema
+def _positive(values: dict[str, int]) -> list[str]:
+    """`values` maps full keys to values that must be positive integers."""
+    return [f"{k}={v} must be a positive integer" for k, v in values.items() if v < 1]
+
+
+# ---------------------------------------------------------------------------------------------- data
 @dataclass
 class DataConfig:
-    train_files: Any = field(default_factory=list)  # a parquet path or a list of them
+    train_files: Any = field(default_factory=list)
+    """Training prompt parquet file(s): one path or a list. verl: data.train_files."""
     val_files: Any = field(default_factory=list)
+    """Validation prompt parquet file(s); empty disables validation. verl: data.val_files."""
     prompt_key: str = "prompt"
-    reward_fn_key: str = "data_source"  # column that selects the reward function (verl's data.reward_fn_key)
+    """Column holding the prompt (a chat message list or a string). verl: data.prompt_key."""
+    reward_fn_key: str = "data_source"
+    """Column whose value selects the rule reward function of each row (engine/rewards). verl: data.reward_fn_key."""
     max_prompt_length: int = 512
+    """Longest prompt, in tokens (longer ones are filtered or refused, see filter_overlong_prompts).
+    verl: data.max_prompt_length."""
     max_response_length: int = 512
-    train_batch_size: int = 1024  # prompts per PPO step (each sampled rollout.n times)
-    val_batch_size: Optional[int] = None  # None: the whole validation set in one batch
+    """Longest generated response, in tokens. verl: data.max_response_length."""
+    train_batch_size: int = 1024
+    """Prompts per PPO step (each sampled rollout.n times). verl: data.train_batch_size."""
+    val_batch_size: Optional[int] = None
+    """Prompts generated and scored per validation batch; null: the whole validation set at once.
+    verl: data.val_batch_size."""
     shuffle: bool = True
+    """Shuffle the training prompts every epoch. verl: data.shuffle."""
     seed: int = 1
+    """Seed of the training-prompt shuffle (the same on every rank and across resumes). verl: data.seed."""
     filter_overlong_prompts: bool = True
+    """Drop prompts longer than max_prompt_length (false: refuse them at start). verl: data.filter_overlong_prompts."""
     apply_chat_template: bool = True
-    tokenizer: Optional[str] = None  # None: the actor model's tokenizer
+    """Render chat-message prompts with the tokenizer's chat template. (verl always applies it.)"""
+    tokenizer: Optional[str] = None
+    """Tokenizer directory; null: the actor model's. verl: data.tokenizer."""
+
+    def check(self, key: str = "data") -> list[str]:
+        e = [] if self.train_files else [f"{key}.train_files is empty; give one or more parquet files"]
+        e += _positive({f"{key}.max_prompt_length": self.max_prompt_length,
+                        f"{key}.max_response_length": self.max_response_length,
+                        f"{key}.train_batch_size": self.train_batch_size})
+        for files_key, files in (("train_files", self.train_files), ("val_files", self.val_files)):
+            e += [f"{key}.{files_key}: file {path} does not exist; point {key}.{files_key} at existing parquet files "
+                  "(scripts/preprocess_gsm8k.py or scripts/make_arithmetic_data.py write them)"
+                  for path in files if not os.path.isfile(os.path.expanduser(path))]
+        if self.val_batch_size is not None and self.val_batch_size < 1:
+            e.append(f"{key}.val_batch_size={self.val_batch_size} must be >= 1 (or null for the whole validation set)")
+        return e
 
 
+# ---------------------------------------------------------------------------------------------- models
 @dataclass
 class OptimConfig:
+    """Adam and its learning-rate schedule (megatron-core's OptimizerConfig + OptimizerParamScheduler)."""
     lr: float = 1e-6
+    """Peak learning rate, reached after the warm-up. verl: optim.lr; Megatron-LM: --lr."""
     weight_decay: float = 0.01
+    """Decoupled (AdamW) weight decay. verl: optim.weight_decay; Megatron-LM: --weight-decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam (beta1, beta2). verl: optim.betas; Megatron-LM: --adam-beta1/--adam-beta2."""
     eps: float = 1e-8
-    lr_warmup_steps: int = -1  # < 0: use lr_warmup_steps_ratio * total steps
+    """Adam epsilon. Megatron-LM: --adam-eps."""
+    lr_warmup_steps: int = -1
+    """Linear warm-up from 0 to lr, in optimizer steps (one per mini-batch per PPO epoch); < 0: use
+    lr_warmup_steps_ratio. verl: optim.lr_warmup_steps; Megatron-LM: --lr-warmup-iters."""
     lr_warmup_steps_ratio: float = 0.0
+    """Warm-up length as a fraction of all optimizer steps of the run (used when lr_warmup_steps < 0).
+    verl: optim.lr_warmup_steps_ratio; Megatron-LM: --lr-warmup-fraction."""
     lr_decay_style: str = "constant"
+    """LR after the warm-up: constant, or linear / cosine decay to min_lr_ratio * lr at the run's last optimizer
+    step (epochs cut short by actor.target_kl leave it short of the end). verl: optim.lr_decay_style (megatron) /
+    lr_scheduler_type; Megatron-LM: --lr-decay-style."""
     min_lr_ratio: float = 0.0
+    """Floor of the decay as a fraction of lr. verl: optim.min_lr_ratio; Megatron-LM: --min-lr (= ratio * lr)."""
+
+    def check(self, key: str) -> list[str]:
+        e = [f"{key}.lr={self.lr} must be >= 0"] if self.lr < 0 else []
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            e.append(f"{key}.betas={list(self.betas)} must be two numbers in [0, 1)")
+        if not 0 <= self.lr_warmup_steps_ratio < 1:
+            e.append(f"{key}.lr_warmup_steps_ratio={self.lr_warmup_steps_ratio} must be in [0, 1)")
+        if not 0 <= self.min_lr_ratio <= 1:
+            e.append(f"{key}.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        return e + _choice(f"{key}.lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES)
 
 
 @dataclass
 class MegatronConfig:
     tensor_model_parallel_size: int = 1
+    """Tensor-parallel size (TP). verl: megatron.tensor_model_parallel_size; Megatron-LM: --tensor-model-parallel-size."""
     pipeline_model_parallel_size: int = 1
+    """Pipeline stages (PP); DP = world / (TP * PP). verl/Megatron-LM: pipeline_model_parallel_size."""
     virtual_pipeline_model_parallel_size: Optional[int] = None
-    sequence_parallel: bool = False  # only meaningful with tensor_model_parallel_size > 1
+    """Interleaved pipeline: model chunks per stage (needs PP >= 2); null: off.
+    Megatron-LM: --num-virtual-stages-per-pipeline-rank. verl: same name."""
+    sequence_parallel: bool = False
+    """Shard layer-norm / dropout activations over the TP group (only with TP > 1). Megatron-LM: --sequence-parallel."""
     seed: int = 42
+    """Seed of this model's megatron RNG (model-parallel RNG tracker, initialisation of non-loaded parameters such
+    as the value head). verl: megatron.seed."""
+
+    def check(self, key: str) -> list[str]:
+        e = [f"{key}.{n}={v} must be >= 1" for n, v in (("tensor_model_parallel_size", self.tensor_model_parallel_size),
+                                                         ("pipeline_model_parallel_size",
+                                                          self.pipeline_model_parallel_size)) if v < 1]
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and (vpp < 1 or self.pipeline_model_parallel_size < 2):
+            e.append(f"{key}.virtual_pipeline_model_parallel_size={vpp} needs an integer >= 1 and "
+                     f"pipeline_model_parallel_size >= 2 (it is {self.pipeline_model_parallel_size}); set it to null "
+                     "to disable interleaving")
+        return e
 
 
 def _megatron_like_actor() -> MegatronConfig:
@@ -84,234 +160,356 @@ def _megatron_like_actor() -> MegatronConfig:
 
 @dataclass
 class ModelConfig:
-    path: Optional[str] = None  # a Hugging Face model directory (config.json + weights)
+    path: Optional[str] = None
+    """A Hugging Face model directory (config.json + weights). verl: model.path."""
 
 
 @dataclass
-class ActorConfig:
-    ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n responses)
+class PPOModelConfig:
+    """What the actor and the critic share: batching of the PPO update, its loss aggregation, optimizer, layout."""
+    ppo_mini_batch_size: int = 256
+    """Prompts per optimizer step (x rollout.n responses); the train batch is split into such mini-batches.
+    verl: ppo_mini_batch_size."""
     ppo_micro_batch_size_per_gpu: Optional[int] = 4
+    """Responses per forward/backward micro-batch on one rank (gradients accumulate over them); null with
+    use_dynamic_bsz. verl: ppo_micro_batch_size_per_gpu; Megatron-LM: --micro-batch-size."""
     ppo_epochs: int = 1
+    """Passes over the batch per PPO step. verl: ppo_epochs."""
     shuffle: bool = False
-    clip_ratio: float = 0.2
-    clip_ratio_low: float = "${.clip_ratio}"
-    clip_ratio_high: float = "${.clip_ratio}"
-    clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages
+    """Shuffle the rows into mini-batches each PPO epoch (seeded alike on every rank). verl: shuffle."""
     loss_agg_mode: str = "token-mean"
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    target_kl: Optional[float] = None  # early-stop the PPO epochs when approx KL exceeds it; None = off
+    """How token losses reduce to one number (engine.algorithms.AGG_MODES). verl: loss_agg_mode."""
     grad_clip: float = 1.0
+    """Global gradient-norm clip. verl: grad_clip; Megatron-LM: --clip-grad."""
     use_dynamic_bsz: bool = False
+    """Micro-batches under a token budget (ppo_max_token_len_per_gpu) instead of a fixed row count (PP = 1 only).
+    verl: use_dynamic_bsz."""
     ppo_max_token_len_per_gpu: int = 16384
+    """Token budget of one micro-batch with use_dynamic_bsz (prompt + response tokens). verl: same name."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and LR schedule of this model."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout and seed of this model."""
+
+    def check(self, key: str) -> list[str]:
+        from engine.algorithms import AGG_MODES
+
+        e = _positive({f"{key}.ppo_epochs": self.ppo_epochs})
+        if self.ppo_mini_batch_size < 1:
+            e.append(f"{key}.ppo_mini_batch_size={self.ppo_mini_batch_size} must be >= 1")
+        if not self.use_dynamic_bsz and (self.ppo_micro_batch_size_per_gpu is None
+                                         or self.ppo_micro_batch_size_per_gpu < 1):
+            e.append(f"{key}.ppo_micro_batch_size_per_gpu={self.ppo_micro_batch_size_per_gpu} must be >= 1 (or set "
+                     f"{key}.use_dynamic_bsz=true)")
+        if self.grad_clip <= 0:
+            e.append(f"{key}.grad_clip={self.grad_clip} must be > 0")
+        e += _choice(f"{key}.loss_agg_mode", self.loss_agg_mode, AGG_MODES)
+        return e + self.optim.check(f"{key}.optim") + self.megatron.check(f"{key}.megatron")
 
 
+@dataclass
+class ActorConfig(PPOModelConfig):
+    clip_ratio: float = 0.2
+    """PPO ratio clip epsilon (default of clip_ratio_low/high). verl: actor.clip_ratio."""
+    clip_ratio_low: float = "${.clip_ratio}"
+    """Lower clip: ratio >= 1 - clip_ratio_low. verl: actor.clip_ratio_low."""
+    clip_ratio_high: float = "${.clip_ratio}"
+    """Upper clip: ratio <= 1 + clip_ratio_high (DAPO's clip-higher). verl: actor.clip_ratio_high."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages (> 1). verl: actor.clip_ratio_c."""
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus in the actor loss. verl: actor.entropy_coeff."""
+    use_kl_loss: bool = False
+    """Add a KL(actor || reference) term to the actor loss (GRPO style). verl: actor.use_kl_loss."""
+    kl_loss_coef: float = 0.001
+    """Weight of that KL loss. verl: actor.kl_loss_coef."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the loss (engine.algorithms.list_kl_kinds: k1/kl, k2/mse, k3/low_var_kl, abs).
+    verl: actor.kl_loss_type."""
+    target_kl: Optional[float] = None
+    """Stop the PPO epochs early when a mini-batch's approximate KL exceeds it; null: off. (Spinning Up's target_kl)"""
+
+    def check(self, key: str = "actor_rollout_ref.actor") -> list[str]:
+        from engine.algorithms import list_kl_kinds
+
+        e = super().check(key)
+        if not (self.clip_ratio_low > 0 and self.clip_ratio_high > 0):
+            e.append(f"{key}.clip_ratio_low/high = {self.clip_ratio_low}/{self.clip_ratio_high} must be > 0")
+        if self.clip_ratio_c <= 1:
+            e.append(f"{key}.clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound)")
+        if self.target_kl is not None and self.target_kl <= 0:
+            e.append(f"{key}.target_kl={self.target_kl} must be > 0 (or null to disable early stop)")
+        return e + _choice(f"{key}.kl_loss_type", self.kl_loss_type, list_kl_kinds())
+
+
+@dataclass
+class CriticConfig(PPOModelConfig):
+    ppo_mini_batch_size: int = "${actor_rollout_ref.actor.ppo_mini_batch_size}"
+    ppo_micro_batch_size_per_gpu: Optional[int] = "${actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu}"
+    """Rows per micro-batch of the critic's update and of its value forward (verl's forward_micro_batch_size_per_gpu
+    defaults to it); null with use_dynamic_bsz."""
+    ppo_epochs: int = "${actor_rollout_ref.actor.ppo_epochs}"
+    use_dynamic_bsz: bool = "${actor_rollout_ref.actor.use_dynamic_bsz}"
+    ppo_max_token_len_per_gpu: int = 32768
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    megatron: MegatronConfig = field(default_factory=_megatron_like_actor)
+    """Parallel layout and seed of the critic (defaults: the actor's)."""
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path="${actor_rollout_ref.model.path}"))
+    """The critic's initial weights (default: the actor's model; the value head is freshly initialised)."""
+    cliprange_value: float = 0.5
+    """Clip of the value prediction around the old value. verl: critic.cliprange_value."""
+
+    def check(self, key: str = "critic") -> list[str]:
+        e = super().check(key)
+        return e + ([f"{key}.cliprange_value={self.cliprange_value} must be > 0"] if self.cliprange_value <= 0 else [])
+
+
+# ---------------------------------------------------------------------------------------------- rollout / ref
 @dataclass
 class ValKwargsConfig:
     temperature: float = 0.0
+    """Validation sampling temperature (0: greedy). verl: rollout.val_kwargs.temperature."""
     top_p: float = 1.0
+    """Validation nucleus mass. verl: rollout.val_kwargs.top_p."""
     top_k: int = -1
+    """Validation top-k; -1: off. verl: rollout.val_kwargs.top_k."""
     do_sample: bool = False
+    """Sample at validation (false: greedy). verl: rollout.val_kwargs.do_sample."""
     n: int = 1
+    """Responses per validation prompt. verl: rollout.val_kwargs.n."""
 
 
 @dataclass
 class RolloutConfig:
     name: str = "embedded"
+    """Generation backend (engine.rollout.ROLLOUT_NAMES): the embedded TP decoder or SGLang. verl: rollout.name."""
     tensor_model_parallel_size: int = 1
+    """TP size of one generation replica (divides the actor's TP * PP). verl: rollout.tensor_model_parallel_size."""
     temperature: float = 1.0
+    """Sampling temperature of training rollouts (also used in the log-prob recomputation). verl: rollout.temperature."""
     top_p: float = 1.0
-    top_k: int = -1  # -1: off
+    """Nucleus sampling mass, in (0, 1]. verl: rollout.top_p."""
+    top_k: int = -1
+    """Top-k sampling; -1: off. verl: rollout.top_k."""
     n: int = 1
+    """Responses sampled per prompt (the GRPO group size). verl: rollout.n."""
     do_sample: bool = True
-    prompt_length: int = "${data.max_prompt_length}"
+    """Sample (false: greedy). verl: rollout.do_sample."""
     response_length: int = "${data.max_response_length}"
+    """Longest generated response, in tokens. verl: rollout.response_length."""
     gpu_memory_utilization: float = 0.5
-    mem_fraction_static: float = "${.gpu_memory_utilization}"  # SGLang's name for the same budget
+    """Device-memory fraction the generation engine may hold (SGLang only). verl: rollout.gpu_memory_utilization."""
+    mem_fraction_static: float = "${.gpu_memory_utilization}"
+    """SGLang's name for the same budget (SGLang only)."""
     log_prob_micro_batch_size_per_gpu: Optional[int] = "${actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu}"
+    """Rows per micro-batch of the actor's old-log-prob forward; null: all of a rank's rows at once.
+    verl: rollout.log_prob_micro_batch_size_per_gpu."""
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    """Sampling at validation."""
+
+    def check(self, key: str = "actor_rollout_ref.rollout") -> list[str]:
+        from engine.rollout import ROLLOUT_NAMES
+
+        e = _choice(f"{key}.name", self.name, ROLLOUT_NAMES)
+        e += _positive({f"{key}.response_length": self.response_length, f"{key}.n": self.n,
+                        f"{key}.val_kwargs.n": self.val_kwargs.n})
+        if self.temperature < 0:
+            e.append(f"{key}.temperature={self.temperature} must be >= 0")
+        for sub, kw in (("", self), ("val_kwargs.", self.val_kwargs)):
+            if not 0 < kw.top_p <= 1:
+                e.append(f"{key}.{sub}top_p={kw.top_p} must be in (0, 1]")
+            if kw.top_k == 0 or kw.top_k < -1:
+                e.append(f"{key}.{sub}top_k={kw.top_k} must be -1 (off) or >= 1")
+        if self.log_prob_micro_batch_size_per_gpu is not None and self.log_prob_micro_batch_size_per_gpu < 1:
+            e.append(f"{key}.log_prob_micro_batch_size_per_gpu={self.log_prob_micro_batch_size_per_gpu} must be >= 1 "
+                     "(or null)")
+        return e
 
 
 @dataclass
 class RefConfig:
     megatron: MegatronConfig = field(default_factory=_megatron_like_actor)
-    offload: bool = False  # keep params on CPU, swap them in for the reference forward
+    """Parallel layout and seed of the frozen reference model (defaults: the actor's)."""
+    offload: bool = False
+    """Keep the reference parameters on the host and bring them to the device for each forward.
+    verl: ref.megatron.param_offload."""
     log_prob_micro_batch_size_per_gpu: Optional[int] = "${actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu}"
+    """Rows per micro-batch of the reference forward; null: all of a rank's rows at once.
+    verl: ref.log_prob_micro_batch_size_per_gpu."""
+
+    def check(self, key: str = "actor_rollout_ref.ref") -> list[str]:
+        micro = self.log_prob_micro_batch_size_per_gpu
+        e = [f"{key}.log_prob_micro_batch_size_per_gpu={micro} must be >= 1 (or null)"] if micro is not None \
+            and micro < 1 else []
+        return e + self.megatron.check(f"{key}.megatron")
 
 
 @dataclass
 class ActorRolloutRefConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy's initial weights (actor, reference and rollout all start from it)."""
     actor: ActorConfig = field(default_factory=ActorConfig)
+    """The trained policy."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation."""
     ref: RefConfig = field(default_factory=RefConfig)
+    """The frozen reference policy (built only when a KL term needs it)."""
 
 
-@dataclass
-class CriticConfig:
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(
-        path="${actor_rollout_ref.model.path}"))
-    ppo_mini_batch_size: int = "${actor_rollout_ref.actor.ppo_mini_batch_size}"
-    ppo_micro_batch_size_per_gpu: Optional[int] = "${actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu}"
-    ppo_epochs: int = "${actor_rollout_ref.actor.ppo_epochs}"
-    shuffle: bool = False
-    cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
-    grad_clip: float = 1.0
-    use_dynamic_bsz: bool = "${actor_rollout_ref.actor.use_dynamic_bsz}"
-    ppo_max_token_len_per_gpu: int = 32768
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    megatron: MegatronConfig = field(default_factory=_megatron_like_actor)
-
-
+# ---------------------------------------------------------------------------------------------- algorithm
 @dataclass
 class KLControlConfig:
-    type: str = "fixed"  # fixed | adaptive (Ziegler et al. 2019)
+    type: str = "fixed"
+    """KL-in-reward coefficient controller: fixed, or adaptive (Ziegler et al. 2019). verl: kl_ctrl.type."""
     kl_coef: float = 0.001
+    """(Initial) KL-in-reward coefficient. verl: kl_ctrl.kl_coef."""
     target_kl: float = 0.1
+    """Adaptive controller's KL target per token. verl: kl_ctrl.target_kl."""
     horizon: int = 10000
+    """Adaptive controller's horizon, in samples. verl: kl_ctrl.horizon."""
     warmup_steps: int = 0
+    """PPO steps with a zero coefficient before the controller starts."""
+
+    def check(self, key: str = "algorithm.kl_ctrl") -> list[str]:
+        from engine.algorithms.controllers import KL_CONTROLLERS
+
+        e = _choice(f"{key}.type", self.type, KL_CONTROLLERS)
+        if self.type == "adaptive" and (self.target_kl <= 0 or self.horizon < 1):
+            e.append(f"{key}.type=adaptive needs {key}.target_kl > 0 and horizon >= 1 "
+                     f"(they are {self.target_kl}, {self.horizon})")
+        return e
 
 
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
+    """Advantage estimator (engine.algorithms.list_adv_estimators); only gae trains a critic.
+    verl: algorithm.adv_estimator."""
     gamma: float = 1.0
+    """Discount factor, in [0, 1]. verl: algorithm.gamma."""
     lam: float = 1.0
+    """GAE lambda, in [0, 1]. verl: algorithm.lam."""
     norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide group-centred scores by the group std (false: Dr. GRPO). verl: same name."""
     use_kl_in_reward: bool = False
+    """Subtract kl_ctrl.kl_coef * KL(actor || reference) from the token rewards. verl: algorithm.use_kl_in_reward."""
     kl_penalty: str = "kl"
+    """KL estimator of the reward penalty (engine.algorithms.list_kl_kinds). verl: algorithm.kl_penalty."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """KL-in-reward coefficient control."""
+
+    def check(self, key: str = "algorithm") -> list[str]:
+        from engine.algorithms import list_adv_estimators, list_kl_kinds
+
+        e = _choice(f"{key}.adv_estimator", self.adv_estimator, list_adv_estimators())
+        e += _choice(f"{key}.kl_penalty", self.kl_penalty, list_kl_kinds())
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
+            e.append(f"{key}.gamma={self.gamma} and {key}.lam={self.lam} must be in [0, 1]")
+        return e + self.kl_ctrl.check(f"{key}.kl_ctrl")
 
 
 @dataclass
 class RewardModelConfig:
-    """Rule rewards chosen per sample by `data.reward_fn_key` (see engine.rewards)."""
-    reward_fn_key: str = "${data.reward_fn_key}"
-    num_workers: int = 1  # <= 1: score in-process
-    timeout_s: float = 10.0  # per sample; a timed-out sample scores 0 and is counted
+    """Rule rewards, chosen per row by the `data.reward_fn_key` column (see engine.rewards)."""
+    num_workers: int = 1
+    """Processes that score responses; <= 1: in the trainer's process. (verl: reward_model.reward_manager)"""
+    timeout_s: float = 10.0
+    """Per-response scoring timeout, in seconds; a timed-out response scores 0 and is counted."""
     use_ray: bool = False
+    """Score in Ray tasks instead of a local process pool."""
+
+    def check(self, key: str = "reward_model") -> list[str]:
+        e = _positive({f"{key}.num_workers": self.num_workers})
+        return e + ([f"{key}.timeout_s={self.timeout_s} must be > 0 seconds"] if self.timeout_s <= 0 else [])
 
 
+# ---------------------------------------------------------------------------------------------- trainer
 @dataclass
 class TrainerConfig:
     project_name: str = "tripod"
+    """Project name (part of default_local_dir). verl: trainer.project_name."""
     experiment_name: str = "run"
+    """Run name (part of default_local_dir). verl: trainer.experiment_name."""
     total_epochs: int = 1
-    total_training_steps: Optional[int] = None  # None: total_epochs * steps per epoch
-    save_freq: int = -1  # <= 0: only at the end
-    test_freq: int = -1  # <= 0: no periodic validation
+    """Passes over the training prompts (when total_training_steps is null). verl: trainer.total_epochs."""
+    total_training_steps: Optional[int] = None
+    """PPO steps to run; null: total_epochs * steps per epoch. verl: trainer.total_training_steps."""
+    save_freq: int = -1
+    """Checkpoint every this many PPO steps; <= 0: only at the end. verl: trainer.save_freq."""
+    test_freq: int = -1
+    """Validate every this many PPO steps (and at the end); <= 0: only at the end. verl: trainer.test_freq."""
     val_before_train: bool = True
-    resume: str = "auto"  # auto | disable | a checkpoint directory
+    """Validate once before the first step. verl: trainer.val_before_train."""
+    resume: str = "auto"
+    """auto (latest complete checkpoint under default_local_dir), disable, or a global_step_<k> directory.
+    verl: trainer.resume_mode / resume_from_path."""
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
+    """Run directory: config.yaml, metrics.jsonl, tensorboard/, checkpoints/. verl: trainer.default_local_dir."""
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    """Metric sinks (engine.logging BACKENDS). verl: trainer.logger."""
     n_gpus_per_node: int = 1
+    """Ranks per node (on CPU: gloo processes). verl: trainer.n_gpus_per_node."""
     nnodes: int = 1
-    critic_warmup: int = 0  # steps that train only the critic
+    """Nodes; the world size is n_gpus_per_node * nnodes. verl: trainer.nnodes."""
+    critic_warmup: int = 0
+    """First PPO steps that train only the critic. verl: trainer.critic_warmup."""
     seed: int = 1
+    """Seed of rollout sampling (combined with the step and the replica). verl: actor_rollout_ref.rollout.seed."""
     device: str = "cpu"
+    """cpu (gloo) or cuda (nccl). verl: trainer.device."""
+
+    def check(self, key: str = "trainer") -> list[str]:
+        from engine.logging.tracker import BACKENDS
+
+        e = _positive({f"{key}.total_epochs": self.total_epochs})
+        if self.total_training_steps is not None and self.total_training_steps < 1:
+            e.append(f"{key}.total_training_steps={self.total_training_steps} must be >= 1 (or null)")
+        if self.critic_warmup < 0:
+            e.append(f"{key}.critic_warmup={self.critic_warmup} must be >= 0")
+        bad = [b for b in self.logger if b not in BACKENDS]
+        if bad:
+            e.append(f"{key}.logger has unknown backends {bad}; use any of {list(BACKENDS)}")
+        e += _choice(f"{key}.device", self.device, DEVICES)
+        if self.resume not in ("auto", "disable") and not os.path.isdir(os.path.expanduser(self.resume)):
+            e.append(f"{key}.resume={self.resume!r} is neither 'auto', 'disable' nor an existing checkpoint directory")
+        return e
 
 
 @dataclass
 class TripodConfig:
     data: DataConfig = field(default_factory=DataConfig)
+    """Prompt data."""
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    """The policy: actor, rollout and reference."""
     critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model (built only for critic-based estimators: gae)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages and KL."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """Reward scoring."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The loop: steps, validation, checkpoints, logging, world."""
 
 
 # ---------------------------------------------------------------------------------------------- loading
-def _unknown_keys(schema: DictConfig, user: Any, prefix: str = "") -> list[str]:
-    """Every key in `user` that the schema does not have, as a message with close matches."""
-    problems = []
-    if not isinstance(user, DictConfig):
-        return problems
-    for key in user.keys():
-        full = f"{prefix}{key}"
-        if key not in schema:
-            near = difflib.get_close_matches(str(key), [str(k) for k in schema.keys()], n=1)
-            hint = f"did you mean '{prefix}{near[0]}'? " if near else ""
-            problems.append(f"{full}: unknown key; {hint}valid keys under '{prefix.rstrip('.') or '<root>'}' "
-                            f"are {sorted(str(k) for k in schema.keys())}")
-        elif isinstance(schema._get_node(key), DictConfig):
-            problems += _unknown_keys(schema[key], user._get_node(key), f"{full}.")
-    return problems
-
-
-def _merge(base: DictConfig, layer: DictConfig, source: str) -> DictConfig:
-    problems = _unknown_keys(base, layer)
-    if problems:
-        raise ConfigError(f"{source} has keys tripod does not know:\n  - " + "\n  - ".join(problems))
-    try:
-        return OmegaConf.merge(base, layer)
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "?"
-        reason = str(e).splitlines()[0]
-        raise ConfigError(f"{source}: bad value for {key}: {reason}; give {key} a value of the type in "
-                          "engine/config.py (see recipes/defaults.yaml)") from None
+# Keys verl (or an older tripod) has that tripod takes from elsewhere: a one-line pointer instead of "unknown key".
+MOVED_KEYS = {
+    "reward_model.reward_fn_key": "the reward function is chosen per row by the column named in data.reward_fn_key; "
+                                  "set data.reward_fn_key instead",
+    "actor_rollout_ref.rollout.prompt_length": "the prompt budget is data.max_prompt_length; set that instead",
+}
 
 
 def load_config(yaml_path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> TripodConfig:
-    """Defaults <- YAML recipe <- `key=value` overrides, resolved into a `TripodConfig` dataclass.
+    """Defaults <- YAML recipe <- `key=value` overrides, resolved into a `TripodConfig` (engine/config_loading.py).
 
-    Raises ConfigError for an unknown key (with the closest valid key), a value of the wrong type, a malformed
-    override, or a missing YAML file. Semantic checks against the world size are `validate_config`'s job.
+    Raises ConfigError for an unknown key, a wrong-typed value, a malformed override or a missing YAML file. Checks
+    of the values are `engine.config_validation.validate_config`'s job.
     """
-    cfg = OmegaConf.structured(TripodConfig)
-    if yaml_path is not None:
-        yaml_path = os.fspath(yaml_path)
-        if not os.path.isfile(yaml_path):
-            raise ConfigError(f"config file {yaml_path} does not exist; pass an existing YAML recipe (see recipes/)")
-        loaded = OmegaConf.load(yaml_path)
-        if not isinstance(loaded, DictConfig):
-            raise ConfigError(f"config file {yaml_path} must hold a mapping of keys at the top level")
-        cfg = _merge(cfg, loaded, f"config file {yaml_path}")
-    overrides = list(overrides or [])
-    bad = [o for o in overrides if "=" not in o or o.startswith(("+", "~"))]
-    if bad:
-        raise ConfigError(f"overrides {bad} are not of the form key=value (e.g. data.train_batch_size=64); "
-                          "tripod has no '+key'/'~key' syntax: every key already exists with a default")
-    if overrides:
-        cfg = _merge(cfg, OmegaConf.from_dotlist(overrides), f"command-line overrides {overrides}")
-    for key in ("data.train_files", "data.val_files"):  # a single path is a one-element list
-        value = OmegaConf.select(cfg, key)
-        if value is None:
-            OmegaConf.update(cfg, key, [], merge=False)
-        elif isinstance(value, str):
-            OmegaConf.update(cfg, key, [value], merge=False)
-    try:
-        return OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "?"
-        raise ConfigError(f"cannot resolve {key}: {str(e).splitlines()[0]}") from None
-
-
-def config_to_yaml(cfg: TripodConfig | DictConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg) if not isinstance(cfg, DictConfig) else cfg, resolve=True)
-
-
-def save_resolved_config(cfg: TripodConfig | DictConfig, run_dir: str | os.PathLike) -> str:
-    """Write the fully resolved config to `run_dir/config.yaml` (load it back with `load_config`); returns the path."""
-    os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(os.fspath(run_dir), "config.yaml")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(config_to_yaml(cfg))
-    os.replace(tmp, path)
-    return path
-
-
-# validation lives in its own module; re-exported here so callers import everything from engine.config
-if __name__ != "__main__":  # (as a script this file only prints the defaults)
-    from engine.config_validation import data_parallel_size, validate_config  # noqa: E402,F401
+    return load_structured(TripodConfig, yaml_path, overrides, MOVED_KEYS)
 
 
 if __name__ == "__main__":  # python -m engine.config > recipes/defaults.yaml
-    print("# Every tripod config key with its default (generated by `python -m engine.config`).", end="\n")
+    print("# Every tripod config key with its default (generated by `python -m engine.config`; "
+          "docs/config.md explains each).", end="\n")
     print(OmegaConf.to_yaml(OmegaConf.structured(TripodConfig)), end="")

@@ -17,24 +17,17 @@ import torch.distributed as dist
 from engine.algorithms import apply_kl_penalty, build_kl_controller, compute_advantage, masked_mean
 from engine.checkpoints import CheckpointManager
 from engine.config import TripodConfig, save_resolved_config
+from engine.config_validation import CRITIC_ESTIMATORS
 from engine.data import PromptBatch, PromptDataLoader, PromptDataset
 from engine.logging import Timer, Tracker
 from engine.perf import PerfCounter
 from engine.rewards import RewardPool
 from engine.rollout import SamplingParams, make_rollout_engine
 from engine.workers.batch import PPOBatch, build_ppo_batch
-from engine.workers.megatron_worker import OptimSettings
 from engine.workers.ppo_workers import CriticWorker, PolicyWorker
 from parallel.arch import arch_from_hf
 from parallel.hybrid_engine.engine import HybridEngine
 from parallel.layout import ParallelLayout
-
-CRITIC_ESTIMATORS = ("gae",)
-
-
-def _optim(opt_cfg, grad_clip: float) -> OptimSettings:
-    return OptimSettings(lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay, betas=tuple(opt_cfg.betas),
-                         eps=opt_cfg.eps, grad_clip=grad_clip)
 
 
 def _layout(m, name: str, arch) -> ParallelLayout:
@@ -69,26 +62,29 @@ class PPOTrainer:
         self.rewards = RewardPool(cfg.reward_model.num_workers, cfg.reward_model.timeout_s,
                                   cfg.reward_model.use_ray, data_sources=sources) if self.rank == 0 else None
 
-        for key, m in (("actor_rollout_ref.actor", actor_cfg), ("critic", cfg.critic)):
-            if m.use_dynamic_bsz and m.megatron.pipeline_model_parallel_size > 1:
-                raise ValueError(f"{key}.use_dynamic_bsz=true needs {key}.megatron.pipeline_model_parallel_size=1 "
-                                 "(megatron's pipeline schedule sends fixed-shape micro-batches); turn one off")
         algo = cfg.algorithm
         self.use_critic = algo.adv_estimator in CRITIC_ESTIMATORS
         self.use_ref = algo.use_kl_in_reward or actor_cfg.use_kl_loss
         self.kl_ctrl = build_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl,
                                            algo.kl_ctrl.horizon, warmup_steps=algo.kl_ctrl.warmup_steps)
 
-        seed = actor_cfg.megatron.seed
+        self.total_steps = cfg.trainer.total_training_steps or len(self.loader) * cfg.trainer.total_epochs
+        # optimizer steps of the run, for the LR schedules: one per mini-batch per PPO epoch of every step that
+        # updates the model (the actor sits out the critic warm-up)
+        updates = lambda m: m.ppo_epochs * (cfg.data.train_batch_size // m.ppo_mini_batch_size)  # noqa: E731
         actor_layout = _layout(actor_cfg.megatron, "actor", self.arch)
-        self.actor = PolicyWorker("actor", self.arch, actor_layout, path, seed=seed,
-                                  optim=_optim(actor_cfg.optim, actor_cfg.grad_clip), **_model_options(actor_cfg.megatron))
+        self.actor = PolicyWorker("actor", self.arch, actor_layout, path, seed=actor_cfg.megatron.seed,
+                                  optim=actor_cfg.optim, grad_clip=actor_cfg.grad_clip,
+                                  total_steps=max(self.total_steps - cfg.trainer.critic_warmup, 1) * updates(actor_cfg),
+                                  **_model_options(actor_cfg.megatron))
         self.ref = (PolicyWorker("reference", self.arch, _layout(arc.ref.megatron, "reference", self.arch), path,
-                                 trainable=False, seed=seed, offload=arc.ref.offload, **_model_options(arc.ref.megatron))
+                                 trainable=False, seed=arc.ref.megatron.seed, offload=arc.ref.offload,
+                                 **_model_options(arc.ref.megatron))
                     if self.use_ref else None)
         self.critic = (CriticWorker("critic", self.arch, _layout(cfg.critic.megatron, "critic", self.arch),
-                                    cfg.critic.model.path, value_head=True, seed=seed,
-                                    optim=_optim(cfg.critic.optim, cfg.critic.grad_clip),
+                                    cfg.critic.model.path, value_head=True, seed=cfg.critic.megatron.seed,
+                                    optim=cfg.critic.optim, grad_clip=cfg.critic.grad_clip,
+                                    total_steps=self.total_steps * updates(cfg.critic),
                                     **_model_options(cfg.critic.megatron))
                        if self.use_critic else None)
 
@@ -100,7 +96,6 @@ class PPOTrainer:
         self.rollout = make_rollout_engine(rollout.name, self.arch, self.hybrid.rollout_tp_group, **kwargs)
         self.rollout.release_memory()
 
-        self.total_steps = cfg.trainer.total_training_steps or len(self.loader) * cfg.trainer.total_epochs
         self.run_dir = cfg.trainer.default_local_dir
         self.ckpt = CheckpointManager(os.path.join(self.run_dir, "checkpoints"), self)
         self.perf = PerfCounter(self.arch, self.world)
@@ -163,10 +158,12 @@ class PPOTrainer:
                 batch["old_log_probs"], _ = self.actor.compute_log_probs(batch, micro, temperature)
             if self.ref is not None:
                 with timer("ref"):
-                    batch["ref_log_probs"], _ = self.ref.compute_log_probs(batch, micro, temperature)
+                    batch["ref_log_probs"], _ = self.ref.compute_log_probs(
+                        batch, arc.ref.log_prob_micro_batch_size_per_gpu or batch.size, temperature)
             if self.critic is not None:
                 with timer("values"):
-                    batch["values"] = self.critic.compute_values(batch, micro)
+                    batch["values"] = self.critic.compute_values(
+                        batch, cfg.critic.ppo_micro_batch_size_per_gpu or batch.size)
             metrics = dict(reward_metrics)
             with timer("adv"):
                 if algo.use_kl_in_reward:
@@ -214,17 +211,21 @@ class PPOTrainer:
 
     # ---- validation -----------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
+        """Greedy (val_kwargs) generation over the validation set in batches of data.val_batch_size prompts."""
         if self.val_set is None:
             return {}
-        prompts = self.val_set.batch(list(range(len(self.val_set))))
         params = self.sampling_params(True, -1)
-        responses = self.generate(prompts.input_ids, params)
-        scores, _ = self.score(prompts, responses, params.n)
-        out = {"val/reward_mean": sum(scores) / len(scores)}
+        size = self.cfg.data.val_batch_size or len(self.val_set)
+        scores: list[float] = []
         by_source: dict[str, list[float]] = {}
-        rep_sources = [s for s in prompts.data_sources for _ in range(params.n)]
-        for s, x in zip(rep_sources, scores):
-            by_source.setdefault(s, []).append(x)
+        for start in range(0, len(self.val_set), size):
+            prompts = self.val_set.batch(list(range(start, min(start + size, len(self.val_set)))))
+            batch_scores, _ = self.score(prompts, self.generate(prompts.input_ids, params), params.n)
+            scores += batch_scores
+            rep_sources = [s for s in prompts.data_sources for _ in range(params.n)]
+            for s, x in zip(rep_sources, batch_scores):
+                by_source.setdefault(s, []).append(x)
+        out = {"val/reward_mean": sum(scores) / len(scores)}
         out.update({f"val/{s}/reward_mean": sum(v) / len(v) for s, v in by_source.items()})
         return out
 

@@ -36,17 +36,20 @@ def run(cmd: list[str]) -> None:
 
 
 def write_data() -> None:
-    """One-digit + and - problems (non-negative answers) as chat prompts that carry the worked example."""
+    """One-digit + and - problems (non-negative answers) as chat prompts that carry the worked example. The 64
+    validation problems are distinct and none of them occurs in the training set (held-out problems)."""
     sys.path.insert(0, REPO)
-    from engine.data import make_arithmetic_rows, write_prompt_parquet
+    from engine.data import make_arithmetic_splits, write_prompt_parquet
 
-    for split, count, seed, format_score in (("train", 2048, 0, 0.1), ("test", 64, 1, 0.0)):
-        rows = make_arithmetic_rows(count, seed=seed, max_digits=1, ops=("+", "-"), allow_negative=False,
-                                    instruction="", split=split, format_score=format_score)
+    splits = make_arithmetic_splits(2048, 64, seed=0, train_format_score=0.1, min_digits=1, max_digits=1,
+                                    ops=("+", "-"), allow_negative=False, instruction="")
+    for split, rows in zip(("train", "test"), splits):
         for row in rows:
             row["prompt"] = EXAMPLE + [{"role": "user", "content": row["extra_info"]["question"]}]
         write_prompt_parquet(rows, os.path.join(DATA_DIR, f"{split}.parquet"))
-    print(f"wrote arithmetic prompts to {DATA_DIR}", flush=True)
+    train_problems = {r["extra_info"]["expression"] for r in splits[0]}
+    print(f"wrote arithmetic prompts to {DATA_DIR}: {len(train_problems)} distinct training problems, "
+          f"{len(splits[1])} held-out validation problems", flush=True)
 
 
 def main(overrides: list[str]) -> int:

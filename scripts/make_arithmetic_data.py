@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # works from a bare checkout
 
-from engine.data.arithmetic import INSTRUCTION, OPERATORS, make_arithmetic_rows
+from engine.data.arithmetic import INSTRUCTION, OPERATORS, make_arithmetic_splits
 from engine.data.dataset import write_prompt_parquet
 
 
@@ -32,15 +32,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     common = dict(min_digits=args.min_digits, max_digits=args.max_digits, ops=args.ops,
                   num_operands=args.num_operands, allow_negative=not args.no_negative, instruction=args.instruction)
-    train = make_arithmetic_rows(args.train_count, seed=args.seed, split="train",
-                                 format_score=args.train_format_score, **common)
-    test = make_arithmetic_rows(args.test_count, seed=args.seed + 1, split="test", **common)
-    seen = {r["extra_info"]["expression"] for r in train}
-    overlap = sum(r["extra_info"]["expression"] in seen for r in test)
+    train, test = make_arithmetic_splits(args.train_count, args.test_count, seed=args.seed,
+                                         train_format_score=args.train_format_score, **common)
     for name, rows in (("train", train), ("test", test)):
         write_prompt_parquet(rows, os.path.join(args.output_dir, f"{name}.parquet"))
     print(f"wrote {len(train)} train / {len(test)} test problems to {args.output_dir} "
-          f"({overlap} test expressions also occur in train)")
+          f"(the {len(test)} test problems are distinct and none occurs in train)")
 
 
 if __name__ == "__main__":

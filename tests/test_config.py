@@ -4,7 +4,8 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-from engine.config import ConfigError, TripodConfig, load_config, save_resolved_config, validate_config
+from engine.config import ConfigError, TripodConfig, load_config, save_resolved_config
+from engine.config_validation import validate_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,7 +38,7 @@ def test_defaults_load_with_verl_values_and_interpolations():
     assert cfg.trainer.default_local_dir == "outputs/tripod/run"
     assert cfg.trainer.logger == ["console", "jsonl", "tensorboard"]
     assert cfg.critic.optim.lr == 1e-5 and cfg.actor_rollout_ref.actor.optim.lr == 1e-6
-    assert cfg.actor_rollout_ref.actor.target_kl is None and cfg.reward_model.reward_fn_key == "data_source"
+    assert cfg.actor_rollout_ref.actor.target_kl is None and cfg.data.reward_fn_key == "data_source"
 
 
 def test_recipes_defaults_yaml_matches_the_dataclasses():
@@ -82,6 +83,8 @@ def test_unknown_keys_and_bad_values_are_named(tmp_path):
         load_config(None, ["data.train_batch_size=many"])
     with pytest.raises(ConfigError, match=r"not of the form key=value"):
         load_config(None, ["data.shuffle"])
+    with pytest.raises(ConfigError, match=r"reward_model\.reward_fn_key: not a tripod key; .* set data\.reward_fn_key"):
+        load_config(None, ["reward_model.reward_fn_key=source"])
     with pytest.raises(ConfigError, match="missing.yaml does not exist"):
         load_config(tmp_path / "missing.yaml", [])
 
@@ -89,9 +92,13 @@ def test_unknown_keys_and_bad_values_are_named(tmp_path):
 def test_a_valid_config_passes(run_files):
     validate_config(load_config(None, run_files + VALID), world_size=4)
     grpo = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
-            "actor_rollout_ref.rollout.tensor_model_parallel_size=4", "actor_rollout_ref.actor.use_dynamic_bsz=true",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null", "trainer.device=cuda"]
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=4", "trainer.device=cuda"]
     validate_config(load_config(None, run_files + VALID + grpo), world_size=4)
+    dynamic = ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null",
+               "critic.ppo_micro_batch_size_per_gpu=2", "data.val_batch_size=3",
+               "actor_rollout_ref.actor.optim.lr_decay_style=cosine",
+               "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1"]
+    validate_config(load_config(None, run_files + VALID + dynamic), world_size=4)
 
 
 @pytest.mark.parametrize("overrides, world_size, expected", [
@@ -133,6 +140,15 @@ def test_a_valid_config_passes(run_files):
     (["algorithm.kl_ctrl.type=pid"], 4, "algorithm.kl_ctrl.type='pid'"),
     (["actor_rollout_ref.rollout.top_p=0"], 4, "actor_rollout_ref.rollout.top_p=0.0 must be in (0, 1]"),
     (["actor_rollout_ref.actor.target_kl=0"], 4, "actor_rollout_ref.actor.target_kl=0.0 must be > 0"),
+    (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"],
+     4, "actor_rollout_ref.actor.use_dynamic_bsz=true needs actor_rollout_ref.actor.megatron.pipeline_model_parallel_"),
+    (["actor_rollout_ref.actor.optim.lr_decay_style=exponential"], 4,
+     "actor_rollout_ref.actor.optim.lr_decay_style='exponential' is not one of ['constant', 'linear', 'cosine']"),
+    (["critic.optim.lr_warmup_steps_ratio=1.0"], 4, "critic.optim.lr_warmup_steps_ratio=1.0 must be in [0, 1)"),
+    (["critic.optim.min_lr_ratio=2"], 4, "critic.optim.min_lr_ratio=2.0 must be in [0, 1]"),
+    (["data.val_batch_size=0"], 4, "data.val_batch_size=0 must be >= 1"),
+    (["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=0"], 4,
+     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=0 must be >= 1"),
 ])
 def test_each_validation_error_names_its_key(run_files, overrides, world_size, expected):
     cfg = load_config(None, run_files + VALID + overrides)

@@ -230,3 +230,15 @@ def test_pad_unpad_round_trip(side):
     assert torch.equal(restored[mask.bool()], hidden[mask.bool()]) and restored[~mask.bool()].isnan().all()
     positions = packed_position_ids(cu_seqlens)
     assert positions[0].tolist() == [p for n in lengths for p in range(n)]
+
+
+def test_arithmetic_splits_hold_out_the_validation_problems():
+    from engine.data import make_arithmetic_splits
+
+    problem = dict(min_digits=1, max_digits=1, ops=("+", "-"), allow_negative=False)
+    train, test = make_arithmetic_splits(512, 64, seed=0, **problem)
+    held_out = [r["extra_info"]["expression"] for r in test]
+    assert len(set(held_out)) == 64  # distinct
+    assert not set(held_out) & {r["extra_info"]["expression"] for r in train}  # none seen in training
+    with pytest.raises(ValueError, match="problem space is too small"):
+        make_arithmetic_splits(8, 200, seed=0, **problem)  # only 155 one-digit problems exist

@@ -1,5 +1,6 @@
 """The PPO trainer end to end on a tiny model: layout equivalence, exact resume after SIGKILL, fail-fast inputs."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from utils import REPO_ROOT
 
 TRIPOD = [sys.executable, "-m", "engine.cli"]
 COMPARED = ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm", "actor/ppo_kl",
-            "critic/score/mean", "response_length/mean")
+            "critic/score/mean", "response_length/mean", "actor/lr", "critic/lr")
 
 
 def _env():
@@ -78,7 +79,10 @@ def test_layouts_give_the_same_training(tmp_path):
 @pytest.mark.dist
 def test_resume_after_sigkill_is_exact(tmp_path):
     setup = make_ppo_setup(tmp_path)
-    common = GREEDY[1:] + ["actor_rollout_ref.rollout.do_sample=true", "trainer.save_freq=1"]
+    # a decaying LR schedule: a resume that did not restore the scheduler would train step 3 at a different LR
+    schedule = ["actor_rollout_ref.actor.optim.lr_warmup_steps=2", "actor_rollout_ref.actor.optim.lr_decay_style=cosine",
+                "actor_rollout_ref.actor.optim.min_lr_ratio=0.1", "critic.optim.lr_decay_style=linear"]
+    common = GREEDY[1:] + ["actor_rollout_ref.rollout.do_sample=true", "trainer.save_freq=1"] + schedule
     ref_dir, cut_dir = str(tmp_path / "uninterrupted"), str(tmp_path / "killed")
     proc = _train(tiny_overrides(setup, ref_dir, steps=3) + common)
     assert proc.returncode == 0, proc.stdout[-5000:]
@@ -103,6 +107,11 @@ def test_resume_after_sigkill_is_exact(tmp_path):
     assert proc.returncode == 0, proc.stdout[-5000:]
     want, got = _metrics(ref_dir), _metrics(cut_dir)
     assert [m["step"] for m in got] == [0, 1, 2, 3]
+    # 4 prompts / mini-batch 2 = 2 optimizer steps per PPO step, 6 in all; the logged LR is that of each step's
+    # last update (optimizer steps 1, 3, 5): warm-up 0 -> 1e-3 over 2 steps, then cosine to 1e-4 (closed form)
+    cosine = lambda k: 1e-4 + (1e-3 - 1e-4) * 0.5 * (1 + math.cos(math.pi * (k - 2) / (6 - 2)))  # noqa: E731
+    assert [m["actor/lr"] for m in want[1:]] == pytest.approx([0.5e-3, cosine(3), cosine(5)], rel=1e-9)
+    assert [m["critic/lr"] for m in want[1:]] == pytest.approx([1e-3 * (1 - k / 6) for k in (1, 3, 5)], rel=1e-9)
     for a, b in zip(want, got):
         for k in COMPARED:
             if k in a:

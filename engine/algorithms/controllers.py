@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 ADAPTIVE_ERROR_CLIP = 0.2
+KL_CONTROLLERS = ("fixed", "adaptive")  # the kinds build_kl_controller accepts
 
 
 class FixedKLController:

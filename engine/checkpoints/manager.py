@@ -5,7 +5,8 @@
         actor_optim/      megatron dist checkpoint of the actor optimizer (Adam moments, step)
         critic/ critic_optim/   the same for the critic (when there is one)
         rng/rank_<r>.pt   every rank's torch RNG state
-        trainer_state.json  step, KL controller, data loader position
+        trainer_state.json  step, KL controller, data loader position, LR schedulers (megatron's
+                          OptimizerParamScheduler state: step count and schedule, restored exactly)
         COMPLETE          written last
 
 A save goes to `tmp_global_step_<k>` and is renamed when complete, so a run killed mid-save leaves only a
@@ -84,7 +85,8 @@ class CheckpointManager:
         torch.save({"torch": torch.get_rng_state()}, os.path.join(tmp, "rng", f"rank_{rank}.pt"))
         if rank == 0:
             state = {"step": step, "kl_ctrl": t.kl_ctrl.state_dict(), "data": t.loader.state_dict(),
-                     "world_size": dist.get_world_size()}
+                     "world_size": dist.get_world_size(),
+                     "lr_scheduler": {name: w.lr_scheduler.state_dict() for name, w in self._trainable()}}
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
                 json.dump(state, f, indent=2)
         dist.barrier()
@@ -117,6 +119,10 @@ class CheckpointManager:
         for name, worker in self._trainable():
             load_model_checkpoint(worker.model, os.path.join(path, name), worker.layout)
             _load_optimizer(worker, os.path.join(path, f"{name}_optim"))
+            if name not in state.get("lr_scheduler", {}):
+                raise ValueError(f"{path} has no LR-scheduler state for the {name} (saved by an older tripod); "
+                                 "resume it with that version or start over with trainer.resume=disable")
+            worker.lr_scheduler.load_state_dict(state["lr_scheduler"][name])
         rng = torch.load(os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt"))
         torch.set_rng_state(rng["torch"])
         t.kl_ctrl.load_state_dict(state["kl_ctrl"])

@@ -10,9 +10,10 @@
             ...
             checkpoint["data"] = loader.state_dict()   # restore with loader.load_state_dict(...)
 """
-from engine.data.arithmetic import make_arithmetic_rows
+from engine.data.arithmetic import make_arithmetic_rows, make_arithmetic_splits
 from engine.data.batching import pad_input, pad_sequences, packed_position_ids, split_by_token_budget, unpad_input
 from engine.data.dataset import PromptBatch, PromptDataLoader, PromptDataset, write_prompt_parquet
 
 __all__ = ["PromptBatch", "PromptDataLoader", "PromptDataset", "write_prompt_parquet", "make_arithmetic_rows",
+           "make_arithmetic_splits",
            "split_by_token_budget", "pad_sequences", "unpad_input", "pad_input", "packed_position_ids"]

@@ -7,7 +7,7 @@ number of digits / operands / operators, and the answer is checked exactly by th
 from __future__ import annotations
 
 import random
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 DATA_SOURCE = "arithmetic"
 INSTRUCTION = 'Give only the final answer after "####", for example "#### 42".'
@@ -57,9 +57,13 @@ def _evaluate(values: list[int], ops: list[str]) -> int | None:
 
 def make_arithmetic_rows(count: int, seed: int = 0, min_digits: int = 1, max_digits: int = 2,
                          ops: Sequence[str] = ("+", "-"), num_operands: int = 2, allow_negative: bool = True,
-                         instruction: str = INSTRUCTION, split: str = "train",
-                         format_score: float = 0.0) -> list[dict[str, Any]]:
-    """`count` problems as parquet rows (prompt, data_source, ability, reward_model, extra_info)."""
+                         instruction: str = INSTRUCTION, split: str = "train", format_score: float = 0.0,
+                         exclude: Collection[str] = (), unique: bool = False) -> list[dict[str, Any]]:
+    """`count` problems as parquet rows (prompt, data_source, ability, reward_model, extra_info).
+
+    No row's expression is in `exclude` (e.g. a validation set's, so that validation measures held-out problems);
+    with `unique`, no expression repeats. ValueError when the problem space is too small for that.
+    """
     if count < 1:
         raise ValueError(f"count={count} must be >= 1")
     if not 1 <= min_digits <= max_digits:
@@ -70,9 +74,19 @@ def make_arithmetic_rows(count: int, seed: int = 0, min_digits: int = 1, max_dig
     if num_operands < 2:
         raise ValueError(f"num_operands={num_operands} must be >= 2")
     rng = random.Random(seed)
-    rows = []
+    rows, banned, attempts = [], set(exclude), 0
     for index in range(count):
-        expression, value = make_problem(rng, min_digits, max_digits, ops, num_operands, allow_negative)
+        while True:
+            expression, value = make_problem(rng, min_digits, max_digits, ops, num_operands, allow_negative)
+            if expression not in banned:
+                break
+            attempts += 1
+            if attempts > 1000 * count:
+                raise ValueError(f"cannot draw {count} problems ({'distinct, ' if unique else ''}outside the "
+                                 f"{len(exclude)} excluded) with max_digits={max_digits}, ops={list(ops)}: the "
+                                 "problem space is too small; ask for fewer or allow more digits")
+        if unique:
+            banned.add(expression)
         question = f"What is {expression}?"
         rows.append({
             "data_source": DATA_SOURCE,
@@ -83,3 +97,13 @@ def make_arithmetic_rows(count: int, seed: int = 0, min_digits: int = 1, max_dig
                            "format_score": float(format_score)},
         })
     return rows
+
+
+def make_arithmetic_splits(train_count: int, test_count: int, seed: int = 0, train_format_score: float = 0.0,
+                           **problem: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train rows, test rows): `test_count` distinct test problems, none of which occurs in the training rows."""
+    test = make_arithmetic_rows(test_count, seed=seed + 1, split="test", unique=True, **problem)
+    held_out = {r["extra_info"]["expression"] for r in test}
+    train = make_arithmetic_rows(train_count, seed=seed, split="train", format_score=train_format_score,
+                                 exclude=held_out, **problem)
+    return train, test

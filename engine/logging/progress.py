@@ -12,8 +12,9 @@ from typing import Any, Mapping, Optional, Sequence
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-DEFAULT_KEYS = ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "actor/ppo_kl", "val/score/mean",
-                "timing_s/step")
+DEFAULT_KEYS = ("critic/score/mean", "val/reward_mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl",
+                "critic/vf_loss", "actor/lr", "timing_s/step")
+HELD_PREFIX = "val/"  # validation runs every trainer.test_freq steps: its last values stay on the line until the next
 
 
 def format_metrics(metrics: Mapping[str, Any], keys: Sequence[str]) -> str:
@@ -43,6 +44,7 @@ class ProgressLine:
         self.live = self.console.is_terminal
         self._start = time.monotonic()
         self._progress: Optional[Progress] = None
+        self._held: dict[str, Any] = {}
         if self.live:
             self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                       TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
@@ -63,6 +65,8 @@ class ProgressLine:
                 f"{format_metrics(metrics, self.keys)}").rstrip()
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+        self._held.update({k: v for k, v in metrics.items() if k.startswith(HELD_PREFIX)})
+        metrics = {**self._held, **metrics}
         if self._progress is not None:
             self._progress.update(self._task, completed=step, metrics=format_metrics(metrics, self.keys))
         else:

@@ -16,23 +16,35 @@ and the vocab-parallel LM-head weight.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from engine.config import LR_DECAY_STYLES, OptimConfig
 from engine.workers.batch import PPOBatch, split_rows
 from parallel.arch import ModelArch
 
 
-@dataclass
-class OptimSettings:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    grad_clip: float = 1.0
+def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
+    """optim.lr_warmup_steps, or lr_warmup_steps_ratio of `total_steps` when it is < 0 (verl's rule)."""
+    return optim.lr_warmup_steps if optim.lr_warmup_steps >= 0 else int(optim.lr_warmup_steps_ratio * total_steps)
+
+
+def build_lr_scheduler(optimizer, optim: OptimConfig, total_steps: int, key: str = "optim"):
+    """megatron-core's OptimizerParamScheduler over `total_steps` optimizer steps: linear warm-up from 0 to optim.lr,
+    then `optim.lr_decay_style` down to optim.min_lr_ratio * lr at the last step. Step it once per optimizer step;
+    the k-th optimizer step (k = 0, 1, ...) runs with the LR of scheduler step k (as in Megatron-LM)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    warmup = warmup_steps(optim, total_steps)
+    total = max(total_steps, warmup + 1)  # megatron needs warm-up < decay steps; past the end it holds min_lr
+    if optim.lr_decay_style not in LR_DECAY_STYLES:
+        raise ValueError(f"{key}.lr_decay_style={optim.lr_decay_style!r} is not one of {list(LR_DECAY_STYLES)}")
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=optim.lr, min_lr=optim.min_lr_ratio * optim.lr, lr_warmup_steps=warmup,
+        lr_decay_steps=total, lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay, wd_incr_steps=total, wd_incr_style="constant")
 
 
 def _bypass_output_layer(model, tp_group) -> None:
@@ -54,9 +66,11 @@ def _bypass_output_layer(model, tp_group) -> None:
 
 class MegatronWorker:
     def __init__(self, name: str, arch: ModelArch, layout, hf_dir: str, *, value_head: bool = False,
-                 trainable: bool = True, optim: OptimSettings | None = None, seed: int = 1234,
-                 params_dtype: torch.dtype = torch.float32, offload: bool = False, sequence_parallel: bool = False,
-                 virtual_pipeline_size: int | None = None):
+                 trainable: bool = True, optim: OptimConfig | None = None, grad_clip: float = 1.0,
+                 total_steps: int = 1, seed: int = 1234, params_dtype: torch.dtype = torch.float32,
+                 offload: bool = False, sequence_parallel: bool = False, virtual_pipeline_size: int | None = None):
+        """`optim`, `grad_clip` and `total_steps` (optimizer steps of the whole run, for the LR schedule) matter
+        only when `trainable`."""
         from parallel.convert import load_hf_weights
         from parallel.model import build_model_chunks
 
@@ -72,9 +86,11 @@ class MegatronWorker:
         if not value_head and layout.is_last_stage:
             _bypass_output_layer(model, layout.tp_group)
         self.module = model
-        self.model, self.optimizer = list(self.chunks), None
+        self.model, self.optimizer, self.lr_scheduler = list(self.chunks), None, None
         if trainable:
-            self.model, self.optimizer = self._wrap_for_training(self.chunks, optim or OptimSettings())
+            optim = optim or OptimConfig()
+            self.model, self.optimizer = self._wrap_for_training(self.chunks, optim, grad_clip)
+            self.lr_scheduler = build_lr_scheduler(self.optimizer, optim, total_steps, f"{name}.optim")
         else:
             for chunk in self.chunks:
                 for p in chunk.parameters():
@@ -101,7 +117,7 @@ class MegatronWorker:
             if self.offload:
                 self._move_params(torch.device("cpu"))
 
-    def _wrap_for_training(self, chunks, optim: OptimSettings):
+    def _wrap_for_training(self, chunks, optim: OptimConfig, grad_clip: float):
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                                finalize_model_grads)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -113,8 +129,8 @@ class MegatronWorker:
                 ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                          use_distributed_optimizer=False)) for chunk in chunks]
             opt = get_megatron_optimizer(OptimizerConfig(
-                optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
-                adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=optim.grad_clip,
+                optimizer="adam", lr=optim.lr, min_lr=optim.min_lr_ratio * optim.lr, weight_decay=optim.weight_decay,
+                adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=grad_clip,
                 params_dtype=model.config.params_dtype, bf16=model.config.bf16), ddp,
                 use_gloo_process_groups=False, pg_collection=self.layout.pg_collection)
             for chunk in chunks:
@@ -153,12 +169,19 @@ class MegatronWorker:
                             micro_batch_size=mbs[0]["input_ids"].shape[0])
 
     def step(self) -> float:
-        """Optimizer step after `run(..., forward_only=False)`; returns the global grad norm."""
+        """Optimizer step after `run(..., forward_only=False)`, then one LR-scheduler step; returns the grad norm."""
+        self.last_lr = self.lr
         with self.layout.activate():
             ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError(f"{self.name} optimizer step was skipped (non-finite gradients)")
+        self.lr_scheduler.step(1)
         return float(grad_norm)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step will use."""
+        return float(self.optimizer.param_groups[0]["lr"])
 
     # ---- heads ---------------------------------------------------------------------------------
     def token_logprobs(self, output: torch.Tensor, mb: PPOBatch, temperature: float,

@@ -101,6 +101,7 @@ class PolicyWorker(MegatronWorker):
                 break
         out = _mean_dicts(per_step)
         out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["actor/lr"] = self.last_lr  # of this step's last optimizer update
         out["actor/early_stopped"] = float(stopped)
         out["actor/num_updates"] = float(len(grad_norms))
         return out
@@ -157,6 +158,7 @@ class CriticWorker(MegatronWorker):
                 grad_norms.append(self.step())
         out = _mean_dicts(per_step)
         out["critic/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["critic/lr"] = self.last_lr  # of this step's last optimizer update
         return out
 
     def _update_mini_batch(self, mini: PPOBatch, cfg) -> dict[str, float]:

@@ -13,9 +13,9 @@ from utils import dist_worker
 
 
 def make_actor(hf_dir, arch, layout):
-    from engine.workers.megatron_worker import OptimSettings
+    from engine.config import OptimConfig
     from engine.workers.ppo_workers import PolicyWorker
-    return PolicyWorker("actor", arch, layout, hf_dir, optim=OptimSettings(lr=1e-3, grad_clip=1e9))
+    return PolicyWorker("actor", arch, layout, hf_dir, optim=OptimConfig(lr=1e-3, weight_decay=0.0), grad_clip=1e9)
 
 
 def one_update(actor, batch):
