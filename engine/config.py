@@ -198,6 +198,36 @@ class RewardModelConfig:
 
 
 @dataclass
+class DivergenceGuardConfig:
+    """After each step: reject a diverged one, roll back to the last GOOD checkpoint, apply remedies (engine/guard.py).
+    tripod's own section; verl and Megatron-LM have no equivalent (Megatron-LM only skips non-finite steps)."""
+    enabled: bool = False
+    """Turn the guard on (default false). A rollback needs a checkpoint: set trainer.save_freq too."""
+    max_rollbacks: int = 3
+    """Rollbacks allowed per run (default 3); the next trip stops the run with DivergenceError."""
+    max_kl: Optional[float] = None
+    """Trip when actor/ppo_kl (approx. KL of the updated policy to the rollout policy, nats/token) exceeds this.
+    Default None: kl_multiple x actor.target_kl, or x algorithm.kl_ctrl.target_kl when that is unset."""
+    kl_multiple: float = 10.0
+    """Multiple of the KL target used when max_kl is None (default 10)."""
+    grad_norm_spike: float = 10.0
+    """Trip when actor/ or critic/grad_norm exceeds this multiple of the running median (default 10; <= 0: off)."""
+    grad_norm_window: int = 20
+    """Accepted steps in the running median of grad norms (default 20)."""
+    grad_norm_min_history: int = 3
+    """Steps of history needed before the spike check arms (default 3)."""
+    val_collapse_ratio: float = 0.5
+    """Trip when val/reward_mean falls below this fraction of the best validation reward so far (default 0.5;
+    <= 0: off). Checked on steps that validate (trainer.test_freq)."""
+    remedy_clip_ratio: float = 0.1
+    """After a rollback actor.clip_ratio (and _low/_high) become at most this (default 0.1, verl practice)."""
+    remedy_kl_coef_add: float = 0.002
+    """Added to algorithm.kl_ctrl's coefficient and to actor.kl_loss_coef per rollback (default 0.002)."""
+    remedy_lr_scale: float = 0.5
+    """Actor and critic learning rates are multiplied by this per rollback (default 0.5)."""
+
+
+@dataclass
 class TrainerConfig:
     project_name: str = "tripod"
     experiment_name: str = "run"
@@ -214,6 +244,8 @@ class TrainerConfig:
     critic_warmup: int = 0  # steps that train only the critic
     seed: int = 1
     device: str = "cpu"
+    divergence_guard: DivergenceGuardConfig = field(default_factory=DivergenceGuardConfig)
+    """Divergence detection and rollback (see DivergenceGuardConfig; off by default)."""
 
 
 @dataclass

@@ -18,6 +18,7 @@ from engine.algorithms import apply_kl_penalty, build_kl_controller, compute_adv
 from engine.checkpoints import CheckpointManager
 from engine.config import TripodConfig, save_resolved_config
 from engine.data import PromptBatch, PromptDataLoader, PromptDataset
+from engine.guard import DivergenceGuard
 from engine.logging import Timer, Tracker
 from engine.perf import PerfCounter
 from engine.rewards import RewardPool
@@ -96,6 +97,7 @@ class PPOTrainer:
         self.run_dir = cfg.trainer.default_local_dir
         self.ckpt = CheckpointManager(os.path.join(self.run_dir, "checkpoints"), self)
         self.perf = PerfCounter(self.arch, self.world)
+        self.guard = DivergenceGuard(self)
         self.step = 0
 
     # ---- rollout -----------------------------------------------------------------------------
@@ -223,6 +225,7 @@ class PPOTrainer:
     def fit(self) -> dict[str, float]:
         cfg = self.cfg
         self.step = self.ckpt.resume(cfg.trainer.resume)
+        self.guard.restore(self.ckpt.loaded)
         if self.rank == 0:
             save_resolved_config(cfg, self.run_dir)
         tracker = Tracker(self.run_dir, cfg.trainer.logger, resume_step=self.step if self.step else None,
@@ -234,18 +237,22 @@ class PPOTrainer:
                 tracker.log(last_val, 0)
         while self.step < self.total_steps:
             batch = next(iter(self.loader))
-            metrics = self.train_step(batch)
+            metrics = self.guard.run_step(self.train_step, batch)
             self.step += 1
             done = self.step >= self.total_steps
             if self.val_set is not None and ((cfg.trainer.test_freq > 0 and self.step % cfg.trainer.test_freq == 0)
                                              or done):
                 last_val = self.validate()
                 metrics.update(last_val)
+            if not self.guard.accept(self.step, metrics):  # rolled back: self.step is the last good checkpoint's
+                continue
             metrics["training/epoch"] = self.loader.epoch
             if tracker:
                 tracker.log(metrics, self.step)
             if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or done:
-                self.ckpt.save(self.step)
+                saved = self.ckpt.save(self.step)
+                if self.rank == 0:
+                    self.guard.mark_good(saved)
         if tracker:
             tracker.close()
         if self.rewards is not None:
