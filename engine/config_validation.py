@@ -202,6 +202,16 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
     _check_choice(e, "trainer.device", tr.device, DEVICES)
     if tr.resume not in ("auto", "disable") and not os.path.isdir(os.path.expanduser(tr.resume)):
         e.append(f"trainer.resume={tr.resume!r} is neither 'auto', 'disable' nor an existing checkpoint directory")
+    g = tr.divergence_guard
+    if g.max_rollbacks < 0 or g.grad_norm_window < 1 or g.grad_norm_min_history < 1:
+        e.append(f"trainer.divergence_guard.max_rollbacks={g.max_rollbacks} must be >= 0 and grad_norm_window="
+                 f"{g.grad_norm_window} / grad_norm_min_history={g.grad_norm_min_history} >= 1")
+    if not 0 < g.remedy_lr_scale <= 1 or not 0 < g.remedy_clip_ratio:
+        e.append(f"trainer.divergence_guard.remedy_lr_scale={g.remedy_lr_scale} must be in (0, 1] and "
+                 f"remedy_clip_ratio={g.remedy_clip_ratio} > 0")
+    if g.enabled and tr.save_freq <= 0:
+        e.append("trainer.divergence_guard.enabled=true needs checkpoints to roll back to; set trainer.save_freq "
+                 "(e.g. 10)")
 
     if e:
         raise ConfigError(f"{len(e)} configuration problem(s):\n  - " + "\n  - ".join(e))

@@ -26,13 +26,14 @@ from typing import Callable
 import torch.distributed as dist
 
 from engine.checkpoints.manager import COMPLETE, REJECTED, checkpoint_steps
+from engine.launch import TrainingStopped
 
 GOOD = "GOOD"
 STATE_FILE = "guard_state.json"
 GRAD_NORMS = ("actor/grad_norm", "critic/grad_norm")
 
 
-class DivergenceError(RuntimeError):
+class DivergenceError(TrainingStopped):
     """The run kept diverging after max_rollbacks rollbacks (or had no good checkpoint to go back to)."""
 
 

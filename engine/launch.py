@@ -27,8 +27,13 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-# Errors a user can fix from the message alone: printed as one line, no traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, KeyError, NotADirectoryError, PermissionError, TimeoutError)
+class TrainingStopped(RuntimeError):
+    """A run that stopped itself for a reason its message states (e.g. the divergence guard gave up)."""
+
+
+# Errors a user can act on from the message alone: printed as one line, no traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, KeyError, NotADirectoryError, PermissionError, TimeoutError,
+               TrainingStopped)
 
 
 class CommandFailed(Exception):
