@@ -25,7 +25,7 @@ if [[ "$NNODES" == 1 && -z "${MASTER_ADDR:-}" ]]; then
   ARGS+=(--standalone)
 else
   ARGS+=(--node-rank="${NODE_RANK:-0}" --rdzv-backend=c10d --rdzv-id="${RDZV_ID:-tripod}"
-         --rdzv-endpoint="${MASTER_ADDR:?set MASTER_ADDR to node 0's address}:${MASTER_PORT:-29500}")
+         --rdzv-endpoint="${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}:${MASTER_PORT:-29500}")
 fi
 exec "$PYTHON" -m torch.distributed.run "${ARGS[@]}" -m engine.cli train "$RECIPE" "$@" \
   trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$NPROC"

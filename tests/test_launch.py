@@ -92,7 +92,7 @@ def _assert_same_run(a_dir, b_dir, tmp_path, steps):
 def test_two_torchrun_nodes_equal_one_node(tmp_path):
     setup = make_ppo_setup(tmp_path)
     one, two = str(tmp_path / "one_node"), str(tmp_path / "two_nodes")
-    common = ["actor_rollout_ref.rollout.n=1", "data.val_files=[]", "trainer.val_before_train=false"]
+    common = ["data.val_files=[]", "trainer.val_before_train=false"]
     # one node, 4 processes: the launcher reads trainer.n_gpus_per_node=4 from the recipe
     code, out = _finish(_launch(tiny_overrides(setup, one, world=4, tp=2, steps=3) + common))
     assert code == 0, out[-5000:]

@@ -39,7 +39,7 @@ def _metrics(run_dir):
 
 def _args(setup, run_dir):
     return tiny_overrides(setup, run_dir, world=2, steps=STEPS) + [
-        "data.val_files=[]", "trainer.val_before_train=false", "actor_rollout_ref.rollout.n=1"]
+        "data.val_files=[]", "trainer.val_before_train=false"]
 
 
 @pytest.fixture(scope="module")
