@@ -11,7 +11,6 @@ received and peak extra memory per rank), without starting any process.
 from __future__ import annotations
 
 import argparse
-import os
 
 from engine.launch import detect_launch, run_distributed
 

@@ -113,6 +113,11 @@ def first_slurm_host(nodelist: str) -> str:
                 return out[0]
         except (subprocess.SubprocessError, OSError):
             pass
+    return parse_first_host(nodelist)
+
+
+def parse_first_host(nodelist: str) -> str:
+    """First host of a SLURM node list without scontrol (zero padding kept: "n[007-9]" -> "n007")."""
     first = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
     if not first:
         raise ValueError(f"cannot read the SLURM node list {nodelist!r}; set MASTER_ADDR")

@@ -88,6 +88,30 @@ def _assert_same_run(a_dir, b_dir, tmp_path, steps):
         assert torch.equal(wa[name], wb[name]), name
 
 
+SRUN = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
+        "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NODELIST": "gpu[07-08]"}
+
+
+def test_launch_detection():
+    from engine.launch import detect_launch, parse_first_host, srun_env
+
+    tr = detect_launch({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                        "GROUP_WORLD_SIZE": "2"})
+    assert (tr.kind, tr.world_size, tr.rank, tr.local_rank, tr.nproc_per_node, tr.nnodes) == ("torchrun", 4, 3, 1, 2, 2)
+    sr = detect_launch(SRUN)
+    assert (sr.kind, sr.world_size, sr.rank, sr.local_rank, sr.nproc_per_node, sr.nnodes) == ("srun", 4, 3, 1, 2, 2)
+    # the batch script itself (no job step) and a one-task step are plain launches: tripod spawns its world
+    assert detect_launch({k: v for k, v in SRUN.items() if k != "SLURM_STEP_ID"}).kind == "local"
+    assert detect_launch(dict(SRUN, SLURM_STEP_NUM_TASKS="1", SLURM_NTASKS="1")).kind == "local"
+    assert detect_launch(dict(SRUN, RANK="0", WORLD_SIZE="2")).kind == "torchrun"  # srun -> torchrun
+    assert parse_first_host("gpu[07-08,11],cpu1") == "gpu07" and parse_first_host("node5,node6") == "node5"
+    env = srun_env(dict(SRUN, SLURM_STEP_NODELIST="gpu07", MASTER_PORT="31234"))
+    assert env == dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", GROUP_WORLD_SIZE="2",
+                       MASTER_ADDR="gpu07", MASTER_PORT="31234")
+    assert srun_env(dict(SRUN, SLURM_STEP_NODELIST="gpu07"))["MASTER_PORT"] == str(20000 + 4242)
+
+
 @pytest.mark.dist
 def test_two_torchrun_nodes_equal_one_node(tmp_path):
     setup = make_ppo_setup(tmp_path)
