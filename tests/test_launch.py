@@ -40,18 +40,25 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _launch(args, **env):
-    return subprocess.Popen(["bash", LAUNCHER, "recipes/defaults.yaml", *args], cwd=REPO_ROOT, env=_env(**env),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def _launch(args, log, **env):
+    """The launcher in its own session; output to the file `log` (a pipe nobody reads while the test polls
+    would fill up and block the workers)."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["bash", LAUNCHER, "recipes/defaults.yaml", *args], cwd=REPO_ROOT,
+                                env=_env(**env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc.log = log
+    return proc
 
 
 def _finish(proc, timeout=600):
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"launch timed out:\n{out[-5000:]}")
+        proc.wait()
+    with open(proc.log) as f:
+        out = f.read()
+    assert proc.returncode is not None and proc.returncode != -signal.SIGKILL, f"launch timed out:\n{out[-5000:]}"
     return proc.returncode, out
 
 
@@ -118,10 +125,11 @@ def test_two_torchrun_nodes_equal_one_node(tmp_path):
     one, two = str(tmp_path / "one_node"), str(tmp_path / "two_nodes")
     common = ["data.val_files=[]", "trainer.val_before_train=false"]
     # one node, 4 processes: the launcher reads trainer.n_gpus_per_node=4 from the recipe
-    code, out = _finish(_launch(tiny_overrides(setup, one, world=4, tp=2, steps=3) + common))
+    code, out = _finish(_launch(tiny_overrides(setup, one, world=4, tp=2, steps=3) + common, tmp_path / "one.log"))
     assert code == 0, out[-5000:]
     port = _free_port()
-    nodes = [_launch(tiny_overrides(setup, two, world=2, tp=2, steps=3) + common, NNODES="2", NPROC="2",
+    nodes = [_launch(tiny_overrides(setup, two, world=2, tp=2, steps=3) + common, tmp_path / f"node{r}.log",
+                     NNODES="2", NPROC="2",
                      NODE_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDZV_ID=f"t{port}")
              for r in (0, 1)]
     for proc in nodes:
@@ -161,10 +169,10 @@ def test_sigkill_of_one_rank_restarts_the_group_and_resumes_exactly(tmp_path):
     ref_args = tiny_overrides(setup, ref, world=2, steps=3) + common
     cut_args = [a for a in tiny_overrides(setup, cut, world=2, steps=3) if not a.startswith("trainer.resume=")]
     cut_args += common + ["trainer.resume=auto"]
-    code, out = _finish(_launch(ref_args))
+    code, out = _finish(_launch(ref_args, tmp_path / "ref.log"))
     assert code == 0, out[-5000:]
 
-    job = _launch(cut_args, MAX_RESTARTS="2")
+    job = _launch(cut_args, tmp_path / "killed.log", MAX_RESTARTS="2")
     marker = os.path.join(cut, "checkpoints", f"global_step_{kill_step - 1}", "COMPLETE")
     deadline = time.time() + 600
     while not os.path.exists(marker) and job.poll() is None and time.time() < deadline:
