@@ -85,7 +85,9 @@ class DivergenceGuard:
 
     # ---- the verdict --------------------------------------------------------------------------
     def accept(self, step: int, metrics: dict[str, float]) -> bool:
-        """True: keep the step (guard/* metrics added). False: rolled back; trainer.step is the good step."""
+        """True: keep the step (guard/* metrics added to a training step's). False: rolled back; trainer.step is
+        the good checkpoint's step. Called with the training metrics, then with the validation metrics (so a
+        diverged model is never validated)."""
         if not self.enabled:
             return True
         verdict = [None]
@@ -103,8 +105,9 @@ class DivergenceGuard:
                 del self.history[key][:-self.cfg.grad_norm_window]
         if "val/reward_mean" in metrics:
             self.best_val = max(self.best_val or 0.0, metrics["val/reward_mean"])
-        metrics.update(self.metrics())
-        self.tripped = 0.0
+        if any(k.startswith(("actor/", "critic/")) for k in metrics):  # a training step (not a validation)
+            metrics.update(self.metrics())
+            self.tripped = 0.0
         return True
 
     def metrics(self) -> dict[str, float]:

@@ -169,7 +169,14 @@ def _run_in_world(fn: Callable[..., Any], args: tuple) -> None:
     own_group = not dist.is_initialized()
     if own_group:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend=backend)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is None:
+            dist.init_process_group(backend=backend)
+        else:  # torchrun keeps its store across --max-restarts: without a per-attempt prefix a restarted group
+            # reads the dead ranks' addresses and gloo's connectFullMesh is refused
+            store, rank, world = next(dist.rendezvous("env://"))
+            dist.init_process_group(backend=backend, store=dist.PrefixStore(f"tripod/attempt_{attempt}", store),
+                                    rank=rank, world_size=world)
     from parallel.cpu_compat import apply_cpu_compat
 
     apply_cpu_compat()

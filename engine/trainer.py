@@ -240,12 +240,14 @@ class PPOTrainer:
             metrics = self.guard.run_step(self.train_step, batch)
             self.step += 1
             done = self.step >= self.total_steps
+            if not self.guard.accept(self.step, metrics):  # rolled back: self.step is the last good checkpoint's
+                continue
             if self.val_set is not None and ((cfg.trainer.test_freq > 0 and self.step % cfg.trainer.test_freq == 0)
                                              or done):
                 last_val = self.validate()
+                if not self.guard.accept(self.step, last_val):  # validation reward collapsed
+                    continue
                 metrics.update(last_val)
-            if not self.guard.accept(self.step, metrics):  # rolled back: self.step is the last good checkpoint's
-                continue
             metrics["training/epoch"] = self.loader.epoch
             if tracker:
                 tracker.log(metrics, self.step)
