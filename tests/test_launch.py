@@ -184,5 +184,5 @@ def test_sigkill_of_one_rank_restarts_the_group_and_resumes_exactly(tmp_path):
     os.kill(victim, signal.SIGKILL)  # mid-step: rank 0 has just started step kill_step
     code, out = _finish(job)
     assert code == 0, out[-5000:]
-    assert "Restarting" in out or "restart" in out.lower(), out[-3000:]
+    assert "exitcode: -9" in out, out[-3000:]  # the agent saw the SIGKILL, yet the launch succeeded: restarted
     _assert_same_run(ref, cut, tmp_path, steps=3)
