@@ -141,7 +141,8 @@ ROWS = {
     "missing_parquet": (lambda e: [f"data.train_files={e['tmp']}/nowhere.parquet"], LOCAL, "nowhere.parquet"),
     "corrupt_parquet": (lambda e: [f"data.train_files={_parquet(e, 'corrupt.parquet', raw=os.urandom(2048))}"],
                         LOCAL, "corrupt.parquet is not a readable parquet"),
-    "parquet_missing_column": (lambda e: [f"data.train_files={_no_column(e)}"], LOCAL, "no column 'reward_model.ground_truth'"),
+    "parquet_missing_column": (lambda e: [f"data.train_files={_no_column(e)}"], LOCAL,
+                               "no column 'reward_model.ground_truth'"),
     "empty_parquet": (lambda e: [f"data.train_files={_empty(e)}"], LOCAL, "empty.parquet is empty"),
     "unknown_data_source": (lambda e: [f"data.train_files={_unknown_source(e)}"], LOCAL, "no reward function"),
     "prompts_too_long": (["data.max_prompt_length=4"], LOCAL, "data.max_prompt_length"),
@@ -171,8 +172,12 @@ def test_bad_input_stops_in_preflight_with_one_line(env, row, monkeypatch):
         os.chmod(run_dir, 0o555)
         if os.geteuid() == 0:  # root writes through file modes: simulate the read-only mount at the OS call
             real_open = os.open
-            monkeypatch.setattr(os, "open", lambda p, *a, **k: (_ for _ in ()).throw(
-                OSError(errno.EROFS, "Read-only file system", p)) if str(p).startswith(run_dir) else real_open(p, *a, **k))
+
+            def read_only_open(path, *a, **k):
+                if str(path).startswith(run_dir):
+                    raise OSError(errno.EROFS, "Read-only file system", path)
+                return real_open(path, *a, **k)
+            monkeypatch.setattr(os, "open", read_only_open)
     else:
         args += overrides(env) if callable(overrides) else overrides
     before = _digest(run_dir)

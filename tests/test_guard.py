@@ -44,8 +44,9 @@ def _poisoned_setup(tmp_path):
 
 
 def _run(setup, run_dir, extra, poison_step, per_step=8):
-    args = tiny_overrides(setup, run_dir, steps=3) + ["data.val_files=[]", "trainer.val_before_train=false", "trainer.save_freq=1",
-                                                        "trainer.divergence_guard.enabled=true", *extra]
+    args = tiny_overrides(setup, run_dir, steps=3) + [
+        "data.val_files=[]", "trainer.val_before_train=false", "trainer.save_freq=1",
+        "trainer.divergence_guard.enabled=true", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                POISON_FROM=str(per_step * (poison_step - 1)), POISON_TO=str(per_step * poison_step),
                PYTHONPATH=os.pathsep.join([str(TESTS_DIR), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
