@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo venv clean bench
+.PHONY: test test-launch demo venv clean bench
 
 $(STAMP): requirements.txt setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -18,6 +18,11 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# SLURM launch tests on a real single-node slurmctld + slurmd (root installs slurm-wlm if missing; ~5 min)
+test-launch: $(STAMP)
+	bash scripts/slurm_local.sh start
+	$(BIN)/python -m pytest -q -m slurm tests/test_slurm.py
 
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py

@@ -1,9 +1,9 @@
 """`tripod train CONFIG [key=value ...]` and `tripod plan CONFIG [key=value ...]`.
 
-train: loads the YAML recipe with overrides, validates it against the world size (trainer.n_gpus_per_node *
-trainer.nnodes; on CPU each "GPU" is one gloo process), then runs `PPOTrainer.fit()` on every rank: in-process
-under torchrun / SLURM's srun, or in locally spawned processes otherwise. Every config or data problem is
-reported before any model is built.
+train: loads the YAML recipe with overrides, checks it against the launch (trainer.nnodes x
+trainer.n_gpus_per_node must match torchrun's --nnodes x --nproc-per-node or srun's tasks; on CPU each "GPU" is one
+gloo process) and runs every pre-model check (engine/preflight.py), then runs `PPOTrainer.fit()` on every rank:
+in-process under torchrun / a multi-task srun, or in locally spawned processes otherwise.
 
 plan: prints the hybrid engine's resharding plan for the recipe's actor layout and rollout TP (groups, bytes
 received and peak extra memory per rank), without starting any process.
@@ -11,15 +11,13 @@ received and peak extra memory per rank), without starting any process.
 from __future__ import annotations
 
 import argparse
-import os
 
-from engine.cli import run_distributed
+from engine.launch import detect_launch, run_distributed
 
 
 def _world_size(cfg) -> int:
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    return cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    launch = detect_launch()
+    return launch.world_size if launch.kind != "local" else cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
 
 
 def _train_on_rank(config_yaml: str) -> None:
@@ -36,42 +34,12 @@ def _train_on_rank(config_yaml: str) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from engine.config import config_to_yaml, load_config
-    from engine.config_validation import validate_config
+    from engine.config import config_to_yaml
+    from engine.preflight import prepare_train
 
-    cfg = load_config(args.config, args.overrides)
-    world = _world_size(cfg)
-    validate_config(cfg, world)
-    if os.environ.get("RANK", "0") == "0":
-        preflight(cfg)
+    cfg, world = prepare_train(args.config, args.overrides, detect_launch())  # every rank: same verdict
     run_distributed(world, _train_on_rank, config_to_yaml(cfg))
     return 0
-
-
-def preflight(cfg) -> None:
-    """Everything that can be checked without a model: HF config, rollout TP, data files and reward sources."""
-    from transformers import AutoTokenizer
-
-    from engine.data import PromptDataset
-    from engine.rewards import check_data_sources
-    from engine.rollout import validate_rollout_tp
-    from parallel.arch import arch_from_hf
-    from parallel.hybrid_engine import validate_layouts
-
-    arch = arch_from_hf(cfg.actor_rollout_ref.model.path)
-    m = cfg.actor_rollout_ref.actor.megatron
-    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-    world = _world_size(cfg)
-    validate_rollout_tp(arch, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)
-    validate_layouts(arch, tp, pp, world // (tp * pp), cfg.actor_rollout_ref.rollout.tensor_model_parallel_size,
-                     world)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path)
-    d = cfg.data
-    for files in (d.train_files, d.val_files):
-        if files:
-            ds = PromptDataset(files, tokenizer, d.prompt_key, d.max_prompt_length, d.filter_overlong_prompts,
-                               d.apply_chat_template, d.reward_fn_key)
-            check_data_sources(ds.data_sources)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -425,6 +425,46 @@ class RewardModelConfig:
 
 # ---------------------------------------------------------------------------------------------- trainer
 @dataclass
+class DivergenceGuardConfig:
+    """After each step: reject a diverged one, roll back to the last GOOD checkpoint, apply remedies (engine/guard.py).
+    tripod's own section; verl and Megatron-LM have no equivalent (Megatron-LM only skips non-finite steps)."""
+    enabled: bool = False
+    """Turn the guard on (default false). A rollback needs a checkpoint: set trainer.save_freq too."""
+    max_rollbacks: int = 3
+    """Rollbacks allowed per run (default 3); the next trip stops the run with DivergenceError."""
+    max_kl: Optional[float] = None
+    """Trip when actor/ppo_kl (approx. KL of the updated policy to the rollout policy, nats/token) exceeds this.
+    Default None: kl_multiple x actor.target_kl, or x algorithm.kl_ctrl.target_kl when that is unset."""
+    kl_multiple: float = 10.0
+    """Multiple of the KL target used when max_kl is None (default 10)."""
+    grad_norm_spike: float = 10.0
+    """Trip when actor/ or critic/grad_norm exceeds this multiple of the running median (default 10; <= 0: off)."""
+    grad_norm_window: int = 20
+    """Accepted steps in the running median of grad norms (default 20)."""
+    grad_norm_min_history: int = 3
+    """Steps of history needed before the spike check arms (default 3)."""
+    val_collapse_ratio: float = 0.5
+    """Trip when val/reward_mean falls below this fraction of the best validation reward so far (default 0.5;
+    <= 0: off). Checked on steps that validate (trainer.test_freq)."""
+    remedy_clip_ratio: float = 0.1
+    """After a rollback actor.clip_ratio (and _low/_high) become at most this (default 0.1, verl practice)."""
+    remedy_kl_coef_add: float = 0.002
+    """Added to algorithm.kl_ctrl's coefficient and to actor.kl_loss_coef per rollback (default 0.002)."""
+    remedy_lr_scale: float = 0.5
+    """Actor and critic learning rates are multiplied by this per rollback (default 0.5)."""
+
+    def check(self, key: str = "trainer.divergence_guard") -> list[str]:
+        e = []
+        if self.max_rollbacks < 0 or self.grad_norm_window < 1 or self.grad_norm_min_history < 1:
+            e.append(f"{key}.max_rollbacks={self.max_rollbacks} must be >= 0 and grad_norm_window="
+                     f"{self.grad_norm_window} / grad_norm_min_history={self.grad_norm_min_history} >= 1")
+        if not 0 < self.remedy_lr_scale <= 1 or not 0 < self.remedy_clip_ratio:
+            e.append(f"{key}.remedy_lr_scale={self.remedy_lr_scale} must be in (0, 1] and "
+                     f"remedy_clip_ratio={self.remedy_clip_ratio} > 0")
+        return e
+
+
+@dataclass
 class TrainerConfig:
     project_name: str = "tripod"
     """Project name (part of default_local_dir). verl: trainer.project_name."""
@@ -457,6 +497,8 @@ class TrainerConfig:
     """Seed of rollout sampling (combined with the step and the replica). verl: actor_rollout_ref.rollout.seed."""
     device: str = "cpu"
     """cpu (gloo) or cuda (nccl). verl: trainer.device."""
+    divergence_guard: DivergenceGuardConfig = field(default_factory=DivergenceGuardConfig)
+    """Divergence detection and rollback (see DivergenceGuardConfig; off by default)."""
 
     def check(self, key: str = "trainer") -> list[str]:
         from engine.logging.tracker import BACKENDS
@@ -470,6 +512,10 @@ class TrainerConfig:
         if bad:
             e.append(f"{key}.logger has unknown backends {bad}; use any of {list(BACKENDS)}")
         e += _choice(f"{key}.device", self.device, DEVICES)
+        e += self.divergence_guard.check(f"{key}.divergence_guard")
+        if self.divergence_guard.enabled and self.save_freq <= 0:
+            e.append(f"{key}.divergence_guard.enabled=true needs checkpoints to roll back to; set {key}.save_freq "
+                     "(e.g. 10)")
         if self.resume not in ("auto", "disable") and not os.path.isdir(os.path.expanduser(self.resume)):
             e.append(f"{key}.resume={self.resume!r} is neither 'auto', 'disable' nor an existing checkpoint directory")
         return e

@@ -19,6 +19,7 @@ from engine.checkpoints import CheckpointManager
 from engine.config import TripodConfig, save_resolved_config
 from engine.config_validation import CRITIC_ESTIMATORS
 from engine.data import PromptBatch, PromptDataLoader, PromptDataset
+from engine.guard import DivergenceGuard
 from engine.logging import Timer, Tracker
 from engine.perf import PerfCounter
 from engine.rewards import RewardPool
@@ -99,6 +100,7 @@ class PPOTrainer:
         self.run_dir = cfg.trainer.default_local_dir
         self.ckpt = CheckpointManager(os.path.join(self.run_dir, "checkpoints"), self)
         self.perf = PerfCounter(self.arch, self.world)
+        self.guard = DivergenceGuard(self)
         self.step = 0
 
     # ---- rollout -----------------------------------------------------------------------------
@@ -233,6 +235,7 @@ class PPOTrainer:
     def fit(self) -> dict[str, float]:
         cfg = self.cfg
         self.step = self.ckpt.resume(cfg.trainer.resume)
+        self.guard.restore(self.ckpt.loaded)
         if self.rank == 0:
             save_resolved_config(cfg, self.run_dir)
         tracker = Tracker(self.run_dir, cfg.trainer.logger, resume_step=self.step if self.step else None,
@@ -244,18 +247,24 @@ class PPOTrainer:
                 tracker.log(last_val, 0)
         while self.step < self.total_steps:
             batch = next(iter(self.loader))
-            metrics = self.train_step(batch)
+            metrics = self.guard.run_step(self.train_step, batch)
             self.step += 1
             done = self.step >= self.total_steps
+            if not self.guard.accept(self.step, metrics):  # rolled back: self.step is the last good checkpoint's
+                continue
             if self.val_set is not None and ((cfg.trainer.test_freq > 0 and self.step % cfg.trainer.test_freq == 0)
                                              or done):
                 last_val = self.validate()
+                if not self.guard.accept(self.step, last_val):  # validation reward collapsed
+                    continue
                 metrics.update(last_val)
             metrics["training/epoch"] = self.loader.epoch
             if tracker:
                 tracker.log(metrics, self.step)
             if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or done:
-                self.ckpt.save(self.step)
+                saved = self.ckpt.save(self.step)
+                if self.rank == 0:
+                    self.guard.mark_good(saved)
         if tracker:
             tracker.close()
         if self.rewards is not None:

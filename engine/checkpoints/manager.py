@@ -23,17 +23,23 @@ import torch
 import torch.distributed as dist
 
 COMPLETE = "COMPLETE"
+REJECTED = "REJECTED"  # written by the divergence guard (engine/guard.py) on checkpoints it rolled back past
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
-def latest_complete(root: str) -> str | None:
-    """The newest `global_step_<k>` directory with a COMPLETE marker, or None."""
+def checkpoint_steps(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every complete `global_step_<k>` directory under `root`, oldest first."""
     if not os.path.isdir(root):
-        return None
-    found = [(int(m.group(1)), name) for name in os.listdir(root) if (m := _STEP_DIR.match(name))
-             and os.path.exists(os.path.join(root, name, COMPLETE))]
-    return os.path.join(root, max(found)[1]) if found else None
+        return []
+    return sorted((int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root)
+                  if (m := _STEP_DIR.match(name)) and os.path.exists(os.path.join(root, name, COMPLETE)))
+
+
+def latest_complete(root: str) -> str | None:
+    """The newest complete `global_step_<k>` directory the divergence guard has not rejected, or None."""
+    found = [path for _, path in checkpoint_steps(root) if not os.path.exists(os.path.join(path, REJECTED))]
+    return found[-1] if found else None
 
 
 def _save_optimizer(worker, path: str) -> None:
@@ -60,6 +66,7 @@ def _load_optimizer(worker, path: str) -> None:
 class CheckpointManager:
     def __init__(self, root: str, trainer):
         self.root, self.trainer = root, trainer
+        self.loaded: str | None = None  # the checkpoint the last resume() loaded
 
     def _trainable(self) -> list[tuple[str, object]]:
         t = self.trainer
@@ -127,4 +134,5 @@ class CheckpointManager:
         torch.set_rng_state(rng["torch"])
         t.kl_ctrl.load_state_dict(state["kl_ctrl"])
         t.loader.load_state_dict(state["data"])
+        self.loaded = path
         return int(state["step"])

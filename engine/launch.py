@@ -1,0 +1,222 @@
+"""How this process was launched and how a command gets its torch.distributed world.
+
+Three launches are recognised, in this order:
+
+    torchrun   RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE are set: run in-process
+    srun       a SLURM job step with more than one task (SLURM_STEP_ID, SLURM_PROCID, SLURM_NTASKS > 1): run
+               in-process; rank from SLURM_PROCID, local rank from SLURM_LOCALID, world from SLURM_NTASKS,
+               master address = first host of the step's node list, port = MASTER_PORT or one derived from
+               the job id
+    local      anything else (also a one-task srun, e.g. an interactive allocation): spawn the world's
+               processes on this machine
+
+`check_world` holds the recipe (trainer.nnodes x trainer.n_gpus_per_node) against the launch and names the keys
+to change in one line. `run_distributed` runs a function on every rank of the world, spawning only in the
+local case.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+class TrainingStopped(RuntimeError):
+    """A run that stopped itself for a reason its message states (e.g. the divergence guard gave up)."""
+
+
+# Errors a user can act on from the message alone: printed as one line, no traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, KeyError, NotADirectoryError, PermissionError, TimeoutError,
+               TrainingStopped)
+
+
+class CommandFailed(Exception):
+    """A spawned worker failed; the message is the worker's one-line error."""
+
+
+def error_line(exc: BaseException) -> str:
+    msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+    return " ".join(str(msg).split())
+
+
+@dataclass(frozen=True)
+class Launch:
+    kind: str  # "torchrun" | "srun" | "local"
+    world_size: int  # 0 for "local": the recipe decides
+    rank: int = 0
+    local_rank: int = 0
+    nproc_per_node: int = 0
+    nnodes: int = 0
+
+    def describe(self) -> str:
+        if self.kind == "torchrun":
+            return f"torchrun --nnodes={self.nnodes} --nproc-per-node={self.nproc_per_node}"
+        return f"srun with {self.world_size} tasks on {self.nnodes} node(s)"
+
+
+def _first_int(text: str) -> int:
+    m = re.match(r"\s*(\d+)", text or "")
+    return int(m.group(1)) if m else 0
+
+
+def detect_launch(env: Mapping[str, str] = os.environ) -> Launch:
+    """The launch this process runs under (see the module docstring)."""
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        per_node = int(env.get("LOCAL_WORLD_SIZE", world))
+        return Launch("torchrun", world, int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), per_node,
+                      int(env.get("GROUP_WORLD_SIZE", max(1, world // max(1, per_node)))))
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1")) or 1)
+    if step is not None and "SLURM_PROCID" in env and tasks > 1:
+        nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")) or 1)
+        # SLURM_STEP_TASKS_PER_NODE looks like "2(x3)" or "2,1": the first node's count
+        per_node = _first_int(env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", ""))) \
+            or tasks // nodes
+        return Launch("srun", tasks, int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), per_node, nodes)
+    return Launch("local", 0)
+
+
+def check_world(cfg, launch: Launch) -> int:
+    """The world size, after checking that the recipe and the launch agree; one line naming the keys if not."""
+    t = cfg.trainer
+    want = t.nnodes * t.n_gpus_per_node
+    if want < 1:
+        raise ValueError(f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node} must be >= 1")
+    if launch.kind == "local":
+        return want
+    if (launch.nnodes, launch.nproc_per_node) != (t.nnodes, t.n_gpus_per_node) or launch.world_size != want:
+        raise ValueError(
+            f"launched as {launch.describe()} ({launch.world_size} processes) but the recipe says trainer.nnodes="
+            f"{t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node} = {want}; pass trainer.nnodes="
+            f"{launch.nnodes} trainer.n_gpus_per_node={launch.nproc_per_node} (recipes/launch_*.sh do) or launch "
+            f"{t.nnodes} node(s) x {t.n_gpus_per_node} processes")
+    return want
+
+
+# ----------------------------------------------------------------------------- SLURM rendezvous
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM node list ("gpu[03-05,9],cpu1" -> "gpu03"): `scontrol show hostnames` when it is
+    installed, else parsed here."""
+    if shutil.which("scontrol"):
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                                 timeout=30, check=True).stdout.split()
+            if out:
+                return out[0]
+        except (subprocess.SubprocessError, OSError):
+            pass
+    return parse_first_host(nodelist)
+
+
+def parse_first_host(nodelist: str) -> str:
+    """First host of a SLURM node list without scontrol (zero padding kept: "n[007-9]" -> "n007")."""
+    first = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if not first:
+        raise ValueError(f"cannot read the SLURM node list {nodelist!r}; set MASTER_ADDR")
+    prefix, ranges = first.group(1), first.group(3)
+    return prefix if ranges is None else prefix + re.split(r"[-,]", ranges)[0]
+
+
+def srun_env(env: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """torch.distributed's env:// variables for this srun task."""
+    launch = detect_launch(env)
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+    addr = env.get("MASTER_ADDR") or (first_slurm_host(nodelist) if nodelist else "127.0.0.1")
+    port = env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "0") or 0) % 20000)
+    return dict(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size), LOCAL_RANK=str(launch.local_rank),
+                LOCAL_WORLD_SIZE=str(launch.nproc_per_node), GROUP_WORLD_SIZE=str(launch.nnodes),
+                MASTER_ADDR=addr, MASTER_PORT=port)
+
+
+# ----------------------------------------------------------------------------- running a world
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned_worker(local_rank: int, world_size: int, port: int, error_dir: str,
+                    fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
+                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        _run_in_world(fn, args)
+    except BaseException as e:  # first line: the message the parent prints; then the traceback
+        summary = error_line(e) if isinstance(e, USER_ERRORS) else f"{type(e).__name__}: {error_line(e)}"
+        with open(os.path.join(error_dir, f"rank{local_rank}.err"), "w") as f:
+            f.write(f"rank {local_rank}: {summary}\n{traceback.format_exc()}")
+        sys.exit(1)
+
+
+def _run_in_world(fn: Callable[..., Any], args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if not os.environ.get("TRIPOD_DEBUG"):
+        import warnings
+        warnings.filterwarnings("ignore")  # megatron's TE/apex fallbacks, torch DCP deprecations
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, per_node)))
+    own_group = not dist.is_initialized()
+    if own_group:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is None:
+            dist.init_process_group(backend=backend)
+        else:  # torchrun keeps its store across --max-restarts: without a per-attempt prefix a restarted group
+            # reads the dead ranks' addresses and gloo's connectFullMesh is refused
+            store, rank, world = next(dist.rendezvous("env://"))
+            dist.init_process_group(backend=backend, store=dist.PrefixStore(f"tripod/attempt_{attempt}", store),
+                                    rank=rank, world_size=world)
+    from parallel.cpu_compat import apply_cpu_compat
+
+    apply_cpu_compat()
+    try:
+        fn(*args)
+    finally:
+        if own_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(world_size: int, fn: Callable[..., Any], *args: Any) -> None:
+    """Run `fn(*args)` on every rank of a `world_size` world: in-process under torchrun or a multi-task srun (the
+    launched world must have that size), else in `world_size` spawned local processes."""
+    launch = detect_launch()
+    if launch.kind != "local":
+        if launch.world_size != world_size:
+            raise ValueError(f"launched as {launch.describe()} ({launch.world_size} processes) but this command "
+                             f"needs {world_size}; launch it with that many processes")
+        if launch.kind == "srun":
+            os.environ.update(srun_env())
+        _run_in_world(fn, args)
+        return
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="tripod-errors-") as error_dir:
+        try:
+            mp.start_processes(_spawned_worker, args=(world_size, _free_port(), error_dir, fn, args),
+                               nprocs=world_size, start_method="spawn", join=True)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            reports = sorted(os.listdir(error_dir))
+            if not reports:
+                raise CommandFailed(f"worker {e.error_index} died (exit {getattr(e, 'exit_code', '?')}) "
+                                    "without a message") from None
+            with open(os.path.join(error_dir, reports[0])) as f:
+                summary, _, trace = f.read().partition("\n")
+            if os.environ.get("TRIPOD_DEBUG"):
+                print(trace, file=sys.stderr)
+            raise CommandFailed(summary) from None
+
+
+def is_rank_zero() -> bool:
+    launch = detect_launch()
+    return launch.rank == 0

@@ -1,0 +1,145 @@
+"""Checks that `tripod train` runs before any model is built: everything a user can type or point at.
+
+`prepare_train(recipe, overrides, launch)` loads the config, holds the launch against the recipe, validates the
+config for that world and runs `preflight`: the HF model directory and its safetensors headers, the layouts,
+the data files, the reward sources, the resume checkpoint (complete, same model) and a writable run directory.
+Each problem raises one error whose message names the key or file and the fix; nothing is written except a
+probe file in the run directory, which is removed again.
+"""
+from __future__ import annotations
+
+import errno
+import glob
+import os
+import socket
+
+from engine.launch import Launch, check_world
+
+
+def prepare_train(recipe: str, overrides: list[str], launch: Launch):
+    """(config, world size) for `tripod train RECIPE overrides` under `launch`, after every cheap check."""
+    from engine.config import load_config
+    from engine.config_validation import validate_config
+
+    cfg = load_config(recipe, overrides)
+    world = check_world(cfg, launch)
+    validate_config(cfg, world)
+    preflight(cfg, world)
+    return cfg, world
+
+
+def check_safetensors(model_dir: str) -> None:
+    """Every *.safetensors file of `model_dir` has a readable header and the bytes its header promises."""
+    import json
+    import struct
+
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        size = os.path.getsize(path)
+        try:
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > size - 8:
+                    raise ValueError("header longer than the file")
+                header = json.loads(f.read(n))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (struct.error, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"model file {path} is not a readable safetensors file ({e}); re-download or "
+                             "re-export actor_rollout_ref.model.path") from None
+        if 8 + n + end > size:
+            raise ValueError(f"model file {path} is truncated ({size} bytes, its header needs {8 + n + end}); "
+                             "re-download or re-export actor_rollout_ref.model.path")
+
+
+def check_model_dir(path: str | None, key: str) -> None:
+    if not path:
+        raise ValueError(f"{key} is not set; point it at a Hugging Face model directory (config.json + weights)")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{key}={path} does not exist; point it at a Hugging Face model directory")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{key}={path} has no config.json; point it at a Hugging Face model directory")
+    if not glob.glob(os.path.join(path, "*.safetensors")):
+        raise FileNotFoundError(f"{key}={path} has no *.safetensors weights; save the model with "
+                                "safe_serialization=True")
+    check_safetensors(path)
+
+
+def check_run_dir(run_dir: str) -> None:
+    """The run directory can be created and written (a full disk or read-only mount fails here, not mid-run)."""
+    probe = os.path.join(run_dir, f".tripod-write-probe-{socket.gethostname()}-{os.getpid()}")
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, b"x" * 4096)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        why = {errno.EROFS: "read-only file system", errno.ENOSPC: "disk full", errno.EDQUOT: "quota exceeded",
+               errno.EACCES: "permission denied", errno.EPERM: "not permitted"}.get(e.errno, e.strerror)
+        raise PermissionError(f"trainer.default_local_dir={run_dir} is not writable ({why}); point it at a "
+                              "writable directory with free space") from None
+
+
+def check_resume(cfg, arch, world: int) -> None:
+    """An explicit trainer.resume checkpoint is complete, from this model and this world size."""
+    import json
+
+    from engine.checkpoints.manager import COMPLETE, STATE_FILE
+    from parallel.checkpoint import checkpoint_arch
+
+    mode = cfg.trainer.resume
+    if mode in ("auto", "disable", "", None):
+        return
+    if not os.path.isfile(os.path.join(mode, COMPLETE)):
+        raise ValueError(f"trainer.resume={mode} is not a complete tripod checkpoint (no {COMPLETE} marker); "
+                         "point it at a global_step_<k> directory or use trainer.resume=auto")
+    try:
+        saved = checkpoint_arch(os.path.join(mode, "actor"))
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"trainer.resume={mode}: cannot read its actor checkpoint ({e})") from None
+    if saved != arch:
+        diff = [f"{k}={getattr(saved, k)} (model: {getattr(arch, k)})" for k in vars(arch)
+                if getattr(saved, k, None) != getattr(arch, k)]
+        raise ValueError(f"trainer.resume={mode} holds a different model than actor_rollout_ref.model.path="
+                         f"{cfg.actor_rollout_ref.model.path}: {', '.join(diff[:4])}; resume a checkpoint of "
+                         "this model")
+    with open(os.path.join(mode, STATE_FILE)) as f:
+        ranks = json.load(f).get("world_size")
+    if ranks != world:
+        raise ValueError(f"trainer.resume={mode} was saved by {ranks} ranks and this run has {world}; set "
+                         f"trainer.nnodes x trainer.n_gpus_per_node = {ranks}")
+
+
+def preflight(cfg, world: int) -> None:
+    """Everything that can be checked without a model: model files, layouts, rollout TP, data, rewards, resume
+    checkpoint and run directory."""
+    from transformers import AutoTokenizer
+
+    from engine.data import PromptDataset
+    from engine.rewards import check_data_sources
+    from engine.rollout import validate_rollout_tp
+    from parallel.arch import arch_from_hf
+    from parallel.hybrid_engine import validate_layouts
+
+    arc = cfg.actor_rollout_ref
+    check_model_dir(arc.model.path, "actor_rollout_ref.model.path")
+    if cfg.algorithm.adv_estimator == "gae" and cfg.critic.model.path != arc.model.path:
+        check_model_dir(cfg.critic.model.path, "critic.model.path")
+    arch = arch_from_hf(arc.model.path)
+    m = arc.actor.megatron
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    validate_rollout_tp(arch, arc.rollout.tensor_model_parallel_size)
+    validate_layouts(arch, tp, pp, world // (tp * pp), arc.rollout.tensor_model_parallel_size, world)
+    tokenizer_dir = cfg.data.tokenizer or arc.model.path
+    if not os.path.isdir(tokenizer_dir):
+        raise FileNotFoundError(f"data.tokenizer={tokenizer_dir} does not exist; point it at a tokenizer directory")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    d = cfg.data
+    for files in (d.train_files, d.val_files):
+        if files:
+            ds = PromptDataset(files, tokenizer, d.prompt_key, d.max_prompt_length, d.filter_overlong_prompts,
+                               d.apply_chat_template, d.reward_fn_key)
+            check_data_sources(ds.data_sources)
+    check_resume(cfg, arch, world)
+    check_run_dir(cfg.trainer.default_local_dir)
