@@ -30,6 +30,20 @@ hit, the innermost megatron frame (file, function, line): `traced_call_sites()`.
 (shim, file, function) not in `ALLOWED_CALL_SITES`, so a megatron upgrade that adds a CUDA
 hard-code is noticed instead of silently shimmed. fp32 only: the Tensor.type() spoof in bf16 would
 steer megatron onto its mixed-precision path, which is untested on CPU.
+
+Without Transformer Engine (never on CPU; optional on GPU) megatron-core 0.16.1 also breaks MoE and MLA
+models. `apply_no_te_fixes()` (called by `apply_cpu_compat`, and on GPU whenever TE is absent) owns the three
+workarounds found by shared/probes/moe; each has a canary in tests/test_megatron_no_te.py that fails once
+megatron fixes the bug, so the workaround can be dropped:
+
+  moe_te_gemm      transformer/moe/moe_utils.py:23-39 leaves `te_general_gemm` undefined when TE is missing
+                   and :1192 reads it, so every MoE forward raises NameError. Defined as None (= "no TE").
+  mla_have_te      extensions/transformer_engine.py replaces TE with a MagicMock, so
+                   transformer/multi_latent_attention.py:54-62 sets HAVE_TE=True and :184
+                   `isinstance(linear_proj, TELinear)` raises TypeError. Set back to False.
+  mla_core_attn    MLA passes k_channels/v_channels to its core attention (multi_latent_attention.py) but the
+                   local DotProductAttention takes neither (TypeError). `mla_local_core_attention(spec)`
+                   swaps in a subclass that drops them (MLA's config sets kv_channels = v_head_dim).
 """
 from __future__ import annotations
 
@@ -237,11 +251,59 @@ def apply_cpu_compat(trace: bool | None = None) -> bool:
     torch.cuda.current_device = _cpu_current_device
     torch.cuda.synchronize = _cpu_synchronize
     _allow_sequence_parallel_torch_norm()
+    apply_no_te_fixes()
     # A process-wide mode (not one per call) because the optimizer and grad clipping run outside
     # any tripod-owned call frame; its overhead was below noise in the probe (p7_overhead.py).
     CudaToCpuMode().__enter__()
     _applied = True
     return True
+
+
+def _te_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def apply_no_te_fixes() -> bool:
+    """Install the MoE / MLA workarounds for megatron without Transformer Engine (idempotent).
+
+    Returns True when they are active, False when TE is installed (megatron then takes its TE paths).
+    """
+    if _te_installed():
+        return False
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    multi_latent_attention.HAVE_TE = False
+    return True
+
+
+def _mla_local_core_attention_class():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLALocalDotProductAttention(DotProductAttention):
+        """megatron's local core attention, accepting (and dropping) the per-head channels MLA passes."""
+
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    return MLALocalDotProductAttention
+
+
+def mla_local_core_attention(block_spec):
+    """Point every MLA layer of a local (non-TE) decoder block spec at a core attention that takes MLA's
+    k_channels/v_channels; dense-attention layers are left alone. Returns the spec."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    core = _mla_local_core_attention_class()
+    for layer in block_spec.layer_specs:
+        attention = layer.submodules.self_attention.submodules
+        if getattr(attention, "core_attention", None) is DotProductAttention and hasattr(attention, "linear_kv_down_proj"):
+            attention.core_attention = core
+    return block_spec
 
 
 def cpu_compat_applied() -> bool:

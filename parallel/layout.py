@@ -3,7 +3,8 @@
 Actor, critic and reference each get their OWN `ParallelLayout` in one torch.distributed world
 (e.g. actor TP2xPP2 and critic TP1xPP2xDP2 on the same 4 ranks, or layouts over subsets of the
 world). Ranks are laid out the megatron way, "tp-cp-ep-dp-pp": tp varies fastest, then dp, then pp,
-over the layout's `ranks` list.
+over the layout's `ranks` list. Expert layers (MoE) see the same ranks through a second decomposition, as
+megatron's expert rank generator does: expert-tp fastest, then ep, then expert-dp, then the same pp.
 
 Group creation is collective over the WHOLE world (torch.distributed.new_group must be called by
 every rank, in the same order), so every rank constructs every layout, even one it is not part
@@ -48,7 +49,8 @@ class ParallelLayout:
     """The process groups of one model. `ranks` defaults to the whole world.
 
     Sizes: tp (tensor_model_parallel_size), pp (pipeline_model_parallel_size), dp (data parallel;
-    None = len(ranks) // (tp*pp)), ep (expert parallel; 1 only, no MoE yet). `name` (actor / critic
+    None = len(ranks) // (tp*pp)), ep (expert_model_parallel_size) and etp (expert_tensor_parallel_size;
+    None = tp, megatron's default). Expert data parallel is edp = tp*dp // (etp*ep). `name` (actor / critic
     / reference) prefixes every error message. `arch` (a ModelArch), when given, is validated
     (`validate_for`) before anything else, so a bad layout fails before any process group exists.
     """
@@ -57,6 +59,7 @@ class ParallelLayout:
     pp: int = 1
     dp: int | None = None
     ep: int = 1
+    etp: int | None = None
     ranks: Sequence[int] | None = None
     name: str = "model"
     arch: Any = field(default=None, repr=False)
@@ -67,8 +70,10 @@ class ParallelLayout:
         for key, value in (("tensor_model_parallel_size", self.tp), ("pipeline_model_parallel_size", self.pp)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{self.name} {key}={value!r} must be a positive integer")
-        if self.ep != 1:
-            raise ValueError(f"{self.name} expert_model_parallel_size={self.ep}: tripod has no MoE models; use 1")
+        self.etp = self.tp if self.etp is None else self.etp
+        for key, value in (("expert_model_parallel_size", self.ep), ("expert_tensor_parallel_size", self.etp)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{self.name} {key}={value!r} must be a positive integer")
         if self.arch is not None:
             self.validate_for(self.arch)
         if not dist.is_initialized():
@@ -89,37 +94,33 @@ class ParallelLayout:
             raise ValueError(f"{self.name} world size {n} != tp*pp*dp = {self.tp}*{self.pp}*{self.dp}="
                              f"{self.tp * self.pp * self.dp}; launch {self.tp * self.pp * self.dp} processes "
                              "or change tensor/pipeline/data_parallel_size")
+        if (self.tp * self.dp) % (self.etp * self.ep):
+            raise ValueError(f"{self.name} expert_tensor_parallel_size*expert_model_parallel_size={self.etp}*{self.ep}"
+                             f" does not divide tensor_model_parallel_size*data_parallel_size={self.tp}*{self.dp} "
+                             "(the ranks of one pipeline stage); choose ep and etp whose product divides it")
         self._build_groups()
 
-    # ---- rank arithmetic (tp fastest, then dp, then pp) -------------------------------------
+    # ---- rank arithmetic -------------------------------------------------------------------------
     def _coords(self, index: int) -> tuple[int, int, int]:
         return index % self.tp, (index // self.tp) % self.dp, index // (self.tp * self.dp)
 
-    def _rank_at(self, tp: int, dp: int, pp: int) -> int:
-        return self.ranks[tp + self.tp * (dp + self.dp * pp)]
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size: the replicas of each expert shard within one pipeline stage."""
+        return self.tp * self.dp // (self.etp * self.ep)
 
     def _enumerate(self) -> dict[str, list[list[int]]]:
-        t, d, p = self.tp, self.dp, self.pp
-        pp_lists = [[self._rank_at(i, j, k) for k in range(p)] for j in range(d) for i in range(t)]
-        embd = [sorted({g[0], g[-1]}) for g in pp_lists]
-        return {
-            "tp": [[self._rank_at(i, j, k) for i in range(t)] for k in range(p) for j in range(d)],
-            "dp": [[self._rank_at(i, j, k) for j in range(d)] for k in range(p) for i in range(t)],
-            "pp": pp_lists,
-            "mp": [[self._rank_at(i, j, k) for k in range(p) for i in range(t)] for j in range(d)],
-            "tp_dp": [[self._rank_at(i, j, k) for j in range(d) for i in range(t)] for k in range(p)],
-            "embd": embd,
-            "pos_embd": [[g[0]] for g in pp_lists],
-            "self": [[r] for r in self.ranks],
-        }
+        return rank_groups(self.ranks, self.tp, self.pp, self.dp, self.ep, self.etp)
 
     def _build_groups(self) -> None:
         me = dist.get_rank()
+        made: dict[tuple[int, ...], Any] = {}  # one group per distinct rank list, shared by the kinds that match
         for kind, lists in self._enumerate().items():
-            unique = [list(x) for x in dict.fromkeys(tuple(g) for g in lists)]
-            for ranks in unique:
+            for ranks in [list(x) for x in dict.fromkeys(tuple(g) for g in lists)]:
                 # every rank of the world calls new_group for every group, in the same order
-                group = dist.new_group(ranks=ranks)
+                if tuple(ranks) not in made:
+                    made[tuple(ranks)] = dist.new_group(ranks=ranks)
+                group = made[tuple(ranks)]
                 if me in ranks:
                     self._groups[kind] = group
                     self._group_ranks[kind] = ranks
@@ -175,6 +176,14 @@ class ParallelLayout:
         return self._groups["mp"]
 
     @property
+    def ep_rank(self) -> int:
+        return self.group_ranks("ep").index(dist.get_rank())
+
+    @property
+    def etp_rank(self) -> int:
+        return self.group_ranks("expt_tp").index(dist.get_rank())
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
@@ -183,7 +192,8 @@ class ParallelLayout:
         return self.pp_rank == self.pp - 1
 
     def group_ranks(self, kind: str) -> list[int]:
-        """Global ranks of this rank's group of `kind` (tp, dp, pp, mp, tp_dp, embd, pos_embd)."""
+        """Global ranks of this rank's group of `kind` (tp, dp, pp, mp, tp_dp, embd, pos_embd; ep, expt_tp,
+        tp_ep, tp_ep_pp, expt_dp for expert layers)."""
         self._check_member()
         return list(self._group_ranks[kind])
 
@@ -205,17 +215,24 @@ class ParallelLayout:
         if arch.num_layers % self.pp:
             raise _parallel_error(self.name, "pipeline_model_parallel_size", self.pp, "num_hidden_layers",
                                   arch.num_layers)
+        num_experts = getattr(arch, "num_experts", 0) or 0
+        if self.ep > 1 and not num_experts:
+            raise ValueError(f"{self.name} expert_model_parallel_size={self.ep} but the model has no experts "
+                             "(a dense model); use 1")
+        if num_experts and num_experts % self.ep:
+            raise _parallel_error(self.name, "expert_model_parallel_size", self.ep, "num_experts", num_experts)
 
     def describe(self) -> str:
         where = (f"rank {dist.get_rank()} = (tp {self.tp_rank}, dp {self.dp_rank}, pp {self.pp_rank})"
                  if self.is_member else f"rank {dist.get_rank()} not a member")
-        return (f"{self.name}: TP{self.tp} x PP{self.pp} x DP{self.dp} over ranks {self.ranks} "
+        experts = f", experts ETP{self.etp} x EP{self.ep} x EDP{self.edp}" if self.ep > 1 or self.etp != self.tp else ""
+        return (f"{self.name}: TP{self.tp} x PP{self.pp} x DP{self.dp}{experts} over ranks {self.ranks} "
                 f"(order tp-cp-ep-dp-pp); {where}")
 
     # ---- megatron views -------------------------------------------------------------------------
     @property
     def pg_collection(self):
-        """megatron ProcessGroupCollection of this rank's groups (cp / ep are size-1 groups)."""
+        """megatron ProcessGroupCollection of this rank's groups (cp is a size-1 group)."""
         self._check_member()
         if self._pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
@@ -223,9 +240,9 @@ class ParallelLayout:
             g = _MissingIsNone(self._groups)  # embd / pos_embd are None off the first/last stages
             self._pg_collection = ProcessGroupCollection(
                 tp=g["tp"], pp=g["pp"], mp=g["mp"], embd=g["embd"], pos_embd=g["pos_embd"],
-                cp=g["self"], tp_cp=g["tp"], hcp=None, ep=g["self"], expt_tp=g["tp"], tp_ep=g["tp"],
-                tp_ep_pp=g["mp"], tp_dp_cp=g["tp_dp"], dp=g["dp"], dp_cp=g["dp"], expt_dp=g["dp"],
-                intra_dp_cp=g["dp"], intra_expt_dp=g["dp"], intra_dist_opt=g["dp"],
+                cp=g["self"], tp_cp=g["tp"], hcp=None, ep=g["ep"], expt_tp=g["expt_tp"], tp_ep=g["tp_ep"],
+                tp_ep_pp=g["tp_ep_pp"], tp_dp_cp=g["tp_dp"], dp=g["dp"], dp_cp=g["dp"], expt_dp=g["expt_dp"],
+                intra_dp_cp=g["dp"], intra_expt_dp=g["expt_dp"], intra_dist_opt=g["dp"],
             )
         return self._pg_collection
 
@@ -253,12 +270,12 @@ class ParallelLayout:
             "_CONTEXT_PARALLEL_GROUP": g["self"], "_CONTEXT_PARALLEL_GLOBAL_RANKS": r["self"],
             "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": g["tp"],
             "_TENSOR_AND_DATA_PARALLEL_GROUP": g["tp_dp"], "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": g["tp_dp"],
-            "_EXPERT_MODEL_PARALLEL_GROUP": g["self"], "_EXPERT_MODEL_PARALLEL_RANKS": r["self"],
-            "_EXPERT_TENSOR_PARALLEL_GROUP": g["tp"], "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": g["tp"],
-            "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": g["mp"],
-            "_EXPERT_DATA_PARALLEL_GROUP": g["dp"], "_EXPERT_DATA_PARALLEL_GROUP_GLOO": g["dp"],
-            "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": g["dp"],
-            "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": g["dp"],
+            "_EXPERT_MODEL_PARALLEL_GROUP": g["ep"], "_EXPERT_MODEL_PARALLEL_RANKS": r["ep"],
+            "_EXPERT_TENSOR_PARALLEL_GROUP": g["expt_tp"], "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": g["tp_ep"],
+            "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": g["tp_ep_pp"],
+            "_EXPERT_DATA_PARALLEL_GROUP": g["expt_dp"], "_EXPERT_DATA_PARALLEL_GROUP_GLOO": g["expt_dp"],
+            "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": g["expt_dp"],
+            "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": g["expt_dp"],
             # cached sizes/ranks override the groups when set; clear them
             "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE": None, "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": None,
             "_MPU_DATA_PARALLEL_WORLD_SIZE": None, "_MPU_DATA_PARALLEL_RANK": None,
@@ -289,3 +306,35 @@ class ParallelLayout:
         finally:
             for k, v in saved.items():
                 setattr(ps, k, v)
+
+
+def rank_groups(ranks: Sequence[int], tp: int, pp: int, dp: int, ep: int = 1,
+                etp: int | None = None) -> dict[str, list[list[int]]]:
+    """Every process group of a layout over `ranks`, as lists of global ranks (pure arithmetic, no world).
+
+    Dense groups index ranks as tp + tp*(dp_i + dp*pp_i) ("tp-cp-ep-dp-pp" with cp = ep = 1). Expert groups
+    re-read the tp*dp ranks of each pipeline stage as etp (fastest) x ep x edp, which is what megatron's
+    expert RankGenerator(order="tp-ep-dp-pp") builds; the pipeline groups of both views coincide.
+    """
+    etp = tp if etp is None else etp
+    stage = tp * dp
+    edp = stage // (etp * ep)
+    at = lambda i, j, k: ranks[i + tp * (j + dp * k)]  # noqa: E731  (tp, dp, pp) coordinates
+    ex = lambda a, b, c, k: ranks[a + etp * (b + ep * c) + stage * k]  # noqa: E731  (etp, ep, edp, pp)
+    pp_lists = [[at(i, j, k) for k in range(pp)] for j in range(dp) for i in range(tp)]
+    return {
+        "tp": [[at(i, j, k) for i in range(tp)] for k in range(pp) for j in range(dp)],
+        "dp": [[at(i, j, k) for j in range(dp)] for k in range(pp) for i in range(tp)],
+        "pp": pp_lists,
+        "mp": [[at(i, j, k) for k in range(pp) for i in range(tp)] for j in range(dp)],
+        "tp_dp": [[at(i, j, k) for j in range(dp) for i in range(tp)] for k in range(pp)],
+        "embd": [sorted({g[0], g[-1]}) for g in pp_lists],
+        "pos_embd": [[g[0]] for g in pp_lists],
+        "self": [[r] for r in ranks],
+        "expt_tp": [[ex(a, b, c, k) for a in range(etp)] for k in range(pp) for c in range(edp) for b in range(ep)],
+        "ep": [[ex(a, b, c, k) for b in range(ep)] for k in range(pp) for c in range(edp) for a in range(etp)],
+        "tp_ep": [[ex(a, b, c, k) for b in range(ep) for a in range(etp)] for k in range(pp) for c in range(edp)],
+        "tp_ep_pp": [[ex(a, b, c, k) for k in range(pp) for b in range(ep) for a in range(etp)]
+                     for c in range(edp)],
+        "expt_dp": [[ex(a, b, c, k) for c in range(edp)] for k in range(pp) for b in range(ep) for a in range(etp)],
+    }
