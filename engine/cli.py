@@ -62,13 +62,16 @@ def _run_in_world(fn: Callable[..., Any], args: tuple) -> None:
         import warnings
         warnings.filterwarnings("ignore")  # megatron's TE/apex fallbacks, torch DCP deprecations
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ["WORLD_SIZE"]))))
+    from engine.device import process_group_backend, select_device
+
+    device = select_device()  # $TRIPOD_DEVICE (trainer.device) and LOCAL_RANK; sets the CUDA device first
     own_group = not dist.is_initialized()
     if own_group:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=process_group_backend(device))
     from parallel.cpu_compat import apply_cpu_compat
 
-    apply_cpu_compat()
+    if device.type == "cpu":
+        apply_cpu_compat(force=True)
     try:
         fn(*args)
     finally:

@@ -43,6 +43,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     validate_config(cfg, world)
     if os.environ.get("RANK", "0") == "0":
         preflight(cfg)
+    from engine.device import DEVICE_ENV
+
+    os.environ[DEVICE_ENV] = cfg.trainer.device  # read by engine.device.select_device on every rank
     run_distributed(world, _train_on_rank, config_to_yaml(cfg))
     return 0
 

@@ -29,6 +29,10 @@ ROLLOUT_NAMES = ("embedded", "sglang")
 LOGGER_BACKENDS = ("console", "tensorboard", "jsonl")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 DEVICES = ("cpu", "cuda")
+PARAM_DTYPES = ("fp32", "bf16", "fp16")
+ROLLOUT_DTYPES = ("fp32", "bf16", "fp16")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
 
 
 class ConfigError(ValueError):
@@ -72,6 +76,24 @@ class MegatronConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     sequence_parallel: bool = False  # only meaningful with tensor_model_parallel_size > 1
     seed: int = 42
+    param_dtype: str = "fp32"
+    """Dtype of the model's parameters: fp32 | bf16 | fp16. With bf16/fp16, megatron's optimizer keeps fp32 main
+    weights (and Adam states) and reduces gradients in fp32 (engine/precision.py)."""
+    use_distributed_optimizer: Optional[bool] = None
+    """Shard fp32 main weights and Adam states over DP (megatron's DistributedOptimizer, ZeRO-1).
+    null = auto: on when this model's DP > 1. Training models only (the reference has no optimizer)."""
+    recompute_granularity: Optional[str] = None
+    """Activation recomputation: null (off) | full (whole layers, see recompute_num_layers) | selective (core
+    attention only). Training models only."""
+    recompute_method: str = "uniform"
+    """With recompute_granularity=full: uniform (groups of recompute_num_layers) | block (the first
+    recompute_num_layers layers of each stage)."""
+    recompute_num_layers: Optional[int] = None
+    """With recompute_granularity=full: layers per recomputed group (uniform) or recomputed layers per stage
+    (block); null = 1."""
+    optimizer_offload: bool = False
+    """Keep optimizer states (and the fp32 update) on the CPU: megatron's HybridDeviceOptimizer. Needs CUDA and the
+    distributed optimizer; refused on CPU runs (the states are already in host memory there)."""
 
 
 def _megatron_like_actor() -> MegatronConfig:
@@ -79,7 +101,8 @@ def _megatron_like_actor() -> MegatronConfig:
     return MegatronConfig(tensor_model_parallel_size=base + "tensor_model_parallel_size}",
                           pipeline_model_parallel_size=base + "pipeline_model_parallel_size}",
                           virtual_pipeline_model_parallel_size=base + "virtual_pipeline_model_parallel_size}",
-                          sequence_parallel=base + "sequence_parallel}", seed=base + "seed}")
+                          sequence_parallel=base + "sequence_parallel}", seed=base + "seed}",
+                          param_dtype=base + "param_dtype}")
 
 
 @dataclass
@@ -134,6 +157,13 @@ class RolloutConfig:
     mem_fraction_static: float = "${.gpu_memory_utilization}"  # SGLang's name for the same budget
     log_prob_micro_batch_size_per_gpu: Optional[int] = "${actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu}"
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    dtype: Optional[str] = None
+    """Dtype of the generation shard and KV cache: fp32 | bf16 | fp16; null = bf16 on CUDA, fp32 on CPU. The shard is
+    cast while it is gathered from the training shards (no full-precision copy in between)."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the backend's engine, passed through as given: for sglang, any
+    `sglang.Engine` / ServerArgs option (e.g. {attention_backend: fa3, cuda_graph_max_bs: 64}). The embedded
+    engine takes none."""
 
 
 @dataclass
@@ -214,6 +244,8 @@ class TrainerConfig:
     critic_warmup: int = 0  # steps that train only the critic
     seed: int = 1
     device: str = "cpu"
+    """cpu | cuda. Chosen once per rank by engine/device.py (cuda: cuda:LOCAL_RANK, set as the current device);
+    models, batches, masks, the rollout engine and the kernels all follow it."""
 
 
 @dataclass
@@ -227,10 +259,13 @@ class TripodConfig:
 
 
 # ---------------------------------------------------------------------------------------------- loading
+FREE_FORM_KEYS = ("actor_rollout_ref.rollout.engine_kwargs",)  # dicts whose keys belong to another program
+
+
 def _unknown_keys(schema: DictConfig, user: Any, prefix: str = "") -> list[str]:
     """Every key in `user` that the schema does not have, as a message with close matches."""
     problems = []
-    if not isinstance(user, DictConfig):
+    if not isinstance(user, DictConfig) or prefix.rstrip(".") in FREE_FORM_KEYS:
         return problems
     for key in user.keys():
         full = f"{prefix}{key}"

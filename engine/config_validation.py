@@ -200,6 +200,9 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
     if bad_loggers:
         e.append(f"trainer.logger has unknown backends {bad_loggers}; use any of {list(LOGGER_BACKENDS)}")
     _check_choice(e, "trainer.device", tr.device, DEVICES)
+    from engine.precision import precision_problems  # precision / memory keys (engine/precision.py)
+
+    e += precision_problems(cfg, world_size, [(key, m, not key.endswith("ref.megatron")) for key, m in layouts])
     if tr.resume not in ("auto", "disable") and not os.path.isdir(os.path.expanduser(tr.resume)):
         e.append(f"trainer.resume={tr.resume!r} is neither 'auto', 'disable' nor an existing checkpoint directory")
 

@@ -18,10 +18,13 @@ from engine.algorithms import apply_kl_penalty, build_kl_controller, compute_adv
 from engine.checkpoints import CheckpointManager
 from engine.config import TripodConfig, save_resolved_config
 from engine.data import PromptBatch, PromptDataLoader, PromptDataset
+from engine.device import DeviceGuard, check_devices_enabled, current_device
 from engine.logging import Timer, Tracker
 from engine.perf import PerfCounter
+from engine.precision import resolve_precision, rollout_dtype
 from engine.rewards import RewardPool
 from engine.rollout import SamplingParams, make_rollout_engine
+from engine.rollout.weight_sync import WeightSync
 from engine.workers.batch import PPOBatch, build_ppo_batch
 from engine.workers.megatron_worker import OptimSettings
 from engine.workers.ppo_workers import CriticWorker, PolicyWorker
@@ -41,11 +44,16 @@ def _layout(m, name: str, arch) -> ParallelLayout:
     return ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, name=name, arch=arch)
 
 
+def _precision(m, layout: ParallelLayout, trainable: bool = True):
+    return resolve_precision(m, layout.dp, trainable)
+
+
 class PPOTrainer:
     def __init__(self, cfg: TripodConfig):
         from transformers import AutoTokenizer
 
         self.cfg, self.rank, self.world = cfg, dist.get_rank(), dist.get_world_size()
+        self.device = current_device()  # chosen once per rank by engine/device.py (trainer.device, LOCAL_RANK)
         arc, actor_cfg = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor
         path = arc.model.path
         self.arch = arch_from_hf(path)
@@ -77,20 +85,26 @@ class PPOTrainer:
         seed = actor_cfg.megatron.seed
         actor_layout = _layout(actor_cfg.megatron, "actor", self.arch)
         self.actor = PolicyWorker("actor", self.arch, actor_layout, path, seed=seed,
-                                  optim=_optim(actor_cfg.optim, actor_cfg.grad_clip))
-        self.ref = (PolicyWorker("reference", self.arch, _layout(arc.ref.megatron, "reference", self.arch), path,
-                                 trainable=False, seed=seed, offload=arc.ref.offload) if self.use_ref else None)
-        self.critic = (CriticWorker("critic", self.arch, _layout(cfg.critic.megatron, "critic", self.arch),
-                                    cfg.critic.model.path, value_head=True, seed=seed,
-                                    optim=_optim(cfg.critic.optim, cfg.critic.grad_clip))
+                                  optim=_optim(actor_cfg.optim, actor_cfg.grad_clip),
+                                  precision=_precision(actor_cfg.megatron, actor_layout))
+        ref_layout = _layout(arc.ref.megatron, "reference", self.arch)
+        self.ref = (PolicyWorker("reference", self.arch, ref_layout, path, trainable=False, seed=seed,
+                                 offload=arc.ref.offload, precision=_precision(arc.ref.megatron, ref_layout, False))
+                    if self.use_ref else None)
+        critic_layout = _layout(cfg.critic.megatron, "critic", self.arch)
+        self.critic = (CriticWorker("critic", self.arch, critic_layout, cfg.critic.model.path, value_head=True,
+                                    seed=seed, optim=_optim(cfg.critic.optim, cfg.critic.grad_clip),
+                                    precision=_precision(cfg.critic.megatron, critic_layout))
                        if self.use_critic else None)
 
         rollout = arc.rollout
-        self.hybrid = HybridEngine(self.arch, actor_layout, rollout.tensor_model_parallel_size)
-        kwargs = dict(pad_token_id=self.pad_id) if rollout.name == "embedded" else dict(
-            model_path=path, mem_fraction_static=rollout.mem_fraction_static)
-        self.rollout = make_rollout_engine(rollout.name, self.arch, self.hybrid.rollout_tp_group, **kwargs)
-        self.rollout.release_memory()
+        gen_dtype = rollout_dtype(rollout.dtype, self.device)
+        self.hybrid = HybridEngine(self.arch, actor_layout, rollout.tensor_model_parallel_size, dtype=gen_dtype)
+        kwargs = dict(pad_token_id=self.pad_id, dtype=gen_dtype, device=self.device) if rollout.name == "embedded" \
+            else dict(model_path=path, mem_fraction_static=rollout.mem_fraction_static,
+                      dtype=str(gen_dtype).removeprefix("torch."), **rollout.engine_kwargs)
+        engine = make_rollout_engine(rollout.name, self.arch, self.hybrid.rollout_tp_group, **kwargs)
+        self.weight_sync = WeightSync(self.hybrid, engine, self.actor.model)  # owns resume/load/generate/release
 
         self.total_steps = cfg.trainer.total_training_steps or len(self.loader) * cfg.trainer.total_epochs
         self.run_dir = cfg.trainer.default_local_dir
@@ -113,11 +127,7 @@ class PPOTrainer:
         replicas = self.hybrid.rollout_dp_size
         bounds = [len(prompts) * i // replicas for i in range(replicas + 1)]
         mine = self.hybrid.rollout_dp_rank
-        with timer("reshard"):  # the engine adopts the gathered shard (no second copy)
-            self.rollout.load_weights(self.hybrid.to_rollout(self.actor.model))
-        with timer("gen"):
-            out = self.rollout.generate(prompts[bounds[mine]:bounds[mine + 1]], params)
-        self.rollout.release_memory()  # back to training: the rollout copy and KV cache are freed
+        out = self.weight_sync.generate(prompts[bounds[mine]:bounds[mine + 1]], params, timer)
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, (mine, out.responses()))
         by_replica = dict(gathered)
@@ -142,13 +152,14 @@ class PPOTrainer:
             responses = self.generate(prompts.input_ids, self.sampling(False, self.step), timer)
             rep_prompts = [p for p in prompts.input_ids for _ in range(n)]
             batch = build_ppo_batch(rep_prompts, responses, arc.rollout.response_length, self.pad_id,
-                                    [i for i in prompts.indices for _ in range(n)])
+                                    [i for i in prompts.indices for _ in range(n)]).to(self.device)
             mask = batch["response_mask"]
             with timer("reward"):
                 scores, reward_metrics = self.score(prompts, responses, n)
                 token_rewards = torch.zeros_like(mask)
                 last = (mask.sum(-1).long() - 1).clamp(min=0)
-                token_rewards[torch.arange(batch.size), last] = torch.tensor(scores, dtype=torch.float32)
+                token_rewards[torch.arange(batch.size, device=self.device), last] = torch.tensor(
+                    scores, dtype=torch.float32, device=self.device)
             micro = arc.rollout.log_prob_micro_batch_size_per_gpu or batch.size
             with timer("old_log_prob"):
                 batch["old_log_probs"], _ = self.actor.compute_log_probs(batch, micro, temperature)
@@ -182,6 +193,18 @@ class PPOTrainer:
         metrics.update(self.batch_metrics(batch, scores))
         metrics.update(timings)
         metrics.update(self.perf.metrics(batch, timings, arc.actor.ppo_epochs))
+        return metrics
+
+    def checked_train_step(self, prompts: PromptBatch) -> dict[str, float]:
+        """`train_step`, under engine.device.DeviceGuard when TRIPOD_CHECK_DEVICES=1 (fails on a stray tensor)."""
+        if not check_devices_enabled():
+            return self.train_step(prompts)
+        with DeviceGuard(self.device) as guard:
+            metrics = self.train_step(prompts)
+        if guard.violations:
+            raise RuntimeError(f"step {self.step}: tensors off the chosen device {self.device}: {guard.report()}")
+        if self.rank == 0:
+            print(f"DEVICE_CHECK step={self.step} device={self.device} ops_off_device=0", flush=True)
         return metrics
 
     def batch_metrics(self, batch: PPOBatch, scores: list[float]) -> dict[str, float]:
@@ -234,7 +257,7 @@ class PPOTrainer:
                 tracker.log(last_val, 0)
         while self.step < self.total_steps:
             batch = next(iter(self.loader))
-            metrics = self.train_step(batch)
+            metrics = self.checked_train_step(batch)
             self.step += 1
             done = self.step >= self.total_steps
             if self.val_set is not None and ((cfg.trainer.test_freq > 0 and self.step % cfg.trainer.test_freq == 0)

@@ -220,15 +220,16 @@ def _allow_sequence_parallel_torch_norm() -> None:
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
 
 
-def apply_cpu_compat(trace: bool | None = None) -> bool:
-    """Install the CPU shims (idempotent). Returns True when they are active, False on a CUDA machine.
+def apply_cpu_compat(trace: bool | None = None, force: bool = False) -> bool:
+    """Install the CPU shims (idempotent). Returns True when they are active, False on a CUDA machine
+    (unless `force`: a CPU run chosen by trainer.device=cpu on a machine that has GPUs).
 
     `trace=True` (or TRIPOD_CPU_COMPAT_TRACE=1) records each megatron call site a shim catches.
     """
     global _applied, _trace_on
     if trace is None:
         trace = os.environ.get("TRIPOD_CPU_COMPAT_TRACE") == "1"
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not force:
         return False
     _trace_on = _trace_on or trace
     if _applied:

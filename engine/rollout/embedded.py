@@ -52,6 +52,8 @@ class EmbeddedRolloutEngine(RolloutEngine):
         weights = self.decoder.weights
         for name, tensor in generation_shard.items():
             buf = weights.get(name)
+            if buf is tensor:  # gathered straight into our buffer (WeightSync passes weight_buffers())
+                continue
             if buf is None or buf.shape != tensor.shape:
                 weights[name] = tensor.detach().to(self.device, self.dtype)
             else:
@@ -74,6 +76,9 @@ class EmbeddedRolloutEngine(RolloutEngine):
         if self._released_shapes is not None and not self.decoder.weights:
             self.decoder.weights = {n: torch.empty(s, dtype=self.dtype, device=self.device)
                                     for n, s in self._released_shapes.items()}
+
+    def weight_buffers(self) -> dict[str, torch.Tensor] | None:
+        return self.decoder.weights or None
 
     def memory_bytes(self) -> int:
         """Bytes held by the weights copy and the KV cache."""

@@ -21,6 +21,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from engine.device import current_device, to_device
+from engine.precision import PrecisionSettings
 from engine.workers.batch import PPOBatch, split_rows
 from parallel.arch import ModelArch
 
@@ -45,13 +47,17 @@ def _bypass_output_layer(model) -> None:
 class MegatronWorker:
     def __init__(self, name: str, arch: ModelArch, layout, hf_dir: str, *, value_head: bool = False,
                  trainable: bool = True, optim: OptimSettings | None = None, seed: int = 1234,
-                 params_dtype: torch.dtype = torch.float32, offload: bool = False):
+                 precision: PrecisionSettings | None = None, offload: bool = False):
         from parallel.convert import load_hf_weights
         from parallel.model import build_gpt_model
 
         self.name, self.arch, self.layout = name, arch, layout
         self.value_head, self.trainable = value_head, trainable
-        model = build_gpt_model(arch, layout, value_head=value_head, params_dtype=params_dtype, seed=seed)
+        self.precision = precision or PrecisionSettings()
+        self.device = current_device()  # engine/device.py decides; megatron allocates on the current device
+        model = build_gpt_model(arch, layout, value_head=value_head, params_dtype=self.precision.param_dtype,
+                                seed=seed, use_cpu_initialization=self.device.type == "cpu",
+                                **self.precision.transformer_overrides())
         with layout.activate():
             load_hf_weights(model, hf_dir, arch, layout)
         if not value_head and layout.is_last_stage:
@@ -65,6 +71,9 @@ class MegatronWorker:
                 p.requires_grad_(False)
         self.offload = offload and not trainable
         self._device = next(model.parameters()).device
+        if self._device.type != self.device.type:
+            raise RuntimeError(f"{name}: megatron built the model on {self._device}, the chosen device is "
+                               f"{self.device} (engine/device.py)")
         if self.offload:
             self._move_params(torch.device("cpu"))
 
@@ -90,15 +99,16 @@ class MegatronWorker:
                                                finalize_model_grads)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        prec = self.precision
         with self.layout.activate():
-            ddp = DistributedDataParallel(
+            ddp = DistributedDataParallel(  # gradients reduced (and, for bf16 params, accumulated) in fp32
                 config=model.config, module=model, pg_collection=self.layout.pg_collection,
                 ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                         use_distributed_optimizer=False))
+                                                         use_distributed_optimizer=prec.use_distributed_optimizer))
             opt = get_megatron_optimizer(OptimizerConfig(
                 optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
                 adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=optim.grad_clip,
-                params_dtype=model.config.params_dtype, bf16=model.config.bf16), [ddp],
+                **prec.optimizer_overrides()), [ddp],
                 use_gloo_process_groups=False, pg_collection=self.layout.pg_collection)
             model.config.finalize_model_grads_func = finalize_model_grads
         return ddp, opt
@@ -115,13 +125,14 @@ class MegatronWorker:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         seq = max(mb["input_ids"].shape[1] for mb in microbatches)
-        mbs = [_pad_to(mb, seq) for mb in microbatches]
-        mask = torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None]  # right padding: causal is enough
+        dev = self.device
+        mbs = [PPOBatch(to_device(_pad_to(mb, seq).tensors, dev), mb.meta) for mb in microbatches]
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=dev).triu(1)[None, None]  # right padding: causal
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             ids = mb["input_ids"]
-            pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+            pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand_as(ids)
             out = model(input_ids=ids, position_ids=pos, attention_mask=mask)
             return out, lambda output: loss_fn(output, mb)
 
@@ -173,8 +184,8 @@ class MegatronWorker:
         lay = self.layout
         rows = n_rows // lay.dp
         if local is None:
-            local = torch.empty((rows, *shape_tail), dtype=dtype)
-        local = local.to(dtype).contiguous()
+            local = torch.empty((rows, *shape_tail), dtype=dtype, device=self.device)
+        local = local.to(self.device, dtype).contiguous()
         if lay.pp > 1:
             dist.broadcast(local, src=lay.group_ranks("pp")[-1], group=lay.pp_group)
         if lay.dp == 1:
@@ -191,7 +202,7 @@ class MegatronWorker:
             dist.broadcast_object_list(box, src=lay.group_ranks("pp")[-1], group=lay.pp_group)
             values = box[0]
         keys = sorted(values)
-        t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self.device)
         if lay.dp > 1:
             dist.all_reduce(t, group=lay.dp_group)
         return dict(zip(keys, t.tolist()))

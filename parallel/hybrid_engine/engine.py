@@ -81,11 +81,12 @@ class HybridEngine:
     def rollout_dp_size(self) -> int:
         return len(self.plan.rollout_tp_groups)
 
-    def to_rollout(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Gather this rank's generation shard from the actor's training shards."""
+    def to_rollout(self, model: torch.nn.Module, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Gather this rank's generation shard (in the plan's dtype: the rollout dtype) from the actor's training
+        shards; into `out` (e.g. the rollout engine's own buffers) when given."""
         shard = train_shard_from_model(model, self.layout, self.arch, self.plan)
         with torch.no_grad():
-            gen = self.gather.gather(shard, out=self._buffer)
+            gen = self.gather.gather(shard, out=out if out is not None else self._buffer)
         if self.keep_buffer:
             self._buffer = gen
         return gen
