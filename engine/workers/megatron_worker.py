@@ -44,6 +44,14 @@ def _bypass_output_layer(model) -> None:
     model.output_layer.forward = forward
 
 
+def _cast_floating_params(model, dtype: torch.dtype) -> None:
+    """Every parameter in `dtype`. megatron's CPU (local-spec) RMSNorm builds fp32 weights whatever params_dtype is,
+    where TE's norm uses params_dtype; megatron's Float16 optimizer checkpoints assume all params are 16-bit."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
 class MegatronWorker:
     def __init__(self, name: str, arch: ModelArch, layout, hf_dir: str, *, value_head: bool = False,
                  trainable: bool = True, optim: OptimSettings | None = None, seed: int = 1234,
@@ -60,6 +68,7 @@ class MegatronWorker:
                                 **self.precision.transformer_overrides())
         with layout.activate():
             load_hf_weights(model, hf_dir, arch, layout)
+        _cast_floating_params(model, self.precision.param_dtype)
         if not value_head and layout.is_last_stage:
             _bypass_output_layer(model)
         self.module = model
