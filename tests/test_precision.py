@@ -81,13 +81,16 @@ def _metrics(run_dir):
 
 @pytest.mark.dist
 def test_distributed_optimizer_matches_and_resumes_at_another_layout(tmp_path):
-    """(1,1,1) plain optimizer vs (TP1,PP1,DP2) distributed optimizer (auto) run under the device guard; then the
+    """(1,1,1) plain optimizer vs (TP1,PP1,DP2) distributed optimizer (auto) with activation recomputation, run under
+    the device guard; then the
     DP2 run's step-1 checkpoint resumed at TP2 x DP1 with the distributed optimizer: its step 2 equals the
     uninterrupted run's step 2."""
     setup = make_ppo_setup(tmp_path)
     base_dir, dp_dir, re_dir = (str(tmp_path / d) for d in ("base", "dp2", "tp2_resumed"))
     _train(tiny_overrides(setup, base_dir, world=1, steps=2) + GREEDY)
-    out = _train(tiny_overrides(setup, dp_dir, world=2, steps=2) + GREEDY + ["trainer.save_freq=1"],
+    recompute = ["actor_rollout_ref.actor.megatron.recompute_granularity=full",  # same math, less memory
+                 "critic.megatron.recompute_granularity=selective"]
+    out = _train(tiny_overrides(setup, dp_dir, world=2, steps=2) + GREEDY + recompute + ["trainer.save_freq=1"],
                  env={"TRIPOD_CHECK_DEVICES": "1"})
     assert out.count("DEVICE_CHECK") == 2 and "ops_off_device=0" in out, out[-2000:]  # every step, rank 0
     ckpt = os.path.join(dp_dir, "checkpoints", "global_step_1")
