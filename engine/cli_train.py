@@ -6,7 +6,8 @@ under torchrun / SLURM's srun, or in locally spawned processes otherwise. Every 
 reported before any model is built.
 
 plan: prints the hybrid engine's resharding plan for the recipe's actor layout and rollout TP (groups, bytes
-received and peak extra memory per rank), without starting any process.
+received and peak extra memory per rank) and the memory plan per rank (params, grads, fp32 main weights, optimizer
+states of each model, generation shard, KV cache: parallel/memory_plan.py), without starting any process.
 """
 from __future__ import annotations
 
@@ -92,6 +93,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = build_reshard_plan(arch, tp, pp, world // (tp * pp), cfg.actor_rollout_ref.rollout.tensor_model_parallel_size,
                               bucket_bytes=int(args.bucket_mb * (1 << 20)), world_size=world)
     print(plan.describe())
+    from parallel.memory_plan import plan_from_config
+
+    critic_arch = arch_from_hf(cfg.critic.model.path) if cfg.algorithm.adv_estimator == "gae" and \
+        cfg.critic.model.path else None
+    print("\nmemory per rank (parallel/memory_plan.py; activations not included):")
+    print(plan_from_config(cfg, world, arch, critic_arch).describe())
     return 0
 
 

@@ -35,6 +35,7 @@ class EmbeddedRolloutEngine(RolloutEngine):
         self._weights_loaded = False
         self._released_shapes: dict[str, torch.Size] | None = None
         self.kv_cache: KVCache | None = None
+        self._resumed = False
 
     @staticmethod
     def _default_pad_id(arch: ModelArch) -> int:
@@ -72,12 +73,18 @@ class EmbeddedRolloutEngine(RolloutEngine):
             torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
-        """Re-allocate the weight buffers released earlier (contents undefined until load_weights)."""
-        if self._released_shapes is not None and not self.decoder.weights:
+        """Re-reserve the weight buffers released earlier: allocated when `weight_buffers()` asks for them (a
+        caller that hands over ready tensors, e.g. views of the actor's parameters, never pays for them)."""
+        self._resumed = self._released_shapes is not None
+
+    def _allocate_released(self) -> None:
+        if self._resumed and self._released_shapes is not None and not self.decoder.weights:
             self.decoder.weights = {n: torch.empty(s, dtype=self.dtype, device=self.device)
                                     for n, s in self._released_shapes.items()}
+        self._resumed = False
 
     def weight_buffers(self) -> dict[str, torch.Tensor] | None:
+        self._allocate_released()
         return self.decoder.weights or None
 
     def memory_bytes(self) -> int:

@@ -6,7 +6,8 @@
 `generate` re-reserves the engine's memory (`resume_memory`: SGLang requires it after
 `release_memory_occupation`; the embedded engine re-allocates its weight buffers), gathers the generation shard
 from the actor's training shards in the rollout dtype (parallel/hybrid_engine: straight into the engine's buffers
-when it has them, so no second copy exists), loads it, generates, and always releases the engine's weights and
+when it has them, so no second copy exists; or, when rollout TP == training TP, PP == 1 and the dtypes agree, as
+views of the actor's parameters, so no copy at all), loads it, generates, and always releases the engine's weights and
 KV cache before training resumes, also when generation fails.
 
 Also here: the bucketing behind the SGLang push (`hf_buckets`, `gather_bucket_full`, `flatten_by_dtype`). SGLang's
@@ -47,7 +48,10 @@ class WeightSync:
             with timed("reshard"):
                 self.engine.resume_memory()
                 self.events.append("resume")
-                buffers = self.engine.weight_buffers()
+                # the engine reads the actor's parameters directly when the layouts coincide; else it gets a
+                # gathered shard, written straight into its own buffers when it has them
+                alias = self.hybrid.aliases_training_shard(self.actor_model)
+                buffers = None if alias else self.engine.weight_buffers()
                 shard = self.hybrid.to_rollout(self.actor_model, out=buffers)
                 self.engine.load_weights(shard)
                 del shard
