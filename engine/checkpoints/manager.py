@@ -35,12 +35,18 @@ def latest_complete(root: str) -> str | None:
     return os.path.join(root, max(found)[1]) if found else None
 
 
+# The distributed optimizer's state in megatron's layout-free form (gathered per parameter on DP rank 0 at save,
+# sliced by every rank at load), so a checkpoint resumes at another TP / PP / DP; megatron's default for it
+# (fully_sharded_model_space) relies on flattened ranges the torch dist-checkpoint backend no longer supports.
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
 def _save_optimizer(worker, path: str) -> None:
     from megatron.core import dist_checkpointing
 
     with worker.layout.activate():
         model_sd = worker.module.sharded_state_dict()
-        dist_checkpointing.save(worker.optimizer.sharded_state_dict(model_sd), path)
+        dist_checkpointing.save(worker.optimizer.sharded_state_dict(model_sd, metadata=_OPTIM_METADATA), path)
 
 
 def _load_optimizer(worker, path: str) -> None:
@@ -48,7 +54,7 @@ def _load_optimizer(worker, path: str) -> None:
 
     with worker.layout.activate():
         model_sd = worker.module.sharded_state_dict()
-        sharded = worker.optimizer.sharded_state_dict(model_sd, is_loading=True)
+        sharded = worker.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=_OPTIM_METADATA)
         worker.optimizer.load_state_dict(dist_checkpointing.load(sharded, path))
 
 
