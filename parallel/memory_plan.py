@@ -8,7 +8,8 @@ For each model (actor, critic, reference) on its layout, the bytes one rank hold
     optim        numel * 8 / DP'          Adam exp_avg + exp_avg_sq in fp32
     (DP' = DP with the distributed optimizer, else 1; the reference has params only, on the host if offloaded)
 
-and for the rollout: the generation shard (its rollout-TP slice of the whole model in the rollout dtype) and the
+and for the rollout: the generation shard (its rollout-TP slice of the whole model in the rollout dtype; nothing
+when rollout TP == actor TP, PP == 1 and the dtypes agree: the engine then reads the actor's parameters) and the
 KV cache of one generate call (2 * layers * kv_heads/tg * head_dim * sequences * (prompt + response) * bytes).
 `scripts/bench_memory.py` measures the same quantities on live objects; `tripod plan` prints this table.
 """
@@ -78,8 +79,9 @@ class ModelMemory:
 @dataclass
 class MemoryPlan:
     models: list[ModelMemory]
-    generation_shard: int
+    generation_shard: int  # 0 when it aliases the actor's parameters (see generation_shard_aliased)
     kv_cache: int
+    generation_shard_aliased: bool = False
 
     def device_total(self) -> int:
         """Bytes on the compute device at the rollout peak (offloaded params excluded)."""
@@ -95,7 +97,9 @@ class MemoryPlan:
                          f"{r.get('grads', 0) / mib:>10.1f} {r.get('main_params', 0) / mib:>9.1f} "
                          f"{r.get('optim', 0) / mib:>10.1f} {m.total / mib:>10.1f}"
                          + ("  (host: offloaded)" if m.offloaded else ""))
-        lines.append(f"generation shard {self.generation_shard / mib:.1f} MiB, KV cache {self.kv_cache / mib:.1f} MiB")
+        alias = " (views of the actor's parameters)" if self.generation_shard_aliased else ""
+        lines.append(f"generation shard {self.generation_shard / mib:.1f} MiB{alias}, "
+                     f"KV cache {self.kv_cache / mib:.1f} MiB")
         lines.append(f"per rank on the compute device at the rollout peak: {self.device_total() / mib:.1f} MiB")
         return "\n".join(lines)
 
@@ -133,6 +137,9 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
     gdt = rollout_dtype(r.dtype, device)
     replicas = world_size // r.tensor_model_parallel_size
     sequences = -(-cfg.data.train_batch_size * r.n // replicas)
-    return MemoryPlan(models, generation_shard_bytes(arch, r.tensor_model_parallel_size, gdt),
+    actor = models[0]
+    # parallel/hybrid_engine/engine.py: same TP, no PP, same dtype -> the engine reads the parameters themselves
+    aliased = actor.pp == 1 and actor.tp == r.tensor_model_parallel_size and actor.param_dtype == gdt
+    return MemoryPlan(models, 0 if aliased else generation_shard_bytes(arch, r.tensor_model_parallel_size, gdt),
                       kv_cache_bytes(arch, r.tensor_model_parallel_size, sequences,
-                                     r.prompt_length + r.response_length, gdt))
+                                     r.prompt_length + r.response_length, gdt), aliased)

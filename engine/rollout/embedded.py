@@ -139,6 +139,7 @@ class EmbeddedRolloutEngine(RolloutEngine):
         cache = KVCache.allocate(self.arch.num_layers, total, self.decoder.kv_heads,
                                  prompt_len + params.max_new_tokens, self.arch.head_dim, self.dtype, self.device)
         self.kv_cache = cache
+        self.last_kv_cache_bytes = sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
         cache.valid[:, :prompt_len] = prompt_mask
         # position of a real token = number of real tokens before it (HF: cumsum(mask) - 1)
         positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
