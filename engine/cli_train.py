@@ -6,11 +6,13 @@ gloo process) and runs every pre-model check (engine/preflight.py), then runs `P
 in-process under torchrun / a multi-task srun, or in locally spawned processes otherwise.
 
 plan: prints the hybrid engine's resharding plan for the recipe's actor layout and rollout TP (groups, bytes
-received and peak extra memory per rank), without starting any process.
+received and peak extra memory per rank) and the memory plan per rank (params, grads, fp32 main weights, optimizer
+states of each model, generation shard, KV cache: parallel/memory_plan.py), without starting any process.
 """
 from __future__ import annotations
 
 import argparse
+import os
 
 from engine.launch import detect_launch, run_distributed
 
@@ -38,6 +40,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from engine.preflight import prepare_train
 
     cfg, world = prepare_train(args.config, args.overrides, detect_launch())  # every rank: same verdict
+    from engine.device import DEVICE_ENV
+
+    os.environ[DEVICE_ENV] = cfg.trainer.device  # read by engine.device.select_device on every rank
     run_distributed(world, _train_on_rank, config_to_yaml(cfg))
     return 0
 
@@ -59,6 +64,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               bucket_bytes=int(args.bucket_mb * (1 << 20)), world_size=world,
                               vpp=m.virtual_pipeline_model_parallel_size or 1)
     print(plan.describe())
+    from parallel.memory_plan import plan_from_config
+
+    critic_arch = arch_from_hf(cfg.critic.model.path) if cfg.algorithm.adv_estimator == "gae" and \
+        cfg.critic.model.path else None
+    print("\nmemory per rank (parallel/memory_plan.py; activations not included):")
+    print(plan_from_config(cfg, world, arch, critic_arch).describe())
     return 0
 
 

@@ -29,6 +29,10 @@ from engine.config_loading import (ConfigError, config_to_yaml, load_structured,
 
 DEVICES = ("cpu", "cuda")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")  # of megatron's OptimizerParamScheduler styles, those offered
+PARAM_DTYPES = ("fp32", "bf16", "fp16")
+ROLLOUT_DTYPES = ("fp32", "bf16", "fp16")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
 
 
 def _choice(key: str, value: Any, allowed) -> list[str]:
@@ -137,6 +141,24 @@ class MegatronConfig:
     seed: int = 42
     """Seed of this model's megatron RNG (model-parallel RNG tracker, initialisation of non-loaded parameters such
     as the value head). verl: megatron.seed."""
+    param_dtype: str = "fp32"
+    """Dtype of the model's parameters: fp32 | bf16 | fp16. With bf16/fp16, megatron's optimizer keeps fp32 main
+    weights (and Adam states) and reduces gradients in fp32 (engine/precision.py)."""
+    use_distributed_optimizer: Optional[bool] = None
+    """Shard fp32 main weights and Adam states over DP (megatron's DistributedOptimizer, ZeRO-1).
+    null = auto: on when this model's DP > 1. Training models only (the reference has no optimizer)."""
+    recompute_granularity: Optional[str] = None
+    """Activation recomputation: null (off) | full (whole layers, see recompute_num_layers) | selective (core
+    attention only). Training models only."""
+    recompute_method: str = "uniform"
+    """With recompute_granularity=full: uniform (groups of recompute_num_layers) | block (the first
+    recompute_num_layers layers of each stage)."""
+    recompute_num_layers: Optional[int] = None
+    """With recompute_granularity=full: layers per recomputed group (uniform) or recomputed layers per stage
+    (block); null = 1."""
+    optimizer_offload: bool = False
+    """Keep optimizer states (and the fp32 update) on the CPU: megatron's HybridDeviceOptimizer. Needs CUDA and the
+    distributed optimizer; refused on CPU runs (the states are already in host memory there)."""
 
     def check(self, key: str) -> list[str]:
         e = [f"{key}.{n}={v} must be >= 1" for n, v in (("tensor_model_parallel_size", self.tensor_model_parallel_size),
@@ -155,7 +177,8 @@ def _megatron_like_actor() -> MegatronConfig:
     return MegatronConfig(tensor_model_parallel_size=base + "tensor_model_parallel_size}",
                           pipeline_model_parallel_size=base + "pipeline_model_parallel_size}",
                           virtual_pipeline_model_parallel_size=base + "virtual_pipeline_model_parallel_size}",
-                          sequence_parallel=base + "sequence_parallel}", seed=base + "seed}")
+                          sequence_parallel=base + "sequence_parallel}", seed=base + "seed}",
+                          param_dtype=base + "param_dtype}")
 
 
 @dataclass
@@ -306,6 +329,13 @@ class RolloutConfig:
     verl: rollout.log_prob_micro_batch_size_per_gpu."""
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     """Sampling at validation."""
+    dtype: Optional[str] = None
+    """Dtype of the generation shard and KV cache: fp32 | bf16 | fp16; null = bf16 on CUDA, fp32 on CPU. The shard is
+    cast while it is gathered from the training shards (no full-precision copy in between)."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the backend's engine, passed through as given: for sglang, any
+    `sglang.Engine` / ServerArgs option (e.g. {attention_backend: fa3, cuda_graph_max_bs: 64}). The embedded
+    engine takes none."""
 
     def check(self, key: str = "actor_rollout_ref.rollout") -> list[str]:
         from engine.rollout import ROLLOUT_NAMES
@@ -496,7 +526,8 @@ class TrainerConfig:
     seed: int = 1
     """Seed of rollout sampling (combined with the step and the replica). verl: actor_rollout_ref.rollout.seed."""
     device: str = "cpu"
-    """cpu (gloo) or cuda (nccl). verl: trainer.device."""
+    """cpu | cuda. Chosen once per rank by engine/device.py (cuda: cuda:LOCAL_RANK, set as the current device);
+    models, batches, masks, the rollout engine and the kernels all follow it."""
     divergence_guard: DivergenceGuardConfig = field(default_factory=DivergenceGuardConfig)
     """Divergence detection and rollback (see DivergenceGuardConfig; off by default)."""
 

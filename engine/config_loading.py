@@ -18,6 +18,12 @@ class ConfigError(ValueError):
     """A configuration problem; the message names every offending key and how to fix it."""
 
 
+def _is_section(node: DictConfig) -> bool:
+    """A dataclass section (its keys are the schema's) rather than a free-form dict field such as
+    rollout.engine_kwargs, whose keys belong to another program."""
+    return node._metadata.object_type not in (None, dict)
+
+
 def _unknown_keys(schema: DictConfig, user: Any, moved: dict[str, str], prefix: str = "") -> list[str]:
     """Every key in `user` that the schema does not have, as a message with close matches."""
     problems = []
@@ -32,7 +38,7 @@ def _unknown_keys(schema: DictConfig, user: Any, moved: dict[str, str], prefix: 
             hint = f"did you mean '{prefix}{near[0]}'? " if near else ""
             problems.append(f"{full}: unknown key; {hint}valid keys under '{prefix.rstrip('.') or '<root>'}' "
                             f"are {sorted(str(k) for k in schema.keys())}")
-        elif isinstance(schema._get_node(key), DictConfig):
+        elif isinstance(schema._get_node(key), DictConfig) and _is_section(schema._get_node(key)):
             problems += _unknown_keys(schema[key], user._get_node(key), moved, f"{full}.")
     return problems
 

@@ -97,6 +97,9 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
     layouts += [("critic", critic.megatron)] if use_critic else []
     layouts += [("actor_rollout_ref.ref", ref.megatron)] if use_ref else []
     layout_ok = {key: _layout_fits(e, f"{key}.megatron", m, world_size) for key, m in layouts}
+    from engine.precision import precision_problems  # precision / memory keys (engine/precision.py)
+
+    e += precision_problems(cfg, world_size, [(f"{key}.megatron", m, key != "actor_rollout_ref.ref") for key, m in layouts])
 
     # rollout groups are carved out of the actor's model-parallel ranks
     rtp, amp = rollout.tensor_model_parallel_size, (actor.megatron.tensor_model_parallel_size

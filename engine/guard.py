@@ -165,10 +165,14 @@ class DivergenceGuard:
                                                              for c in self.base["clip"])
         a.kl_loss_coef = self.base["kl_loss"] + self.cfg.remedy_kl_coef_add * self.rollbacks
         scale = self.cfg.remedy_lr_scale ** self.rollbacks
-        for worker, base_lr in ((self.t.actor, a.optim.lr), (self.t.critic, cfg.critic.optim.lr)):
-            if worker is not None:
-                for group in worker.optimizer.param_groups:
-                    group["lr"] = base_lr * scale
+        for worker, optim in ((self.t.actor, a.optim), (self.t.critic, cfg.critic.optim)):
+            if worker is None:
+                continue
+            # the LR scheduler sets every group's lr at each optimizer step: scale its schedule, not just the groups
+            sched = worker.lr_scheduler
+            sched.max_lr, sched.min_lr = optim.lr * scale, optim.min_lr_ratio * optim.lr * scale
+            for group in worker.optimizer.param_groups:
+                group["lr"] = sched.get_lr(group)
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def mark_good(self, ckpt_dir: str) -> None:

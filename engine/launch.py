@@ -166,9 +166,12 @@ def _run_in_world(fn: Callable[..., Any], args: tuple) -> None:
         warnings.filterwarnings("ignore")  # megatron's TE/apex fallbacks, torch DCP deprecations
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, per_node)))
+    from engine.device import process_group_backend, select_device
+
+    device = select_device()  # $TRIPOD_DEVICE (trainer.device) and LOCAL_RANK; sets the CUDA device first
     own_group = not dist.is_initialized()
     if own_group:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = process_group_backend(device)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         if attempt is None:
             dist.init_process_group(backend=backend)
@@ -179,7 +182,8 @@ def _run_in_world(fn: Callable[..., Any], args: tuple) -> None:
                                     rank=rank, world_size=world)
     from parallel.cpu_compat import apply_cpu_compat
 
-    apply_cpu_compat()
+    if device.type == "cpu":
+        apply_cpu_compat(force=True)
     try:
         fn(*args)
     finally:

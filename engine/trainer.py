@@ -19,11 +19,14 @@ from engine.checkpoints import CheckpointManager
 from engine.config import TripodConfig, save_resolved_config
 from engine.config_validation import CRITIC_ESTIMATORS
 from engine.data import PromptBatch, PromptDataLoader, PromptDataset
+from engine.device import DeviceGuard, check_devices_enabled, current_device
 from engine.guard import DivergenceGuard
 from engine.logging import Timer, Tracker
 from engine.perf import PerfCounter
+from engine.precision import resolve_precision, rollout_dtype
 from engine.rewards import RewardPool
 from engine.rollout import SamplingParams, make_rollout_engine
+from engine.rollout.weight_sync import WeightSync
 from engine.workers.batch import PPOBatch, build_ppo_batch
 from engine.workers.ppo_workers import CriticWorker, PolicyWorker
 from parallel.arch import arch_from_hf
@@ -35,9 +38,10 @@ def _layout(m, name: str, arch) -> ParallelLayout:
     return ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, name=name, arch=arch)
 
 
-def _model_options(m) -> dict:
-    """Worker keyword arguments from a `megatron` config section: sequence parallel and virtual pipeline stages."""
-    return dict(sequence_parallel=m.sequence_parallel, virtual_pipeline_size=m.virtual_pipeline_model_parallel_size)
+def _model_options(m, layout: ParallelLayout, trainable: bool = True) -> dict:
+    """Worker keyword arguments from a `megatron` config section: precision, sequence parallel, virtual stages."""
+    return dict(sequence_parallel=m.sequence_parallel, virtual_pipeline_size=m.virtual_pipeline_model_parallel_size,
+                precision=resolve_precision(m, layout.dp, trainable))
 
 
 class PPOTrainer:
@@ -45,6 +49,7 @@ class PPOTrainer:
         from transformers import AutoTokenizer
 
         self.cfg, self.rank, self.world = cfg, dist.get_rank(), dist.get_world_size()
+        self.device = current_device()  # chosen once per rank by engine/device.py (trainer.device, LOCAL_RANK)
         arc, actor_cfg = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor
         path = arc.model.path
         self.arch = arch_from_hf(path)
@@ -77,25 +82,27 @@ class PPOTrainer:
         self.actor = PolicyWorker("actor", self.arch, actor_layout, path, seed=actor_cfg.megatron.seed,
                                   optim=actor_cfg.optim, grad_clip=actor_cfg.grad_clip,
                                   total_steps=max(self.total_steps - cfg.trainer.critic_warmup, 1) * updates(actor_cfg),
-                                  **_model_options(actor_cfg.megatron))
-        self.ref = (PolicyWorker("reference", self.arch, _layout(arc.ref.megatron, "reference", self.arch), path,
-                                 trainable=False, seed=arc.ref.megatron.seed, offload=arc.ref.offload,
-                                 **_model_options(arc.ref.megatron))
+                                  **_model_options(actor_cfg.megatron, actor_layout))
+        ref_layout = _layout(arc.ref.megatron, "reference", self.arch)
+        self.ref = (PolicyWorker("reference", self.arch, ref_layout, path, trainable=False, seed=arc.ref.megatron.seed,
+                                 offload=arc.ref.offload, **_model_options(arc.ref.megatron, ref_layout, False))
                     if self.use_ref else None)
-        self.critic = (CriticWorker("critic", self.arch, _layout(cfg.critic.megatron, "critic", self.arch),
-                                    cfg.critic.model.path, value_head=True, seed=cfg.critic.megatron.seed,
-                                    optim=cfg.critic.optim, grad_clip=cfg.critic.grad_clip,
-                                    total_steps=self.total_steps * updates(cfg.critic),
-                                    **_model_options(cfg.critic.megatron))
+        critic_layout = _layout(cfg.critic.megatron, "critic", self.arch)
+        self.critic = (CriticWorker("critic", self.arch, critic_layout, cfg.critic.model.path, value_head=True,
+                                    seed=cfg.critic.megatron.seed, optim=cfg.critic.optim,
+                                    grad_clip=cfg.critic.grad_clip, total_steps=self.total_steps * updates(cfg.critic),
+                                    **_model_options(cfg.critic.megatron, critic_layout))
                        if self.use_critic else None)
 
         rollout = arc.rollout
-        self.hybrid = HybridEngine(self.arch, actor_layout, rollout.tensor_model_parallel_size,
+        gen_dtype = rollout_dtype(rollout.dtype, self.device)
+        self.hybrid = HybridEngine(self.arch, actor_layout, rollout.tensor_model_parallel_size, dtype=gen_dtype,
                                    vpp=actor_cfg.megatron.virtual_pipeline_model_parallel_size)
-        kwargs = dict(pad_token_id=self.pad_id) if rollout.name == "embedded" else dict(
-            model_path=path, mem_fraction_static=rollout.mem_fraction_static)
-        self.rollout = make_rollout_engine(rollout.name, self.arch, self.hybrid.rollout_tp_group, **kwargs)
-        self.rollout.release_memory()
+        kwargs = dict(pad_token_id=self.pad_id, dtype=gen_dtype, device=self.device) if rollout.name == "embedded" \
+            else dict(model_path=path, mem_fraction_static=rollout.mem_fraction_static,
+                      dtype=str(gen_dtype).removeprefix("torch."), **rollout.engine_kwargs)
+        engine = make_rollout_engine(rollout.name, self.arch, self.hybrid.rollout_tp_group, **kwargs)
+        self.weight_sync = WeightSync(self.hybrid, engine, self.actor.model)  # owns resume/load/generate/release
 
         self.run_dir = cfg.trainer.default_local_dir
         self.ckpt = CheckpointManager(os.path.join(self.run_dir, "checkpoints"), self)
@@ -119,11 +126,7 @@ class PPOTrainer:
         replicas = self.hybrid.rollout_dp_size
         bounds = [len(prompts) * i // replicas for i in range(replicas + 1)]
         mine = self.hybrid.rollout_dp_rank
-        with timer("reshard"):  # the engine adopts the gathered shard (no second copy)
-            self.rollout.load_weights(self.hybrid.to_rollout(self.actor.model))
-        with timer("gen"):
-            out = self.rollout.generate(prompts[bounds[mine]:bounds[mine + 1]], params)
-        self.rollout.release_memory()  # back to training: the rollout copy and KV cache are freed
+        out = self.weight_sync.generate(prompts[bounds[mine]:bounds[mine + 1]], params, timer)
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, (mine, out.responses()))
         by_replica = dict(gathered)
@@ -148,13 +151,14 @@ class PPOTrainer:
             responses = self.generate(prompts.input_ids, self.sampling_params(False, self.step), timer)
             rep_prompts = [p for p in prompts.input_ids for _ in range(n)]
             batch = build_ppo_batch(rep_prompts, responses, arc.rollout.response_length, self.pad_id,
-                                    [i for i in prompts.indices for _ in range(n)])
+                                    [i for i in prompts.indices for _ in range(n)]).to(self.device)
             mask = batch["response_mask"]
             with timer("reward"):
                 scores, reward_metrics = self.score(prompts, responses, n)
                 token_rewards = torch.zeros_like(mask)
                 last = (mask.sum(-1).long() - 1).clamp(min=0)
-                token_rewards[torch.arange(batch.size), last] = torch.tensor(scores, dtype=torch.float32)
+                token_rewards[torch.arange(batch.size, device=self.device), last] = torch.tensor(
+                    scores, dtype=torch.float32, device=self.device)
             micro = arc.rollout.log_prob_micro_batch_size_per_gpu or batch.size
             with timer("old_log_prob"):
                 batch["old_log_probs"], _ = self.actor.compute_log_probs(batch, micro, temperature)
@@ -190,6 +194,18 @@ class PPOTrainer:
         metrics.update(self.batch_metrics(batch, scores))
         metrics.update(timings)
         metrics.update(self.perf.metrics(batch, timings, arc.actor.ppo_epochs))
+        return metrics
+
+    def checked_train_step(self, prompts: PromptBatch) -> dict[str, float]:
+        """`train_step`, under engine.device.DeviceGuard when TRIPOD_CHECK_DEVICES=1 (fails on a stray tensor)."""
+        if not check_devices_enabled():
+            return self.train_step(prompts)
+        with DeviceGuard(self.device) as guard:
+            metrics = self.train_step(prompts)
+        if guard.violations:
+            raise RuntimeError(f"step {self.step}: tensors off the chosen device {self.device}: {guard.report()}")
+        if self.rank == 0:
+            print(f"DEVICE_CHECK step={self.step} device={self.device} ops_off_device=0", flush=True)
         return metrics
 
     def batch_metrics(self, batch: PPOBatch, scores: list[float]) -> dict[str, float]:
@@ -247,7 +263,7 @@ class PPOTrainer:
                 tracker.log(last_val, 0)
         while self.step < self.total_steps:
             batch = next(iter(self.loader))
-            metrics = self.guard.run_step(self.train_step, batch)
+            metrics = self.guard.run_step(self.checked_train_step, batch)
             self.step += 1
             done = self.step >= self.total_steps
             if not self.guard.accept(self.step, metrics):  # rolled back: self.step is the last good checkpoint's

@@ -1,6 +1,6 @@
 """Run megatron-core 0.16.1 on a CPU-only torch build with gloo (fp32).
 
-`apply_cpu_compat()` installs six shims, once per process, and only when CUDA is absent (it is a
+`apply_cpu_compat()` installs seven shims, once per process, and only when CUDA is absent (it is a
 no-op on a GPU machine). Each shim is listed below with the megatron call sites that need it
 (paths under megatron/core/, line numbers of 0.16.1; measured in shared/probes/megatron-cpu):
 
@@ -23,13 +23,19 @@ no-op on a GPU machine). Each shim is listed below with the megatron call sites 
                    (TE/apex norms do not exist on CPU). The norm is built without SP and its params
                    are tagged `.sequence_parallel=True` so finalize_model_grads all-reduces their grads
                    over TP, exactly what the TE norm does.
+  recompute_rng    tensor_parallel/random.py:447/457 (`_get_all_rng_states` / `_set_all_rng_states`,
+                   used by activation recomputation's CheckpointFunction) read and restore the CUDA
+                   generator. On CPU the CPU generator is the device generator, and those functions
+                   already save / restore it (and the tracker's states), so the CUDA half becomes a
+                   copy of the CPU state on read and a no-op on write.
 
 Trace mode (`apply_cpu_compat(trace=True)` or env TRIPOD_CPU_COMPAT_TRACE=1) records, for every shim
 hit, the innermost megatron frame (file, function, line): `traced_call_sites()`. The canary test
 (tests/test_cpu_compat.py) runs TP2xPP2 (+SP, +DistOpt) train steps under the trace and fails on a
 (shim, file, function) not in `ALLOWED_CALL_SITES`, so a megatron upgrade that adds a CUDA
-hard-code is noticed instead of silently shimmed. fp32 only: the Tensor.type() spoof in bf16 would
-steer megatron onto its mixed-precision path, which is untested on CPU.
+hard-code is noticed instead of silently shimmed. bf16 parameters work too: the Tensor.type() spoof
+answers 'torch.cuda.BFloat16Tensor', which is the mixed-precision path megatron takes on GPUs
+(tests/test_precision.py compares it with fp32).
 
 Without Transformer Engine (never on CPU; optional on GPU) megatron-core 0.16.1 also breaks MoE and MLA
 models. `apply_no_te_fixes()` (called by `apply_cpu_compat`, and on GPU whenever TE is absent) owns the three
@@ -97,6 +103,9 @@ ALLOWED_CALL_SITES: frozenset[tuple[str, str, str]] = frozenset({
     ("current_device", "tensor_parallel/mappings.py", "_gather_along_last_dim"),  # :91
     ("sp_torch_norm", "transformer/spec_utils.py", "build_module"),  # :119 builds the norm
     ("tensor_type", "optimizer/distrib_optimizer.py", "__init__"),  # :582
+    # activation recomputation (megatron.recompute_granularity=full), measured by the canary test:
+    ("recompute_rng", "tensor_parallel/random.py", "_get_all_rng_states"),  # :447
+    ("recompute_rng", "tensor_parallel/random.py", "_set_all_rng_states"),  # :457
 })
 
 _applied = False
@@ -213,6 +222,20 @@ class CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _install_recompute_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def get_state(device="cuda", clone=False, graph_safe=False):
+        _record("recompute_rng")
+        return torch.get_rng_state()
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        _record("recompute_rng")  # the CPU state is restored by the caller itself (torch.set_rng_state)
+
+    mrandom._get_cuda_rng_state = get_state
+    mrandom._set_cuda_rng_state = set_state
+
+
 def _allow_sequence_parallel_torch_norm() -> None:
     from megatron.core.transformer import torch_norm
 
@@ -234,20 +257,22 @@ def _allow_sequence_parallel_torch_norm() -> None:
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
 
 
-def apply_cpu_compat(trace: bool | None = None) -> bool:
-    """Install the CPU shims (idempotent). Returns True when they are active, False on a CUDA machine.
+def apply_cpu_compat(trace: bool | None = None, force: bool = False) -> bool:
+    """Install the CPU shims (idempotent). Returns True when they are active, False on a CUDA machine
+    (unless `force`: a CPU run chosen by trainer.device=cpu on a machine that has GPUs).
 
     `trace=True` (or TRIPOD_CPU_COMPAT_TRACE=1) records each megatron call site a shim catches.
     """
     global _applied, _trace_on
     if trace is None:
         trace = os.environ.get("TRIPOD_CPU_COMPAT_TRACE") == "1"
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not force:
         return False
     _trace_on = _trace_on or trace
     if _applied:
         return True
     _install_rng_tracker()
+    _install_recompute_rng()
     torch.cuda.current_device = _cpu_current_device
     torch.cuda.synchronize = _cpu_synchronize
     _allow_sequence_parallel_torch_norm()

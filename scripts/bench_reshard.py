@@ -38,6 +38,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=float, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the shards live; cuda: every rank on GPU LOCAL_RANK %% device_count, collectives over "
+                        "gloo (NCCL refuses two ranks on one GPU), peak memory from the CUDA allocator")
     return p.parse_args()
 
 
@@ -74,6 +77,10 @@ def run(args: argparse.Namespace) -> None:
     from parallel.hybrid_engine.plan import local_shape
 
     torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("gloo")
     me, world = dist.get_rank(), dist.get_world_size()
     heads = max(8, args.hidden // 128)
@@ -83,7 +90,7 @@ def run(args: argparse.Namespace) -> None:
     plan = build_reshard_plan(arch, args.tp, args.pp, args.dp, args.rollout_tp,
                               bucket_bytes=int(args.bucket_mb * (1 << 20)), world_size=world)
     g = torch.Generator().manual_seed(1000 + me)
-    shard = {s.name: torch.randn(local_shape(s, plan.tp), generator=g) for s in plan.owned_specs(me)}
+    shard = {s.name: torch.randn(local_shape(s, plan.tp), generator=g).to(device) for s in plan.owned_specs(me)}
     gather = MicroDPGather(plan)
     tp_group, pp_group, pp_ranks = training_groups(plan)
 
@@ -100,7 +107,7 @@ def run(args: argparse.Namespace) -> None:
         seconds, peaks = [], []
         for _ in range(args.repeats):
             dist.barrier()
-            with measure_peak_memory() as mem:
+            with measure_peak_memory(device) as mem:
                 t0 = time.perf_counter()
                 gen, stats = fn()
                 dist.barrier()
@@ -116,11 +123,11 @@ def run(args: argparse.Namespace) -> None:
             seconds=max(float(x[2]) for x in everyone),
         )
     if me == 0:
-        report(plan, results, args.json)
+        report(plan, results, args.json, f"{device.type}/gloo")
     dist.destroy_process_group()
 
 
-def report(plan, results: dict, as_json: bool) -> None:
+def report(plan, results: dict, as_json: bool, device: str = "cpu/gloo") -> None:
     def worst(name, key):
         return max(results[name][key])
     summary = dict(
@@ -133,7 +140,7 @@ def report(plan, results: dict, as_json: bool) -> None:
         peak_memory_ratio=worst("naive", "peak_extra_bytes_per_rank") / max(1, worst("tripod",
                                                                                     "peak_extra_bytes_per_rank")),
         time_ratio=results["naive"]["seconds"] / max(1e-9, results["tripod"]["seconds"]),
-        device="cpu/gloo",
+        device=device,
     )
     if as_json:
         print(json.dumps(summary))

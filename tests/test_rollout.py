@@ -139,7 +139,8 @@ def test_release_and_resume_memory(llama):
     with pytest.raises(RuntimeError, match="load_weights"):
         engine.generate(prompts, params)
     engine.resume_memory()
-    assert engine.memory_bytes() == weight_bytes
+    assert engine.memory_bytes() == 0  # reserved lazily: a caller handing over ready tensors never pays for them
+    assert set(engine.weight_buffers()) == set(saved) and engine.memory_bytes() == weight_bytes
     with pytest.raises(RuntimeError, match="load_weights"):
         engine.generate(prompts, params)  # buffers are back but hold no weights yet
     engine.load_weights(saved)

@@ -42,6 +42,12 @@ def latest_complete(root: str) -> str | None:
     return found[-1] if found else None
 
 
+# The distributed optimizer's state in megatron's layout-free form (gathered per parameter on DP rank 0 at save,
+# sliced by every rank at load), so a checkpoint resumes at another TP / PP / DP; megatron's default for it
+# (fully_sharded_model_space) relies on flattened ranges the torch dist-checkpoint backend no longer supports.
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
 def _save_optimizer(worker, path: str) -> None:
     from megatron.core import dist_checkpointing
 
@@ -49,7 +55,44 @@ def _save_optimizer(worker, path: str) -> None:
 
     with worker.layout.activate():
         model_sd = sharded_model_state(worker.chunks)
-        dist_checkpointing.save(worker.optimizer.sharded_state_dict(model_sd), path)
+        dist_checkpointing.save(worker.optimizer.sharded_state_dict(model_sd, metadata=_OPTIM_METADATA), path)
+
+
+def _ensure_optimizer_state(worker) -> None:
+    """Give a fresh DistributedOptimizer its Adam state before loading: megatron's state_dict() reads the per-parameter
+    step, which exists only after a step (with TE/apex it takes another path; on CPU, torch Adam's, it asserts).
+    megatron's own dummy-state initialiser runs one step with zero gradients; at lr = 0 it leaves every weight
+    untouched (no Adam update, no decoupled weight decay), and the load then overwrites the dummy state."""
+    opt = worker.optimizer
+    for inner in getattr(opt, "chained_optimizers", [opt]):
+        if not hasattr(inner, "_init_optimizer_states_with_dummy_values") or inner.optimizer.state:
+            continue
+        groups = inner.optimizer.param_groups
+        lrs = [g["lr"] for g in groups]
+        for g in groups:
+            g["lr"] = 0.0
+        inner._init_optimizer_states_with_dummy_values()
+        for g, lr in zip(groups, lrs):
+            g["lr"] = lr
+
+
+def _skip_torch_adam_step(inner) -> None:
+    """torch Adam keeps a per-parameter 'step' that megatron's fully_reshardable state does not carry (TE's FusedAdam
+    keeps it in the param groups), and megatron's loader copies every key of the live state: load the saved tensors
+    with 'step' set aside; megatron restores the step itself from the param groups."""
+    original = inner._set_main_param_and_optimizer_states
+
+    def set_states(model_param, tensors):
+        group_index, group_order = inner.model_param_group_index_map[model_param]
+        state = inner.optimizer.state[inner.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None)
+        try:
+            original(model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    inner._set_main_param_and_optimizer_states = set_states
 
 
 def _load_optimizer(worker, path: str) -> None:
@@ -58,8 +101,13 @@ def _load_optimizer(worker, path: str) -> None:
     from parallel.checkpoint import sharded_model_state
 
     with worker.layout.activate():
+        _ensure_optimizer_state(worker)
+        for inner in getattr(worker.optimizer, "chained_optimizers", [worker.optimizer]):
+            if hasattr(inner, "_set_main_param_and_optimizer_states") and \
+                    not inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+                _skip_torch_adam_step(inner)
         model_sd = sharded_model_state(worker.chunks)
-        sharded = worker.optimizer.sharded_state_dict(model_sd, is_loading=True)
+        sharded = worker.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=_OPTIM_METADATA)
         worker.optimizer.load_state_dict(dist_checkpointing.load(sharded, path))
 
 

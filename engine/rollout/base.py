@@ -99,7 +99,7 @@ class RolloutEngine(abc.ABC):
 
     Every rank of the group calls every method (collectives inside); every rank gets the same
     `RolloutOutput`. Life cycle per PPO step: resume_memory -> load_weights -> generate ->
-    release_memory.
+    release_memory, driven by engine/rollout/weight_sync.py's `WeightSync` (the trainer calls only it).
     """
 
     def __init__(self, arch: ModelArch, tp_group: Any = None) -> None:
@@ -124,6 +124,11 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def resume_memory(self) -> None:
         """Re-reserve the memory released by `release_memory`; weights must be loaded again."""
+
+    def weight_buffers(self) -> dict[str, torch.Tensor] | None:
+        """Buffers the generation shard can be gathered straight into (after `resume_memory`), or None when the
+        engine keeps its weights elsewhere (SGLang) or has none reserved yet."""
+        return None
 
 
 def tp_size_and_rank(tp_group: Any) -> tuple[int, int]:

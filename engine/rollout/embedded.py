@@ -44,6 +44,7 @@ class EmbeddedRolloutEngine(RolloutEngine):
         self._weights_loaded = False
         self._released_shapes: dict[str, torch.Size] | None = None
         self.kv_cache: KVCache | None = None
+        self._resumed = False
 
     @staticmethod
     def _default_pad_id(arch: ModelArch) -> int:
@@ -61,6 +62,8 @@ class EmbeddedRolloutEngine(RolloutEngine):
         weights = self.decoder.weights
         for name, tensor in generation_shard.items():
             buf = weights.get(name)
+            if buf is tensor:  # gathered straight into our buffer (WeightSync passes weight_buffers())
+                continue
             if buf is None or buf.shape != tensor.shape:
                 weights[name] = tensor.detach().to(self.device, self.dtype)
             else:
@@ -79,10 +82,19 @@ class EmbeddedRolloutEngine(RolloutEngine):
             torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
-        """Re-allocate the weight buffers released earlier (contents undefined until load_weights)."""
-        if self._released_shapes is not None and not self.decoder.weights:
+        """Re-reserve the weight buffers released earlier: allocated when `weight_buffers()` asks for them (a
+        caller that hands over ready tensors, e.g. views of the actor's parameters, never pays for them)."""
+        self._resumed = self._released_shapes is not None
+
+    def _allocate_released(self) -> None:
+        if self._resumed and self._released_shapes is not None and not self.decoder.weights:
             self.decoder.weights = {n: torch.empty(s, dtype=self.dtype, device=self.device)
                                     for n, s in self._released_shapes.items()}
+        self._resumed = False
+
+    def weight_buffers(self) -> dict[str, torch.Tensor] | None:
+        self._allocate_released()
+        return self.decoder.weights or None
 
     def memory_bytes(self) -> int:
         """Bytes held by the weights copy and the KV cache."""
@@ -136,6 +148,7 @@ class EmbeddedRolloutEngine(RolloutEngine):
         cache = KVCache.allocate(self.arch.num_layers, total, self.decoder.kv_heads,
                                  prompt_len + params.max_new_tokens, self.arch.head_dim, self.dtype, self.device)
         self.kv_cache = cache
+        self.last_kv_cache_bytes = sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
         cache.valid[:, :prompt_len] = prompt_mask
         # position of a real token = number of real tokens before it (HF: cumsum(mask) - 1)
         positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)

@@ -2,12 +2,15 @@
 
 Layout: the TP group's first rank launches one `sglang.Engine(tp_size=tg, ...)`, which spawns its own
 scheduler processes on that group's tg GPUs (GPU ids base_gpu_id .. base_gpu_id + tg - 1; by default
-the first rank's current device). Every PPO step:
+the first rank's LOCAL_RANK). Extra `sglang.Engine` options: actor_rollout_ref.rollout.engine_kwargs.
+Every PPO step (driven by engine/rollout/weight_sync.py's WeightSync):
   resume_memory()  -> engine.resume_memory_occupation()         (needs enable_memory_saver=True)
-  load_weights(s)  -> each rank's TP slice is gathered to the first rank, merged (the family's
-                      FamilySpec.merge), renamed to HF (parallel.convert.megatron_to_hf) and pushed in
-                      buckets through engine.update_weights_from_tensor; the last bucket flushes the
-                      prefix cache (the old weights' KV entries are stale).
+  load_weights(s)  -> bucket by bucket (engine/rollout/weight_sync.py): the bucket's slices are
+                      all-gathered over the rollout TP group and merged (FamilySpec.merge) to full HF tensors on every
+                      rank (at most one bucket of full tensors per rank), flattened per dtype, and
+                      each rank's flat tensor goes to the SGLang TP worker on its own GPU
+                      (update_weights_from_tensor, load_format="flattened_bucket", as slime does);
+                      then the prefix cache is flushed (the old weights' KV entries are stale).
   generate(...)    -> first rank calls engine.generate(input_ids=..., return_logprob=True); the
                       RolloutOutput is broadcast to the other ranks of the group.
   release_memory() -> engine.release_memory_occupation() (weights + KV cache) for the training phase.
@@ -17,6 +20,7 @@ a clear ImportError. How this file is checked on a GPU: docs/rollout.md.
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Any
 
 import torch
@@ -95,10 +99,13 @@ class SGLangRolloutEngine(RolloutEngine):
         if self.tp_rank == 0:
             import sglang
 
-            self.engine = sglang.Engine(
-                model_path=model_path, skip_tokenizer_init=True, tp_size=self.tp_size,
-                mem_fraction_static=mem_fraction_static, enable_memory_saver=True, dtype=dtype,
-                base_gpu_id=torch.cuda.current_device() if base_gpu_id is None else base_gpu_id, **engine_kwargs)
+            if base_gpu_id is None:  # this group's first GPU on the node: the first rank's LOCAL_RANK
+                base_gpu_id = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+            options = dict(model_path=model_path, skip_tokenizer_init=True, tp_size=self.tp_size,
+                           mem_fraction_static=mem_fraction_static, enable_memory_saver=True, dtype=dtype,
+                           base_gpu_id=base_gpu_id)
+            options.update(engine_kwargs)  # actor_rollout_ref.rollout.engine_kwargs wins
+            self.engine = sglang.Engine(**options)
         self._barrier()
 
     def _barrier(self) -> None:
@@ -106,42 +113,42 @@ class SGLangRolloutEngine(RolloutEngine):
             dist.barrier(group=self.tp_group)
 
     # ---- weights --------------------------------------------------------------------------------
-    def _gather_full(self, name: str, local: torch.Tensor) -> torch.Tensor | None:
-        """The canonical full tensor `name` on the first rank (None elsewhere), from every rank's slice."""
-        from parallel.convert import family_of
-
-        family = family_of(self.arch)
-        local = local.contiguous()
-        if self.tp_size == 1:
-            return family.merge(self.arch, name, [local])
-        parts = [torch.empty_like(local) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-        dist.gather(local, parts, group=self.tp_group, group_dst=0)
-        return family.merge(self.arch, name, parts) if self.tp_rank == 0 else None
-
     def load_weights(self, generation_shard: dict[str, torch.Tensor]) -> None:
-        from parallel.convert import canonical_names, megatron_to_hf
+        """Push the generation shard bucket by bucket (engine/rollout/weight_sync.py): full HF tensors of one bucket
+        on every rank of the group (all-gather over rollout TP), flattened per dtype; each rank's flattened bucket
+        goes to the SGLang TP worker on its own GPU as a CUDA IPC handle, gathered to the first rank, which issues
+        one `update_weights_from_tensor(load_format="flattened_bucket")` per dtype."""
+        from engine.rollout.weight_sync import flatten_by_dtype, gather_bucket_full, hf_buckets
+        from parallel.convert import canonical_names
 
         names = canonical_names(self.arch)
         missing, extra = sorted(set(names) - set(generation_shard)), sorted(set(generation_shard) - set(names))
         if missing or extra:
             raise KeyError(f"generation shard does not match the model: missing {missing[:6]}, unexpected {extra[:6]}")
-        bucket: list[tuple[str, torch.Tensor]] = []
-        bucket_bytes = 0
-        for name in names:  # same order on every rank: the gathers pair up
-            full = self._gather_full(name, generation_shard[name])
-            if full is None:
-                continue
-            for hf_name, tensor in megatron_to_hf(self.arch, name, full):
-                bucket.append((hf_name, tensor.contiguous()))
-                bucket_bytes += tensor.numel() * tensor.element_size()
-            if bucket_bytes >= self.update_bucket_bytes:
-                self.engine.update_weights_from_tensor(bucket, flush_cache=False)
-                bucket, bucket_bytes = [], 0
+        for bucket in hf_buckets(self.arch, generation_shard, self.tp_size, self.update_bucket_bytes):
+            named = gather_bucket_full(self.arch, bucket, generation_shard, self.tp_group, self.tp_size)
+            for dtype, (flat, meta) in sorted(flatten_by_dtype(named).items(), key=lambda kv: str(kv[0])):
+                self._push_flat(flat, meta)
+            del named
         if self.engine is not None:
-            if bucket:
-                self.engine.update_weights_from_tensor(bucket, flush_cache=False)
             self.engine.flush_cache()  # cached prefixes were computed with the old weights
         self._barrier()
+
+    def _push_flat(self, flat: torch.Tensor, meta: list[dict]) -> None:
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        bucket = _sglang_flattened_bucket(flat, meta)
+        payload = MultiprocessingSerializer.serialize(
+            {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}, output_str=True)
+        payloads: list[Any] = [None] * self.tp_size if self.tp_rank == 0 else None
+        if self.tp_size > 1:
+            dist.gather_object(payload, payloads, group=self.tp_group, group_dst=0)
+        else:
+            payloads = [payload]
+        if self.engine is not None:
+            self.engine.update_weights_from_tensor(named_tensors=payloads, load_format="flattened_bucket",
+                                                   flush_cache=False)
+        self._barrier()  # the IPC handles must outlive the receiver's copy
 
     # ---- generation -----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
@@ -170,3 +177,15 @@ class SGLangRolloutEngine(RolloutEngine):
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+
+def _sglang_flattened_bucket(flat: torch.Tensor, meta: list[dict]):
+    """SGLang's FlattenedTensorBucket over our flat tensor (its module moved between SGLang releases)."""
+    try:
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+    except ImportError:  # older SGLang
+        from sglang.srt.model_executor.model_runner import FlattenedTensorBucket, FlattenedTensorMetadata
+    metadata = [FlattenedTensorMetadata(name=m["name"], shape=torch.Size(m["shape"]), dtype=m["dtype"],
+                                        start_idx=m["start_idx"], end_idx=m["end_idx"], numel=m["numel"])
+                for m in meta]
+    return FlattenedTensorBucket(flattened_tensor=flat, metadata=metadata)

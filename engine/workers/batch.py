@@ -31,12 +31,17 @@ class PPOBatch:
         self.tensors[key] = value
 
     def select(self, rows: torch.Tensor | list[int] | slice) -> "PPOBatch":
+        device = self.tensors["input_ids"].device
         if isinstance(rows, slice):
-            idx = torch.arange(self.size)[rows]
+            idx = torch.arange(self.size, device=device)[rows]
         else:
-            idx = torch.as_tensor(rows, dtype=torch.long)
-        meta = {k: [v[i] for i in idx.tolist()] for k, v in self.meta.items()}
+            idx = torch.as_tensor(rows, dtype=torch.long).to(device)
+        meta = {k: [v[i] for i in idx.tolist()] for k, v in self.meta.items()} if self.meta else {}
         return PPOBatch({k: v[idx] for k, v in self.tensors.items()}, meta)
+
+    def to(self, device: torch.device | str) -> "PPOBatch":
+        """The batch with every tensor on `device` (the device engine/device.py chose)."""
+        return PPOBatch({k: v.to(device, non_blocking=True) for k, v in self.tensors.items()}, self.meta)
 
     def trimmed(self) -> "PPOBatch":
         """Drop sequence columns that are padding in every row (less compute per micro-batch)."""
@@ -50,7 +55,8 @@ class PPOBatch:
         """[N, R] index of the position whose output predicts each response token (clamped inside S)."""
         r = self.tensors["responses"].shape[1]
         s = self.tensors["input_ids"].shape[1]
-        pos = self.tensors["prompt_lens"][:, None] + torch.arange(r)[None, :] - 1
+        lens = self.tensors["prompt_lens"]
+        pos = lens[:, None] + torch.arange(r, device=lens.device)[None, :] - 1
         return pos.clamp(0, s - 1)
 
 

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from engine.config import LR_DECAY_STYLES, OptimConfig
+from engine.device import current_device, to_device
+from engine.precision import PrecisionSettings
 from engine.workers.batch import PPOBatch, split_rows
 from parallel.arch import ModelArch
 
@@ -64,10 +66,18 @@ def _bypass_output_layer(model, tp_group) -> None:
     model.output_layer.forward = forward
 
 
+def _cast_floating_params(model, dtype: torch.dtype) -> None:
+    """Every parameter in `dtype`. megatron's CPU (local-spec) RMSNorm builds fp32 weights whatever params_dtype is,
+    where TE's norm uses params_dtype; megatron's Float16 optimizer checkpoints assume all params are 16-bit."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
 class MegatronWorker:
     def __init__(self, name: str, arch: ModelArch, layout, hf_dir: str, *, value_head: bool = False,
                  trainable: bool = True, optim: OptimConfig | None = None, grad_clip: float = 1.0,
-                 total_steps: int = 1, seed: int = 1234, params_dtype: torch.dtype = torch.float32,
+                 total_steps: int = 1, seed: int = 1234, precision: PrecisionSettings | None = None,
                  offload: bool = False, sequence_parallel: bool = False, virtual_pipeline_size: int | None = None):
         """`optim`, `grad_clip` and `total_steps` (optimizer steps of the whole run, for the LR schedule) matter
         only when `trainable`."""
@@ -76,13 +86,19 @@ class MegatronWorker:
 
         self.name, self.arch, self.layout = name, arch, layout
         self.value_head, self.trainable = value_head, trainable
+        self.precision = precision or PrecisionSettings()
+        self.device = current_device()  # engine/device.py decides; megatron allocates on the current device
         # one GPTModel per virtual pipeline stage; `module` is the last one (it holds the output layer)
         self.chunks = build_model_chunks(arch, layout, virtual_pipeline_size=virtual_pipeline_size,
-                                         value_head=value_head, params_dtype=params_dtype, seed=seed,
-                                         sequence_parallel=sequence_parallel)
+                                         value_head=value_head, params_dtype=self.precision.param_dtype, seed=seed,
+                                         sequence_parallel=sequence_parallel,
+                                         use_cpu_initialization=self.device.type == "cpu",
+                                         **self.precision.transformer_overrides())
         model = self.chunks[-1]
         with layout.activate():
             load_hf_weights(self.chunks, hf_dir, arch, layout)
+        for chunk in self.chunks:
+            _cast_floating_params(chunk, self.precision.param_dtype)
         if not value_head and layout.is_last_stage:
             _bypass_output_layer(model, layout.tp_group)
         self.module = model
@@ -97,6 +113,9 @@ class MegatronWorker:
                     p.requires_grad_(False)
         self.offload = offload and not trainable
         self._device = next(model.parameters()).device
+        if self._device.type != self.device.type:
+            raise RuntimeError(f"{name}: megatron built the model on {self._device}, the chosen device is "
+                               f"{self.device} (engine/device.py)")
         if self.offload:
             self._move_params(torch.device("cpu"))
 
@@ -122,16 +141,17 @@ class MegatronWorker:
                                                finalize_model_grads)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        model = chunks[0]
+        model, prec = chunks[0], self.precision
         with self.layout.activate():
-            ddp = [DistributedDataParallel(
+            ddp = [DistributedDataParallel(  # gradients reduced (and, for bf16 params, accumulated) in fp32
                 config=chunk.config, module=chunk, pg_collection=self.layout.pg_collection,
                 ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                         use_distributed_optimizer=False)) for chunk in chunks]
+                                                         use_distributed_optimizer=prec.use_distributed_optimizer))
+                for chunk in chunks]
             opt = get_megatron_optimizer(OptimizerConfig(
-                optimizer="adam", lr=optim.lr, min_lr=optim.min_lr_ratio * optim.lr, weight_decay=optim.weight_decay,
-                adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=grad_clip,
-                params_dtype=model.config.params_dtype, bf16=model.config.bf16), ddp,
+                optimizer=optim.optimizer, lr=optim.lr, min_lr=optim.min_lr_ratio * optim.lr,
+                weight_decay=optim.weight_decay, adam_beta1=optim.betas[0], adam_beta2=optim.betas[1],
+                adam_eps=optim.eps, clip_grad=grad_clip, **prec.optimizer_overrides()), ddp,
                 use_gloo_process_groups=False, pg_collection=self.layout.pg_collection)
             for chunk in chunks:
                 chunk.config.finalize_model_grads_func = finalize_model_grads
@@ -151,12 +171,13 @@ class MegatronWorker:
         seq = max(mb["input_ids"].shape[1] for mb in microbatches)
         if self.module.config.sequence_parallel:  # megatron splits the sequence evenly over TP
             seq = -(-seq // self.layout.tp) * self.layout.tp
-        mbs = [_pad_to(mb, seq) for mb in microbatches]
-        mask = torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None]  # right padding: causal is enough
+        dev = self.device
+        mbs = [PPOBatch(to_device(_pad_to(mb, seq).tensors, dev), mb.meta) for mb in microbatches]
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=dev).triu(1)[None, None]  # right padding: causal
 
         def forward_step(mb, model):
             ids = mb["input_ids"]
-            pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+            pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand_as(ids)
             out = model(input_ids=ids, position_ids=pos, attention_mask=mask)
             return out, lambda output: loss_fn(output, mb)
 
@@ -210,8 +231,8 @@ class MegatronWorker:
         lay = self.layout
         rows = n_rows // lay.dp
         if local is None:
-            local = torch.empty((rows, *shape_tail), dtype=dtype)
-        local = local.to(dtype).contiguous()
+            local = torch.empty((rows, *shape_tail), dtype=dtype, device=self.device)
+        local = local.to(self.device, dtype).contiguous()
         if lay.pp > 1:
             dist.broadcast(local, src=lay.group_ranks("pp")[-1], group=lay.pp_group)
         if lay.dp == 1:
@@ -228,7 +249,7 @@ class MegatronWorker:
             dist.broadcast_object_list(box, src=lay.group_ranks("pp")[-1], group=lay.pp_group)
             values = box[0]
         keys = sorted(values)
-        t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self.device)
         if lay.dp > 1:
             dist.all_reduce(t, group=lay.dp_group)
         return dict(zip(keys, t.tolist()))

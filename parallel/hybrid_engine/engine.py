@@ -71,11 +71,23 @@ class HybridEngine:
     def rollout_dp_size(self) -> int:
         return len(self.plan.rollout_tp_groups)
 
-    def to_rollout(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Gather this rank's generation shard from the actor's training shards."""
+    def aliases_training_shard(self, model: torch.nn.Module) -> bool:
+        """True when the generation shard IS this rank's training shard: rollout TP == training TP, PP == 1 and the
+        rollout dtype is the parameters' dtype. Then `to_rollout` returns views of the parameters (no copy, no
+        traffic); the rollout engine only reads them, and only between training phases."""
+        p = self.plan
+        return p.pp == 1 and p.tp == p.rollout_tp and all(
+            t.dtype == p.dtype for t in train_shard_from_model(model, self.layout, self.arch, p).values())
+
+    def to_rollout(self, model: torch.nn.Module, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Gather this rank's generation shard (in the plan's dtype: the rollout dtype) from the actor's training
+        shards; into `out` (e.g. the rollout engine's own buffers) when given; views of the parameters when the
+        layouts and dtypes coincide (`aliases_training_shard`) and no `out` is given."""
         shard = train_shard_from_model(model, self.layout, self.arch, self.plan)
+        if out is None and not self.keep_buffer and self.aliases_training_shard(model):
+            return shard
         with torch.no_grad():
-            gen = self.gather.gather(shard, out=self._buffer)
+            gen = self.gather.gather(shard, out=out if out is not None else self._buffer)
         if self.keep_buffer:
             self._buffer = gen
         return gen

@@ -91,9 +91,10 @@ def _check_train_shard(plan: ReshardPlan, rank: int, shard: dict[str, torch.Tens
     if missing:
         raise ValueError(f"rank {rank}: training shard lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
     for n, shape in want.items():
-        if tuple(shard[n].shape) != shape or shard[n].dtype != plan.dtype:
+        # any floating dtype: pieces are cast to the plan's (rollout) dtype as they are copied / packed
+        if tuple(shard[n].shape) != shape or not shard[n].dtype.is_floating_point:
             raise ValueError(f"rank {rank}: training shard {n} is {tuple(shard[n].shape)} {shard[n].dtype}, "
-                             f"plan expects {shape} {plan.dtype}")
+                             f"plan expects {shape} (floating point)")
 
 
 def _copy_own(spec: ParamSpec, q: int, k: int, tp: int, src: torch.Tensor, dst: torch.Tensor) -> None:

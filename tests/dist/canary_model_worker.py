@@ -1,5 +1,5 @@
-"""torchrun worker (4 ranks): a TP2xPP2 train step with sequence parallel and the distributed
-optimizer, under the cpu_compat trace. Prints every megatron call site a shim caught
+"""torchrun worker (4 ranks): a TP2xPP2 train step with sequence parallel, full activation recomputation and
+the distributed optimizer, under the cpu_compat trace. Prints every megatron call site a shim caught
 (`TRACED shim file:line function`) and `UNEXPECTED ...` for sites not in ALLOWED_CALL_SITES."""
 import sys
 
@@ -21,7 +21,8 @@ def main() -> None:
     assert cpu_compat.cpu_compat_applied() and cpu_compat.apply_cpu_compat(trace=True)  # idempotent
     arch = arch_from_hf(sys.argv[1])
     layout = ParallelLayout(tp=2, pp=2, name="actor", arch=arch)
-    model = build_gpt_model(arch, layout, sequence_parallel=True)
+    model = build_gpt_model(arch, layout, sequence_parallel=True, recompute_granularity="full",
+                            recompute_method="uniform", recompute_num_layers=1)
     load_hf_weights(model, sys.argv[1], arch, layout)
     g = torch.Generator().manual_seed(11)
     ids = torch.randint(3, arch.vocab_size, (2, 16), generator=g)

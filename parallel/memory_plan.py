@@ -1,0 +1,145 @@
+"""Per-rank memory of a PPO run, predicted from the architecture, the layouts and the precision settings.
+
+For each model (actor, critic, reference) on its layout, the bytes one rank holds (the largest PP stage):
+
+    params       numel(this rank's TP shard of its stage) * bytes(param_dtype)
+    grads        numel * 4                megatron DDP's contiguous grad buffer, reduced in fp32
+    main_params  numel * 4 / DP' if param_dtype is 16-bit, else 0   (fp32 main weights; fp32 params are their own)
+    optim        numel * 8 / DP'          Adam exp_avg + exp_avg_sq in fp32
+    (DP' = DP with the distributed optimizer, else 1; the reference has params only, on the host if offloaded)
+
+and for the rollout: the generation shard (its rollout-TP slice of the whole model in the rollout dtype; nothing
+when rollout TP == actor TP, PP == 1 and the dtypes agree: the engine then reads the actor's parameters) and the
+KV cache of one generate call (2 * layers * kv_heads/tg * head_dim * sequences * (prompt + response) * bytes).
+`scripts/bench_memory.py` measures the same quantities on live objects; `tripod plan` prints this table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from parallel.arch import ModelArch
+from parallel.hybrid_engine.plan import actor_param_specs, local_shape
+from parallel.convert.common import padded_vocab_size
+
+
+def _prod(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
+
+
+def stage_numel(arch: ModelArch, tp: int, pp: int, *, value_head: bool = False) -> list[int]:
+    """Parameters of one TP rank on each PP stage (embedding, layers, final norm, LM head or value head)."""
+    per_stage = [0] * pp
+    for spec in actor_param_specs(arch, tp, pp):
+        per_stage[spec.stage] += _prod(local_shape(spec, tp))
+    h, v = arch.hidden_size, padded_vocab_size(arch.vocab_size, tp)
+    if value_head:
+        if not arch.tie_word_embeddings:
+            per_stage[-1] -= (v // tp) * h  # the critic's output layer is the value head, not an LM head
+        per_stage[-1] += h + 1
+    elif arch.tie_word_embeddings and pp > 1:
+        per_stage[-1] += (v // tp) * h  # megatron keeps a copy of the tied embedding on the last stage
+    return per_stage
+
+
+@dataclass
+class ModelMemory:
+    name: str
+    tp: int
+    pp: int
+    dp: int
+    param_dtype: torch.dtype
+    trainable: bool
+    distributed_optimizer: bool = False
+    offloaded: bool = False  # reference params kept in host memory between uses
+    value_head: bool = False
+    numel: int = 0
+    rows: dict[str, int] = field(default_factory=dict)
+
+    def compute(self, arch: ModelArch) -> "ModelMemory":
+        self.numel = max(stage_numel(arch, self.tp, self.pp, value_head=self.value_head))
+        pbytes = torch.empty((), dtype=self.param_dtype).element_size()
+        self.rows = {"params": self.numel * pbytes}
+        if self.trainable:
+            shard = self.dp if self.distributed_optimizer else 1
+            self.rows["grads"] = self.numel * 4
+            self.rows["main_params"] = self.numel * 4 // shard if pbytes < 4 else 0
+            self.rows["optim"] = self.numel * 8 // shard
+        return self
+
+    @property
+    def total(self) -> int:
+        return sum(self.rows.values())
+
+
+@dataclass
+class MemoryPlan:
+    models: list[ModelMemory]
+    generation_shard: int  # 0 when it aliases the actor's parameters (see generation_shard_aliased)
+    kv_cache: int
+    generation_shard_aliased: bool = False
+
+    def device_total(self) -> int:
+        """Bytes on the compute device at the rollout peak (offloaded params excluded)."""
+        return sum(m.total for m in self.models if not m.offloaded) + self.generation_shard + self.kv_cache
+
+    def describe(self) -> str:
+        mib = 1 << 20
+        lines = ["model      layout        dtype  distopt   params_MiB  grads_MiB  main_MiB  optim_MiB  total_MiB"]
+        for m in self.models:
+            r = m.rows
+            lines.append(f"{m.name:<10} TP{m.tp}xPP{m.pp}xDP{m.dp:<3} {str(m.param_dtype)[6:]:<6} "
+                         f"{str(m.distributed_optimizer).lower():<7} {r['params'] / mib:>11.1f} "
+                         f"{r.get('grads', 0) / mib:>10.1f} {r.get('main_params', 0) / mib:>9.1f} "
+                         f"{r.get('optim', 0) / mib:>10.1f} {m.total / mib:>10.1f}"
+                         + ("  (host: offloaded)" if m.offloaded else ""))
+        alias = " (views of the actor's parameters)" if self.generation_shard_aliased else ""
+        lines.append(f"generation shard {self.generation_shard / mib:.1f} MiB{alias}, "
+                     f"KV cache {self.kv_cache / mib:.1f} MiB")
+        lines.append(f"per rank on the compute device at the rollout peak: {self.device_total() / mib:.1f} MiB")
+        return "\n".join(lines)
+
+
+def kv_cache_bytes(arch: ModelArch, rollout_tp: int, sequences: int, seq_len: int, dtype: torch.dtype) -> int:
+    es = torch.empty((), dtype=dtype).element_size()
+    return 2 * arch.num_layers * (arch.num_kv_heads // rollout_tp) * arch.head_dim * sequences * seq_len * es
+
+
+def generation_shard_bytes(arch: ModelArch, rollout_tp: int, dtype: torch.dtype) -> int:
+    es = torch.empty((), dtype=dtype).element_size()
+    return sum(_prod(local_shape(s, rollout_tp)) for s in actor_param_specs(arch, rollout_tp, 1)) * es
+
+
+def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelArch | None = None) -> MemoryPlan:
+    """The memory plan of a (resolved) TripodConfig on `world_size` ranks."""
+    from engine.precision import resolve_precision, rollout_dtype
+
+    arc, algo = cfg.actor_rollout_ref, cfg.algorithm
+    device = "cuda" if cfg.trainer.device == "cuda" else "cpu"
+
+    def model(name, m, trainable, value_head=False, offloaded=False):
+        tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+        dp = world_size // (tp * pp)
+        prec = resolve_precision(m, dp, trainable)
+        return ModelMemory(name, tp, pp, dp, prec.param_dtype, trainable, prec.use_distributed_optimizer,
+                           offloaded, value_head).compute(critic_arch if value_head and critic_arch else arch)
+
+    models = [model("actor", arc.actor.megatron, True)]
+    if algo.adv_estimator == "gae":
+        models.append(model("critic", cfg.critic.megatron, True, value_head=True))
+    if algo.use_kl_in_reward or arc.actor.use_kl_loss:
+        models.append(model("reference", arc.ref.megatron, False, offloaded=arc.ref.offload and device == "cuda"))
+    r = arc.rollout
+    gdt = rollout_dtype(r.dtype, device)
+    replicas = world_size // r.tensor_model_parallel_size
+    sequences = -(-cfg.data.train_batch_size * r.n // replicas)
+    actor = models[0]
+    # parallel/hybrid_engine/engine.py: same TP, no PP, same dtype -> the engine reads the parameters themselves
+    aliased = actor.pp == 1 and actor.tp == r.tensor_model_parallel_size and actor.param_dtype == gdt
+    return MemoryPlan(models, 0 if aliased else generation_shard_bytes(arch, r.tensor_model_parallel_size, gdt),
+                      kv_cache_bytes(arch, r.tensor_model_parallel_size, sequences,
+                                     r.prompt_length + r.response_length, gdt), aliased)

@@ -1,0 +1,123 @@
+"""Mixed precision and the distributed optimizer (engine/precision.py): bf16 against fp32, distributed against
+non-distributed optimizer, and a distributed-optimizer checkpoint resumed at another layout.
+
+The bf16 bound. bf16 keeps 8 significant bits, so each rounding has relative error at most u = 2**-8. A forward pass
+of an L-layer model rounds each value at most K = 13*L + 4 times on its path (per layer: input norm, Q, K, V,
+attention probabilities, attention output, output projection, residual add, second norm, gate, up, SiLU*up, down
+projection; plus the embedding, final norm and the two halves of the head). To first order these errors add, so a
+bf16 output x' of an fp32 output x obeys |x' - x| <= K * u * max|x|. After the updates the same bound applies: the
+weights are fp32 main weights rounded once more to bf16 (already counted), and with lr = 1e-4 the Adam steps,
+whose direction can differ for near-zero gradients, move an output by far less than K*u*max|x| (0.12 relative).
+The test also asserts that bf16 is really different from fp32 (so the bound is not trivially met by an fp32 run).
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ppo_setup import make_ppo_setup, tiny_overrides
+from utils import REPO_ROOT, make_tiny_hf_model, run_torchrun
+
+U_BF16 = 2.0 ** -8
+
+
+def _bf16_bound(num_layers: int) -> float:
+    return (13 * num_layers + 4) * U_BF16
+
+
+@pytest.mark.dist
+def test_bf16_and_distributed_optimizer_against_fp32(tmp_path):
+    layers = 2
+    hf_dir = make_tiny_hf_model(tmp_path, "qwen2", seed=5, num_hidden_layers=layers)
+    out = run_torchrun("precision_worker.py", 2, hf_dir, timeout=600).stdout
+    lines = re.findall(r"PREC rank=\d+ (.*)", out)
+    assert len(lines) == 2, out[-3000:]
+    runs = json.loads(lines[0])
+    assert json.loads(lines[1]) == runs  # both DP ranks see the same gathered results
+    fp32, distopt, bf16 = runs["fp32"], runs["fp32_distopt"], runs["bf16"]
+    assert fp32["optimizer"] == "FP32Optimizer" and distopt["optimizer"] == "DistributedOptimizer"
+    assert bf16["param_dtype"] == "torch.bfloat16" and bf16["main_dtype"] == "torch.float32"  # fp32 main weights
+
+    # distributed optimizer == plain optimizer: same arithmetic, only the owner of each update differs
+    for key in ("logp0", "logp1", "values0", "values1"):
+        torch.testing.assert_close(torch.tensor(distopt[key]), torch.tensor(fp32[key]), rtol=1e-6, atol=1e-6)
+    for key in ("pg_loss", "vf_loss", "actor_grad_norm", "critic_grad_norm"):
+        assert distopt[key] == pytest.approx(fp32[key], rel=1e-6), key
+
+    bound = _bf16_bound(layers)
+    for key in ("logp0", "logp1", "values0", "values1"):
+        a, b = torch.tensor(fp32[key]), torch.tensor(bf16[key])
+        diff = (a - b).abs().max().item()
+        assert 0 < diff <= bound * a.abs().max().item(), (key, diff, bound * a.abs().max().item())
+    for key in ("pg_loss", "vf_loss", "actor_grad_norm", "critic_grad_norm"):
+        assert bf16[key] == pytest.approx(fp32[key], rel=bound), key
+
+
+# ---- trainer runs: the distributed optimizer across layouts, and resuming its checkpoint at another layout -----
+COMPARED = ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm", "critic/score/mean",
+            "response_length/mean")
+GREEDY = ["actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.n=1",
+          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "actor_rollout_ref.rollout.response_length=6",
+          "trainer.val_before_train=false"]
+
+
+def _train(args, env=None, timeout=900):
+    run_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
+    run_env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), run_env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "engine.cli", "train", "recipes/defaults.yaml", *args], cwd=REPO_ROOT,
+                          env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    return proc.stdout
+
+
+def _metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {m["step"]: m for m in map(json.loads, f)}
+
+
+def _dp2_run(tmp_path, setup):
+    """(TP1,PP1,DP2) with the distributed optimizer (auto at DP=2) and activation recomputation, a checkpoint after
+    every step, run under the device guard."""
+    dp_dir = str(tmp_path / "dp2")
+    recompute = ["actor_rollout_ref.actor.megatron.recompute_granularity=full",  # same math, less memory
+                 "critic.megatron.recompute_granularity=selective"]
+    out = _train(tiny_overrides(setup, dp_dir, world=2, steps=2) + GREEDY + recompute + ["trainer.save_freq=1"],
+                 env={"TRIPOD_CHECK_DEVICES": "1"})
+    assert out.count("DEVICE_CHECK") == 2 and "ops_off_device=0" in out, out[-2000:]  # every step, rank 0
+    return dp_dir
+
+
+@pytest.mark.dist
+def test_distributed_optimizer_equals_plain_optimizer_across_layouts(tmp_path):
+    """(1,1,1) with the plain optimizer vs (TP1,PP1,DP2) with the distributed optimizer and recomputation."""
+    setup = make_ppo_setup(tmp_path)
+    base_dir = str(tmp_path / "base")
+    _train(tiny_overrides(setup, base_dir, world=1, steps=2) + GREEDY)
+    base, dp2 = _metrics(base_dir), _metrics(_dp2_run(tmp_path, setup))
+    for step in (1, 2):
+        for k in COMPARED:
+            assert dp2[step][k] == pytest.approx(base[step][k], rel=1e-5, abs=1e-6), (step, k)
+
+
+@pytest.mark.dist
+@pytest.mark.xfail(strict=True, reason="known bug: after loading a distributed-optimizer checkpoint (fully_reshardable) "
+                   "the resumed step's updates differ (actor at the same layout, actor and critic at TP2); the model "
+                   "weights and the step counter resume right (vf_loss, on-policy pg_loss equal)")
+def test_distributed_optimizer_checkpoint_resumes_at_another_layout(tmp_path):
+    """The DP2 run's step-1 checkpoint resumed at TP2 x DP1 with the distributed optimizer: its step 2 must equal the
+    uninterrupted run's step 2."""
+    setup = make_ppo_setup(tmp_path)
+    dp_dir = _dp2_run(tmp_path, setup)
+    re_dir = str(tmp_path / "tp2_resumed")
+    ckpt = os.path.join(dp_dir, "checkpoints", "global_step_1")
+    _train(tiny_overrides(setup, re_dir, world=2, tp=2, steps=2) + GREEDY + [
+        f"trainer.resume={ckpt}", "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true",
+        "critic.megatron.use_distributed_optimizer=true"])
+    dp2, resumed = _metrics(dp_dir), _metrics(re_dir)
+    assert sorted(resumed) == [2], sorted(resumed)  # started at the saved step, did not redo step 1
+    for k in COMPARED:  # TP2 sums in another order than TP1: a few float32 ulps
+        assert resumed[2][k] == pytest.approx(dp2[2][k], rel=1e-4, abs=1e-6), k
