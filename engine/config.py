@@ -28,6 +28,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")  # 
 ROLLOUT_NAMES = ("embedded", "sglang")
 LOGGER_BACKENDS = ("console", "tensorboard", "jsonl")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
+OPTIMIZERS = ("adam", "sgd")  # megatron-core OptimizerConfig.optimizer
 DEVICES = ("cpu", "cuda")
 
 
@@ -55,6 +56,8 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
+    optimizer: str = "adam"
+    """adam | sgd: megatron-core's optimizer (Megatron-LM's --optimizer); sgd uses megatron's momentum 0.9."""
     lr: float = 1e-6
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])

@@ -10,7 +10,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from engine.config import (ADV_ESTIMATORS, DEVICES, KL_PENALTIES, LOGGER_BACKENDS, LOSS_AGG_MODES, LR_DECAY_STYLES,
-                           ROLLOUT_NAMES, ConfigError, MegatronConfig, TripodConfig)
+                           OPTIMIZERS, ROLLOUT_NAMES, ConfigError, MegatronConfig, TripodConfig)
 
 
 def data_parallel_size(megatron: MegatronConfig, world_size: int) -> int:
@@ -174,6 +174,7 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
         if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
             e.append(f"{key}.optim.betas={list(o.betas)} must be two numbers in [0, 1)")
         _check_choice(e, f"{key}.optim.lr_decay_style", o.lr_decay_style, LR_DECAY_STYLES)
+        _check_choice(e, f"{key}.optim.optimizer", o.optimizer, OPTIMIZERS)
 
     # PPO / KL
     if not (actor.clip_ratio_low > 0 and actor.clip_ratio_high > 0):

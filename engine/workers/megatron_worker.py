@@ -27,6 +27,7 @@ from parallel.arch import ModelArch
 
 @dataclass
 class OptimSettings:
+    optimizer: str = "adam"  # megatron-core's OptimizerConfig.optimizer: adam | sgd
     lr: float = 1e-6
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -96,7 +97,7 @@ class MegatronWorker:
                 ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                          use_distributed_optimizer=False))
             opt = get_megatron_optimizer(OptimizerConfig(
-                optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
+                optimizer=optim.optimizer, lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
                 adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=optim.grad_clip,
                 params_dtype=model.config.params_dtype, bf16=model.config.bf16), [ddp],
                 use_gloo_process_groups=False, pg_collection=self.layout.pg_collection)
