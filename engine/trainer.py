@@ -222,7 +222,7 @@ class PPOTrainer:
     # ---- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
         cfg = self.cfg
-        self.step = self.ckpt.resume(cfg.trainer.resume)
+        self.step = start_step = self.ckpt.resume(cfg.trainer.resume)
         if self.rank == 0:
             save_resolved_config(cfg, self.run_dir)
         tracker = Tracker(self.run_dir, cfg.trainer.logger, resume_step=self.step if self.step else None,
@@ -242,6 +242,7 @@ class PPOTrainer:
                 last_val = self.validate()
                 metrics.update(last_val)
             metrics["training/epoch"] = self.loader.epoch
+            metrics["training/start_step"] = start_step  # where this process began: 0, or the resumed step
             if tracker:
                 tracker.log(metrics, self.step)
             if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or done:

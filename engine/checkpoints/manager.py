@@ -117,4 +117,6 @@ class CheckpointManager:
         torch.set_rng_state(rng["torch"])
         t.kl_ctrl.load_state_dict(state["kl_ctrl"])
         t.loader.load_state_dict(state["data"])
+        if dist.get_rank() == 0:
+            print(f"tripod: resumed from {path} at step {int(state['step'])}", flush=True)
         return int(state["step"])
