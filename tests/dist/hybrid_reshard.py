@@ -38,10 +38,13 @@ def hybridflow_mean_bytes(full, tp, pp, rollout_tp):
     """HybridFlow's bytes received per rank, (t*p - tg)/(tg*t*p) * M, from the model's tensors (not the plan).
 
     M counts the TP-sharded tensors (vocab rows padded to a multiple of 128*t, megatron's rule). The replicated
-    RMSNorm weights are the one exception to the paper's formula: every training TP rank holds them whole, so a
-    micro-DP member receives each norm of the other p-1 stages once: (p-1)/p of their bytes on average.
+    RMSNorm weights are the one exception to the paper's formula: every training TP rank holds them whole, one
+    member per stage broadcasts them, and a broadcast reaches all m-1 other members of the micro-DP group (m = k*p,
+    k = t/tg), including the k-1 of the sender's stage that already hold them: (m-1)/m of their bytes on average,
+    (k-1)/(k*p) more than the minimum (p-1)/p. Only the norms (0.1-1% of the bytes) pay this; it is measured here.
     """
     t, p, tg = tp, pp, rollout_tp
+    m = (t // tg) * p
     sharded = replicated = 0
     for name, x in full.items():
         n = x.numel()
@@ -52,7 +55,7 @@ def hybridflow_mean_bytes(full, tp, pp, rollout_tp):
             multiple = 128 * t
             n = -(-x.shape[0] // multiple) * multiple * x.shape[1]
         sharded += n * x.element_size()
-    return Fraction(t * p - tg, tg * t * p) * sharded + Fraction(p - 1, p) * replicated
+    return Fraction(t * p - tg, tg * t * p) * sharded + Fraction(m - 1, m) * replicated
 
 
 def check(plan, full, tag, measure_memory):
