@@ -57,7 +57,9 @@ METRIC_SCALE = {"actor/pg_loss": 1.0, "actor/ppo_kl": 5.0, "actor/kl_loss": 5.0,
 EXACT = ("critic/score/mean", "response_length/mean")  # functions of the greedy token sequences only
 
 # Same arithmetic in every compared run: greedy rollouts, one response per prompt, 2 mini-batches of 2 prompts per
-# step with micro-batches of 1, plain SGD for the actor and the critic (see above).
+# step with micro-batches of 1, plain SGD for the actor and the critic (see above). lr 2e-3 keeps every PPO ratio far
+# from the clip range (ppo_kl ~ 1e-2, pg_clipfrac = vf_clipfrac = 0, asserted), so no token sits at a branch of the
+# clipped losses where an O(u) difference could switch the gradient; weights still move >= 100x their fp32 rounding.
 GREEDY = ["actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.n=1",
           "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
           "actor_rollout_ref.rollout.response_length=6"]
