@@ -33,7 +33,8 @@ CRITIC_ESTIMATORS = ("gae",)
 
 
 def _optim(opt_cfg, grad_clip: float) -> OptimSettings:
-    return OptimSettings(optimizer=opt_cfg.optimizer, lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay, betas=tuple(opt_cfg.betas),
+    return OptimSettings(optimizer=opt_cfg.optimizer, lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay,
+                         betas=tuple(opt_cfg.betas),
                          eps=opt_cfg.eps, grad_clip=grad_clip)
 
 

@@ -25,8 +25,9 @@ def _train(args, timeout=900, **popen):
 @pytest.mark.parametrize("tp,pp,world", [(1, 1, 1), (2, 2, 4)], ids=["tp1pp1", "tp2pp2"])
 def test_resume_after_sigkill_is_exact(tmp_path, tp, pp, world):
     """Killed between the step-2 and step-3 checkpoints, then `trainer.resume=auto`: the resumed process must start at
-    step 2 (its log line and the `training/start_step` metric), leave steps 0-2 as the killed process logged them (a
-    no-op resume would recompute and rewrite them, with other timings), and end bit-identical to an uninterrupted run."""
+    step 2 (its log line and the `training/start_step` metric), leave steps 0-2 as the killed process logged them
+    (a no-op resume would recompute and rewrite them, with other timings), and end bit-identical to an uninterrupted
+    run."""
     setup = make_ppo_setup(tmp_path)
     common = GREEDY[1:] + ["actor_rollout_ref.rollout.do_sample=true", "trainer.save_freq=1"]
     ref_dir, cut_dir = str(tmp_path / "uninterrupted"), str(tmp_path / "killed")

@@ -1,23 +1,13 @@
 """`tripod train` with test hooks applied in every rank: `python tests/dist/train_with_hooks.py train RECIPE k=v ...`.
 
-The hooks run at import, so they also apply in the ranks `tripod train` spawns (multiprocessing's spawn re-imports
-this script as `__mp_main__` in each child) and under torchrun:
-  * the reward "test/char_mix" is registered (the share of response characters before 'P' in ASCII): a rule reward
-    that a random tiny model earns in varying amounts, so critic-free estimators see non-zero advantages;
-  * TRIPOD_TEST_PLANT=<bug> plants one bug (read only here, never by the engine), to prove that the cross-layout
-    equivalence check fails on it:
+The hook runs at import, so it also applies in the ranks `tripod train` spawns (multiprocessing's spawn re-imports
+this script as `__mp_main__` in each child) and under torchrun: TRIPOD_TEST_PLANT=<bug> plants one bug (read only
+here, never by the engine), to prove that the cross-layout equivalence check fails on it:
       lm_head_tp_split   the LM head's vocab-parallel split rule is flipped (TP rank r loads rank tp-1-r's rows)
       pp_stage_grads     the first pipeline stage's gradients are dropped before every optimizer step
 """
 import os
 import sys
-
-from engine.rewards import register_reward
-
-
-@register_reward("test/char_mix")
-def char_mix_reward(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
-    return sum(c < "P" for c in solution_str) / max(1, len(solution_str))
 
 
 def _flip_lm_head_split() -> None:
