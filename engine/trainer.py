@@ -34,8 +34,7 @@ CRITIC_ESTIMATORS = ("gae",)
 
 def _optim(opt_cfg, grad_clip: float) -> OptimSettings:
     return OptimSettings(optimizer=opt_cfg.optimizer, lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay,
-                         betas=tuple(opt_cfg.betas),
-                         eps=opt_cfg.eps, grad_clip=grad_clip)
+                         betas=tuple(opt_cfg.betas), eps=opt_cfg.eps, grad_clip=grad_clip)
 
 
 def _layout(m, name: str, arch) -> ParallelLayout:
