@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from engine.config_loading import (ConfigError, config_to_yaml, load_structured,  # noqa: F401 (re-exported)
                                    save_resolved_config)
 
+OPTIMIZERS = ("adam", "sgd")  # megatron-core OptimizerConfig.optimizer
 DEVICES = ("cpu", "cuda")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")  # of megatron's OptimizerParamScheduler styles, those offered
 PARAM_DTYPES = ("fp32", "bf16", "fp16")
@@ -94,7 +95,9 @@ class DataConfig:
 # ---------------------------------------------------------------------------------------------- models
 @dataclass
 class OptimConfig:
-    """Adam and its learning-rate schedule (megatron-core's OptimizerConfig + OptimizerParamScheduler)."""
+    """The optimizer and its learning-rate schedule (megatron-core's OptimizerConfig + OptimizerParamScheduler)."""
+    optimizer: str = "adam"
+    """adam | sgd: megatron-core's optimizer (Megatron-LM's --optimizer); sgd uses megatron's momentum 0.9."""
     lr: float = 1e-6
     """Peak learning rate, reached after the warm-up. verl: optim.lr; Megatron-LM: --lr."""
     weight_decay: float = 0.01
@@ -124,6 +127,7 @@ class OptimConfig:
             e.append(f"{key}.lr_warmup_steps_ratio={self.lr_warmup_steps_ratio} must be in [0, 1)")
         if not 0 <= self.min_lr_ratio <= 1:
             e.append(f"{key}.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        e += _choice(f"{key}.optimizer", self.optimizer, OPTIMIZERS)
         return e + _choice(f"{key}.lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES)
 
 

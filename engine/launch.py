@@ -157,6 +157,14 @@ def _spawned_worker(local_rank: int, world_size: int, port: int, error_dir: str,
         sys.exit(1)
 
 
+def _threads_per_rank(ranks_per_node: int) -> int:
+    """OMP_NUM_THREADS when set (it fixes the CPU reduction order, e.g. for comparing layouts), else cores / ranks."""
+    explicit = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if explicit.isdigit() and int(explicit) > 0:
+        return int(explicit)
+    return max(1, (os.cpu_count() or 1) // max(1, ranks_per_node))
+
+
 def _run_in_world(fn: Callable[..., Any], args: tuple) -> None:
     import torch
     import torch.distributed as dist
@@ -164,8 +172,7 @@ def _run_in_world(fn: Callable[..., Any], args: tuple) -> None:
     if not os.environ.get("TRIPOD_DEBUG"):
         import warnings
         warnings.filterwarnings("ignore")  # megatron's TE/apex fallbacks, torch DCP deprecations
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, per_node)))
+    torch.set_num_threads(_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))))
     from engine.device import process_group_backend, select_device
 
     device = select_device()  # $TRIPOD_DEVICE (trainer.device) and LOCAL_RANK; sets the CUDA device first

@@ -250,7 +250,7 @@ class PPOTrainer:
     # ---- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
         cfg = self.cfg
-        self.step = self.ckpt.resume(cfg.trainer.resume)
+        self.step = start_step = self.ckpt.resume(cfg.trainer.resume)
         self.guard.restore(self.ckpt.loaded)
         if self.rank == 0:
             save_resolved_config(cfg, self.run_dir)
@@ -275,6 +275,7 @@ class PPOTrainer:
                     continue
                 metrics.update(last_val)
             metrics["training/epoch"] = self.loader.epoch
+            metrics["training/start_step"] = start_step  # where this process began: 0, or the resumed step
             if tracker:
                 tracker.log(metrics, self.step)
             if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or done:

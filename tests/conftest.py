@@ -1,5 +1,5 @@
-"""pytest setup shared by all tripod tests: puts tests/ on sys.path (for `from utils import ...`)
-and keeps the shared 2-core CPU quiet (one torch thread per test process)."""
+"""pytest setup shared by all tripod tests: puts tests/ on sys.path (for `from utils import ...`),
+keeps the shared 2-core CPU quiet (one torch thread per test process), and runs Triton in its interpreter on CPU."""
 import os
 import sys
 from pathlib import Path
@@ -8,7 +8,20 @@ _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+# Without CUDA the Triton kernels can only run in the interpreter: forced (an inherited TRITON_INTERPRET=0 would
+# otherwise skip the kernel tests silently). Must be set before anything imports triton.
+if not _cuda_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 

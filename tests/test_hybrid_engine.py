@@ -7,8 +7,11 @@ from utils import make_tiny_hf_model, run_torchrun
 
 
 def _parse(out):
-    return [dict(tag=m[0], rank=int(m[1]), recv=int(m[2]), plan=int(m[3]), peak=int(m[4]), limit=int(m[5]))
-            for m in re.findall(r"\[(.+?)\] rank (\d+) recv=(\d+) plan=(\d+) peak_extra=(\d+) limit=(\d+)", out)]
+    """One row per (case, rank); `recv` is what the transport counted from the tensors its collectives delivered."""
+    pattern = (r"\[(.+?)\] rank (\d+) recv=(\d+) plan=(\d+) peak_extra=(\d+) limit=(\d+) gen_shard=\d+ "
+               r"mean_recv=([\d.e+]+) hybridflow=([\d.e+]+)")
+    return [dict(tag=m[0], rank=int(m[1]), recv=int(m[2]), plan=int(m[3]), peak=int(m[4]), limit=int(m[5]),
+                 mean=float(m[6]), hybridflow=float(m[7])) for m in re.findall(pattern, out)]
 
 
 @pytest.mark.dist
@@ -17,6 +20,7 @@ def test_reshard_tp2pp2_to_rollout_tp1_and_tp2(tmp_path):
     rows = _parse(run_torchrun("hybrid_reshard.py", 4, hf, 2, 2, 1, "1,2").stdout)
     assert len(rows) == 4 * 4
     assert all(r["recv"] == r["plan"] for r in rows)
+    assert all(r["mean"] == r["hybridflow"] > 0 for r in rows)  # exact in the worker (Fractions); here as printed
 
 
 @pytest.mark.dist
@@ -24,6 +28,7 @@ def test_reshard_tp2pp2dp2_to_rollout_tp2(tmp_path):
     hf = make_tiny_hf_model(tmp_path, "llama", tie_word_embeddings=True)
     rows = _parse(run_torchrun("hybrid_reshard.py", 8, hf, 2, 2, 2, "2", timeout=400).stdout)
     assert len(rows) == 8 * 2
+    assert all(r["recv"] == r["plan"] and r["mean"] == r["hybridflow"] > 0 for r in rows)
 
 
 @pytest.mark.dist

@@ -183,4 +183,6 @@ class CheckpointManager:
         t.kl_ctrl.load_state_dict(state["kl_ctrl"])
         t.loader.load_state_dict(state["data"])
         self.loaded = path
+        if dist.get_rank() == 0:
+            print(f"tripod: resumed from {path} at step {int(state['step'])}", flush=True)
         return int(state["step"])

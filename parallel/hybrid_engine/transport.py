@@ -23,9 +23,19 @@ from parallel.hybrid_engine.plan import Bucket, ParamSpec, ReshardPlan, local_sh
 
 @dataclass
 class TransferStats:
+    """What the collectives moved, counted from the tensors each call actually sent or received."""
     bytes_received: int = 0
     bytes_sent: int = 0
     collectives: int = 0
+
+    def count(self, *tensors: torch.Tensor, received: bool = True) -> None:
+        """One collective that moved `tensors` into (received) or out of this rank."""
+        n = sum(t.numel() * t.element_size() for t in tensors)
+        if received:
+            self.bytes_received += n
+        else:
+            self.bytes_sent += n
+        self.collectives += 1
 
 
 class MicroDPGather:
@@ -66,7 +76,6 @@ class MicroDPGather:
             _copy_own(spec, q, k, plan.tp, train_shard[spec.name], gen[spec.name])
         biggest = plan.max_bucket_bytes() // plan.elem_size()
         buf = torch.empty(biggest, dtype=plan.dtype, device=device)
-        es = plan.elem_size()
         for owner in self.members:
             for bucket in plan.buckets[owner]:
                 flat = buf[: bucket.numel]
@@ -74,11 +83,7 @@ class MicroDPGather:
                     _pack(bucket, train_shard, flat)
                 if self.group is not None:
                     dist.broadcast(flat, src=owner, group=self.group)
-                    self.stats.collectives += 1
-                    if owner == me:
-                        self.stats.bytes_sent += bucket.numel * es
-                    else:
-                        self.stats.bytes_received += bucket.numel * es
+                    self.stats.count(flat, received=owner != me)
                 if owner != me:
                     _unpack(bucket, flat, gen)
         del buf
@@ -126,7 +131,6 @@ def naive_full_gather(plan: ReshardPlan, train_shard: dict[str, torch.Tensor], t
     stats = stats if stats is not None else TransferStats()
     me, t = dist.get_rank(), plan.tp
     tp_rank, _, stage = plan.train_coords(me)
-    es = plan.elem_size()
     full: dict[str, torch.Tensor] = {}
     for spec in plan.specs:
         if spec.stage == stage:
@@ -136,17 +140,17 @@ def naive_full_gather(plan: ReshardPlan, train_shard: dict[str, torch.Tensor], t
             else:
                 parts = [torch.empty_like(local) for _ in range(t)]
                 dist.all_gather(parts, local, group=tp_group)
-                stats.collectives += 1
-                stats.bytes_received += (t - 1) * local.numel() * es
+                stats.count(*(p for i, p in enumerate(parts) if i != tp_rank))
                 whole = merge(spec.rule, parts)
                 del parts
         else:
             whole = torch.empty(spec.global_shape, dtype=plan.dtype, device=next(iter(train_shard.values())).device)
         if plan.pp > 1:
             dist.broadcast(whole, src=pp_ranks[spec.stage], group=pp_group)
-            stats.collectives += 1
             if spec.stage != stage:
-                stats.bytes_received += whole.numel() * es
+                stats.count(whole)
+            else:
+                stats.count(whole, received=False)
         full[spec.name] = whole
     j, tg = plan.rollout_tp_rank(me), plan.rollout_tp
     gen = {spec.name: shard(spec.rule, full[spec.name], tg, j).clone() for spec in plan.specs}

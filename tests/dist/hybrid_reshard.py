@@ -2,10 +2,13 @@
 
 argv: HF_DIR TP PP DP ROLLOUT_TPS(comma list) — every rank builds its training shard from the HF checkpoint
 through the converter, reshards into each rollout TP, and checks: generation shard == the matching slice of the full
-HF weights (bit for bit), bytes received == the plan, peak extra memory <= generation shard + one bucket, training
-shard untouched. Then the same on a larger random model where memory is measurable.
+HF weights (bit for bit), bytes received (counted by the transport from the tensors each collective delivered) ==
+the plan on every rank and, averaged over ranks, == HybridFlow's formula computed from the model's tensors alone;
+peak extra memory <= generation shard + one bucket, training shard untouched. Then the same on a larger random model
+where memory is measurable.
 """
 import sys
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -33,6 +36,30 @@ def expected_generation(plan, full, rank):
     return out
 
 
+def hybridflow_mean_bytes(full, tp, pp, rollout_tp):
+    """HybridFlow's bytes received per rank, (t*p - tg)/(tg*t*p) * M, from the model's tensors (not the plan).
+
+    M counts the TP-sharded tensors (vocab rows padded to a multiple of 128*t, megatron's rule). The replicated
+    RMSNorm weights are the one exception to the paper's formula: every training TP rank holds them whole, one
+    member per stage broadcasts them, and a broadcast reaches all m-1 other members of the micro-DP group (m = k*p,
+    k = t/tg), including the k-1 of the sender's stage that already hold them: (m-1)/m of their bytes on average,
+    (k-1)/(k*p) more than the minimum (p-1)/p. Only the norms (0.1-1% of the bytes) pay this; it is measured here.
+    """
+    t, p, tg = tp, pp, rollout_tp
+    m = (t // tg) * p
+    sharded = replicated = 0
+    for name, x in full.items():
+        n = x.numel()
+        if name.endswith("norm.weight"):
+            replicated += n * x.element_size()
+            continue
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            multiple = 128 * t
+            n = -(-x.shape[0] // multiple) * multiple * x.shape[1]
+        sharded += n * x.element_size()
+    return Fraction(t * p - tg, tg * t * p) * sharded + Fraction(m - 1, m) * replicated
+
+
 def check(plan, full, tag, measure_memory):
     from parallel.hybrid_engine import MicroDPGather
     from parallel.hybrid_engine.memory import measure_peak_memory
@@ -54,8 +81,13 @@ def check(plan, full, tag, measure_memory):
     slop = 1 << 20  # allocator / interpreter noise, measured < 0.5 MiB on this machine
     if measure_memory:
         assert mem.extra_bytes <= limit + slop, f"{tag} rank {rank}: peak extra {mem.extra_bytes} > {limit}"
+    counted = [None] * dist.get_world_size()
+    dist.all_gather_object(counted, gather.stats.bytes_received)
+    mean, formula = Fraction(sum(counted), len(counted)), hybridflow_mean_bytes(full, plan.tp, plan.pp, plan.rollout_tp)
+    assert mean == formula, f"{tag}: mean bytes received {float(mean)} != HybridFlow {float(formula)}"
     print(f"[{tag}] rank {rank} recv={gather.stats.bytes_received} plan={plan.bytes_received(rank)} "
-          f"peak_extra={mem.extra_bytes} limit={limit} gen_shard={plan.generation_shard_bytes()}", flush=True)
+          f"peak_extra={mem.extra_bytes} limit={limit} gen_shard={plan.generation_shard_bytes()} "
+          f"mean_recv={float(mean)} hybridflow={float(formula)}", flush=True)
 
 
 def random_full(arch, seed=0):
