@@ -142,4 +142,4 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
     aliased = actor.pp == 1 and actor.tp == r.tensor_model_parallel_size and actor.param_dtype == gdt
     return MemoryPlan(models, 0 if aliased else generation_shard_bytes(arch, r.tensor_model_parallel_size, gdt),
                       kv_cache_bytes(arch, r.tensor_model_parallel_size, sequences,
-                                     r.prompt_length + r.response_length, gdt), aliased)
+                                     cfg.data.max_prompt_length + r.response_length, gdt), aliased)
