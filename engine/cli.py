@@ -183,7 +183,14 @@ def add_train_commands(subparsers) -> None:
     add_plan_command(subparsers)
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [add_convert_command, add_export_command, add_train_commands]
+def add_bench_commands(subparsers) -> None:
+    from engine.bench.command import add_bench_command
+
+    add_bench_command(subparsers)
+
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [add_convert_command, add_export_command, add_train_commands,
+                                            add_bench_commands]
 
 
 def build_parser() -> argparse.ArgumentParser:
