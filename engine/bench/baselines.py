@@ -128,3 +128,12 @@ def run_baseline(name: str, cfg, steps: int, warmup: int, out_dir: str) -> tuple
     with open(raw_path) as f:
         raw = json.load(f)
     return raw, {"matched": MATCHED, "not_matched": NOT_MATCHED[name]}
+
+
+def load_baseline(name: str, out_dir: str) -> tuple[dict, dict]:
+    """The raw records peer `name` left in DIR/runs/NAME/raw.json (written after each of its steps)."""
+    path = os.path.join(out_dir, "runs", name, "raw.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--from-raw: {path} does not exist; drop --baseline {name} or rerun it")
+    with open(path) as f:
+        return json.load(f), {"matched": MATCHED, "not_matched": NOT_MATCHED[name]}

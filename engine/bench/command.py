@@ -85,8 +85,10 @@ def plan_prediction(cfg, world: int) -> dict | None:
             "reshard_received_gb_per_rank": [plan.bytes_received(r) / 2 ** 30 for r in range(world)]}
 
 
-def run_tripod_point(recipe: str, overrides: list[str], steps: int, warmup: int, out_dir: str, label: str) -> dict:
-    """One tripod measurement: (resolved config dict, raw records, plan prediction)."""
+def run_tripod_point(recipe: str, overrides: list[str], steps: int, warmup: int, out_dir: str, label: str,
+                     from_raw: bool = False) -> dict:
+    """One tripod measurement (or, with from_raw, the one already in DIR/runs/LABEL/raw.json): resolved config,
+    raw records, plan prediction."""
     from omegaconf import OmegaConf
 
     from engine.bench.runner import bench_on_rank
@@ -101,7 +103,10 @@ def run_tripod_point(recipe: str, overrides: list[str], steps: int, warmup: int,
     validate_config(cfg, world)
     preflight(cfg)
     raw_path = os.path.join(run_dir, "raw.json")
-    run_distributed(world, bench_on_rank, config_to_yaml(cfg), steps, warmup, raw_path)
+    if not from_raw:
+        run_distributed(world, bench_on_rank, config_to_yaml(cfg), steps, warmup, raw_path)
+    elif not os.path.isfile(raw_path):
+        raise FileNotFoundError(f"--from-raw: {raw_path} does not exist; run the bench without --from-raw first")
     import json
 
     with open(raw_path) as f:
@@ -111,7 +116,7 @@ def run_tripod_point(recipe: str, overrides: list[str], steps: int, warmup: int,
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from engine.bench.baselines import BASELINES, check_baselines, run_baseline
+    from engine.bench.baselines import check_baselines, load_baseline, run_baseline
     from engine.bench.report import write_outputs
     from engine.bench.summary import SCHEMA_VERSION, compare, summarize
 
@@ -125,7 +130,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         point = {key: value} if key else {}
         label = f"tripod-{key.rsplit('.', 1)[-1]}={value}" if key else "tripod"
         over = [*args.overrides, *([f"{key}={value}"] if key else [])]
-        res = run_tripod_point(args.config, over, args.steps, args.warmup, args.out, label)
+        res = run_tripod_point(args.config, over, args.steps, args.warmup, args.out, label, args.from_raw)
         first = first or res
         runs.append({"label": label, "system": "tripod", "point": point, "summary": summarize(res["raw"]),
                      "plan": res["plan"], "on_policy_old_log_probs_skipped":
@@ -133,7 +138,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     comparison, settings = {}, {}
     for name in args.baseline:
         # peers run the base config (the first sweep point) right after tripod
-        raw, matched = run_baseline(name, first["cfg"], args.steps, args.warmup, args.out)
+        if args.from_raw:
+            raw, matched = load_baseline(name, args.out)
+        else:
+            raw, matched = run_baseline(name, first["cfg"], args.steps, args.warmup, args.out)
         runs.append({"label": name, "system": name, "point": runs[0]["point"], "summary": summarize(raw)})
         comparison[name] = compare(runs[0]["summary"], runs[-1]["summary"])
         settings[name] = matched
@@ -163,6 +171,9 @@ def add_bench_command(subparsers) -> None:
     p.add_argument("--sweep", default=None, help="key=v1,v2,...: one tripod run per value, one table and plot")
     p.add_argument("--baseline", nargs="*", default=[], choices=sorted(BASELINES),
                    help="peers run on the same work after tripod: trl (GRPOTrainer, own venv), hf (plain loop)")
+    p.add_argument("--from-raw", action="store_true",
+                   help="do not run: rebuild bench.json/md/png from DIR/runs/*/raw.json of an earlier (or cut short) "
+                        "invocation with the same arguments")
     p.set_defaults(func=cmd_bench)
 
 

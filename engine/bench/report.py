@@ -18,15 +18,15 @@ def _f(x: Any, digits: int = 2) -> str:
 
 def side_by_side(doc: dict[str, Any]) -> str:
     """The markdown table of every run: step time, tokens/s, samples/s, peak memory, ratio to the first run."""
-    lines = ["| run | layout | step s (median [min-max]) | tokens/step | tokens/s | tokens/s/device | samples/s "
+    lines = ["| run | layout | steps | step s (median [min-max]) | tokens/step | tokens/s | tokens/s/device | samples/s "
              "| peak GB/process | tripod / this (tokens/s) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     base = doc["runs"][0]["summary"]
     for run in doc["runs"]:
         s = run["summary"]
         layout = f"{s['world_size']} proc x {'/'.join(str(t) for t in s['threads_per_process'])} thr"
         st = s["step_s"]
-        lines.append(f"| {run['label']} | {layout} | {st['median']:.2f} [{st['min']:.2f}-{st['max']:.2f}] "
+        lines.append(f"| {run['label']} | {layout} | {s['steps']} | {st['median']:.2f} [{st['min']:.2f}-{st['max']:.2f}] "
                      f"| {s['tokens_per_step']:.0f} | {s['tokens_per_s']:.1f} | {s['tokens_per_s_per_device']:.1f} "
                      f"| {s['samples_per_s']:.2f} | {_f(s['peak_memory_gb_max'])} "
                      f"| {base['tokens_per_s'] / s['tokens_per_s']:.2f}x |")

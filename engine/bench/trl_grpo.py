@@ -88,6 +88,16 @@ def main(spec_path: str, raw_path: str) -> None:
                             "prompt_tokens": prompt_tokens, "response_tokens": total - prompt_tokens})
             print(f"trl bench: step {i + 1}/{len(spec['prompts'])} {wall:.2f} s  "
                   + "  ".join(f"{k}={v:.2f}" for k, v in stages.items()), flush=True)
+            write_raw()  # after every step: a run cut short still leaves its measured steps
+
+    def write_raw() -> None:
+        raw = {"records": records, "world_size": 1, "ranks": [{"rank": 0, "peak_memory_gb": _vmhwm_gb(),
+                                                               "threads": torch.get_num_threads(),
+                                                               "peak_flops": None}],
+               "versions": {"trl": __import__("trl").__version__,
+                            "transformers": __import__("transformers").__version__, "torch": torch.__version__}}
+        with open(raw_path, "w") as f:
+            json.dump(raw, f, indent=1)
 
     steps = len(spec["prompts"])
     o = spec["optim"]
@@ -106,12 +116,7 @@ def main(spec_path: str, raw_path: str) -> None:
     trainer = Timed(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tokenizer,
                     callbacks=[StepTimer()])
     trainer.train()
-    raw = {"records": records, "world_size": 1, "ranks": [{"rank": 0, "peak_memory_gb": _vmhwm_gb(),
-                                                           "threads": torch.get_num_threads(), "peak_flops": None}],
-           "versions": {"trl": __import__("trl").__version__, "transformers": __import__("transformers").__version__,
-                        "torch": torch.__version__}}
-    with open(raw_path, "w") as f:
-        json.dump(raw, f, indent=1)
+    write_raw()
 
 
 if __name__ == "__main__":
