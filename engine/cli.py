@@ -94,8 +94,14 @@ def add_export_command(subparsers) -> None:
     p.set_defaults(func=cmd_export)
 
 
+def add_bench_commands(subparsers) -> None:
+    from engine.bench.command import add_bench_command
+
+    add_bench_command(subparsers)
+
+
 SUBCOMMANDS: list[Callable[[Any], None]] = [add_convert_command, add_export_command, add_train_command,
-                                             add_plan_command]
+                                             add_plan_command, add_bench_commands]
 
 
 def build_parser() -> argparse.ArgumentParser:

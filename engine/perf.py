@@ -63,14 +63,16 @@ class PerfCounter:
         """The LM head runs on response positions only (kernels.logprobs_from_hidden)."""
         return (6 if backward else 2) * self.arch.vocab_size * self.arch.hidden_size * response_tokens
 
-    def metrics(self, batch, times: dict[str, float], ppo_epochs: int) -> dict[str, float]:
+    def metrics(self, batch, times: dict[str, float], ppo_epochs: int,
+                recomputed_old_log_probs: bool = True) -> dict[str, float]:
         tokens = float(batch["attention_mask"].sum())
         response = float(batch["response_mask"].sum())
         seq = tokens / batch.size
         step_s = times.get("timing_s/step", 0.0) or 1e-9
         actor_s = times.get("timing_s/update_actor", 0.0) + times.get("timing_s/old_log_prob", 0.0)
-        actor_flops = (tokens * (ppo_epochs * self.flops_per_token(seq, True) + self.flops_per_token(seq, False))
-                       + ppo_epochs * self.head_flops(response, True) + self.head_flops(response, False))
+        fwd = 1 if recomputed_old_log_probs else 0  # the old log-prob forward, skipped when exactly on-policy
+        actor_flops = (tokens * (ppo_epochs * self.flops_per_token(seq, True) + fwd * self.flops_per_token(seq, False))
+                       + ppo_epochs * self.head_flops(response, True) + fwd * self.head_flops(response, False))
         out = {"perf/total_num_tokens": tokens, "perf/throughput": tokens / step_s / self.world,
                "perf/max_memory_allocated_gb": peak_memory_gb()}
         if actor_s > 0:

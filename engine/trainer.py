@@ -160,8 +160,9 @@ class PPOTrainer:
                 token_rewards[torch.arange(batch.size, device=self.device), last] = torch.tensor(
                     scores, dtype=torch.float32, device=self.device)
             micro = arc.rollout.log_prob_micro_batch_size_per_gpu or batch.size
-            with timer("old_log_prob"):
-                batch["old_log_probs"], _ = self.actor.compute_log_probs(batch, micro, temperature)
+            if not self.on_policy_update(batch.size):  # else the update takes them from its own forward
+                with timer("old_log_prob"):
+                    batch["old_log_probs"], _ = self.actor.compute_log_probs(batch, micro, temperature)
             if self.ref is not None:
                 with timer("ref"):
                     batch["ref_log_probs"], _ = self.ref.compute_log_probs(
@@ -193,7 +194,8 @@ class PPOTrainer:
         timings = timer.metrics()
         metrics.update(self.batch_metrics(batch, scores))
         metrics.update(timings)
-        metrics.update(self.perf.metrics(batch, timings, arc.actor.ppo_epochs))
+        metrics.update(self.perf.metrics(batch, timings, arc.actor.ppo_epochs,
+                                         recomputed_old_log_probs="old_log_probs" in batch.tensors))
         return metrics
 
     def checked_train_step(self, prompts: PromptBatch) -> dict[str, float]:
@@ -207,6 +209,14 @@ class PPOTrainer:
         if self.rank == 0:
             print(f"DEVICE_CHECK step={self.step} device={self.device} ops_off_device=0", flush=True)
         return metrics
+
+    def on_policy_update(self, rows: int) -> bool:
+        """True when the actor update is exactly on-policy: one epoch of one mini-batch, with the weights that
+        generated the rollout. Then the old log-probs equal the update's own forward (detached), so recomputing
+        them is skipped (the ratio is exactly 1, the gradient unchanged). The KL-in-reward needs them earlier."""
+        a = self.cfg.actor_rollout_ref.actor
+        return (a.ppo_epochs == 1 and a.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n >= rows
+                and not self.cfg.algorithm.use_kl_in_reward and self.step >= self.cfg.trainer.critic_warmup)
 
     def batch_metrics(self, batch: PPOBatch, scores: list[float]) -> dict[str, float]:
         mask = batch["response_mask"]
