@@ -2,8 +2,8 @@
 
 `MicroDPGather` executes a `ReshardPlan`: every rank copies its own pieces into a freshly allocated generation shard,
 then each member of its micro-DP group in turn broadcasts its buckets (flattened, one collective per bucket) and every
-receiver unpacks them straight into place. One reusable bucket buffer per rank; nothing else is allocated. A rank
-whose micro-DP group is itself alone at the same TP (e.g. TP1 x PP1 -> rollout TP1) gets its training tensors back.
+receiver unpacks them straight into place. One reusable bucket buffer per rank; nothing else is allocated. (When the
+layouts and dtypes coincide the hybrid engine skips this and hands out the parameters: engine.py.)
 
 `naive_full_gather` is the baseline: every rank gathers the whole model (all TP slices, all PP stages), then takes
 its rollout TP slice from it (what "all-gather full tensors on every rank" costs).
@@ -69,12 +69,6 @@ class MicroDPGather:
         """Build this rank's generation shard. `out` may be a reusable shard from a previous step."""
         plan, me = self.plan, self.rank
         _check_train_shard(plan, me, train_shard)
-        if out is None and self.group is None and plan.tp == plan.rollout_tp:
-            # a micro-DP group of one at the same TP: the generation shard is the training shard itself, so hand
-            # out the parameters' own storage (read-only during generation) instead of two 1x-model copies
-            shapes = plan.generation_shapes()
-            if all(n in train_shard and tuple(train_shard[n].shape) == tuple(s) for n, s in shapes.items()):
-                return {n: train_shard[n] for n in shapes}
         device = next(iter(train_shard.values())).device
         gen = out if out is not None else self.allocate_generation_shard(device)
         k = plan.tp // plan.rollout_tp
