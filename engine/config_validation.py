@@ -99,6 +99,10 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
     layout_ok = {key: _layout_fits(e, f"{key}.megatron", m, world_size) for key, m in layouts}
     from engine.precision import precision_problems  # precision / memory keys (engine/precision.py)
 
+    for key, m in [("actor_rollout_ref.actor", actor)] + ([("critic", critic)] if use_critic else []):
+        if m.megatron.use_distributed_optimizer and m.optim.optimizer != "adam":
+            e.append(f"{key}.megatron.use_distributed_optimizer=true needs {key}.optim.optimizer=adam (megatron's "
+                     "DistributedOptimizer supports Adam only); turn one of them off")
     e += precision_problems(cfg, world_size, [(f"{key}.megatron", m, key != "actor_rollout_ref.ref") for key, m in layouts])
 
     # rollout groups are carved out of the actor's model-parallel ranks

@@ -168,10 +168,12 @@ class DivergenceGuard:
         for worker, optim in ((self.t.actor, a.optim), (self.t.critic, cfg.critic.optim)):
             if worker is None:
                 continue
-            # the LR scheduler sets every group's lr at each optimizer step: scale its schedule, not just the groups
+            # the LR scheduler sets every group's lr from the group's max_lr / min_lr at each optimizer step:
+            # scale the schedule, not just this step's lr
             sched = worker.lr_scheduler
             sched.max_lr, sched.min_lr = optim.lr * scale, optim.min_lr_ratio * optim.lr * scale
             for group in worker.optimizer.param_groups:
+                group["max_lr"], group["min_lr"] = sched.max_lr, sched.min_lr
                 group["lr"] = sched.get_lr(group)
 
     # ---- checkpoints -------------------------------------------------------------------------------

@@ -79,8 +79,8 @@ def step_kernels(dry: bool) -> dict:
     checks = {
         "gae": lambda be: kernels.gae(x[0], x[1], mask, 0.99, 0.95, backend=be),
         "kl(k3)": lambda be: kernels.kl(x[0], x[1], "k3", backend=be),
-        "policy_loss": lambda be: kernels.policy_loss(x[0], x[1], x[2], backend=be),
-        "value_loss": lambda be: kernels.value_loss(x[0], x[1], x[2], backend=be),
+        "policy_loss": lambda be: kernels.policy_loss_per_token(x[0], x[1], x[2], backend=be),
+        "value_loss": lambda be: kernels.value_loss_per_token(x[0], x[1], x[2], backend=be),
     }
     tokens, vocab, hid = (16, 96, 32) if dry else (1024, 32000, 896)
     h = torch.randn(tokens, hid, device=dev, generator=g)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from ppo_setup import make_ppo_setup, tiny_overrides
+from trainer_runs import metric_violations
 from utils import REPO_ROOT, make_tiny_hf_model, run_torchrun
 
 U_BF16 = 2.0 ** -8
@@ -34,10 +35,11 @@ def test_bf16_and_distributed_optimizer_against_fp32(tmp_path):
     layers = 2
     hf_dir = make_tiny_hf_model(tmp_path, "qwen2", seed=5, num_hidden_layers=layers)
     out = run_torchrun("precision_worker.py", 2, hf_dir, timeout=600).stdout
-    lines = re.findall(r"PREC rank=\d+ (.*)", out)
-    assert len(lines) == 2, out[-3000:]
-    runs = json.loads(lines[0])
-    assert json.loads(lines[1]) == runs  # both DP ranks see the same gathered results
+    # each rank prints one JSON object; on a shared pipe one rank's line can be glued onto the other's
+    found = [json.JSONDecoder().raw_decode(out, m.end())[0] for m in re.finditer(r"PREC rank=\d+ ", out)]
+    assert len(found) == 2, out[-3000:]
+    runs = found[0]
+    assert found[1] == runs  # both DP ranks see the same gathered results
     fp32, distopt, bf16 = runs["fp32"], runs["fp32_distopt"], runs["bf16"]
     assert fp32["optimizer"] == "FP32Optimizer" and distopt["optimizer"] == "DistributedOptimizer"
     assert bf16["param_dtype"] == "torch.bfloat16" and bf16["main_dtype"] == "torch.float32"  # fp32 main weights
@@ -79,13 +81,16 @@ def _metrics(run_dir):
         return {m["step"]: m for m in map(json.loads, f)}
 
 
-def _dp2_run(tmp_path, setup):
+def _dp2_run(tmp_path, setup, extra=()):
     """(TP1,PP1,DP2) with the distributed optimizer (auto at DP=2) and activation recomputation, a checkpoint after
     every step, run under the device guard."""
     dp_dir = str(tmp_path / "dp2")
     recompute = ["actor_rollout_ref.actor.megatron.recompute_granularity=full",  # same math, less memory
                  "critic.megatron.recompute_granularity=selective"]
-    out = _train(tiny_overrides(setup, dp_dir, world=2, steps=2) + GREEDY + recompute + ["trainer.save_freq=1"],
+    dist_opt = ["actor_rollout_ref.actor.megatron.use_distributed_optimizer=true",
+                "critic.megatron.use_distributed_optimizer=true"]
+    out = _train(tiny_overrides(setup, dp_dir, world=2, steps=2) + GREEDY + recompute + dist_opt + list(extra)
+                 + ["trainer.save_freq=1"],
                  env={"TRIPOD_CHECK_DEVICES": "1"})
     assert out.count("DEVICE_CHECK") == 2 and "ops_off_device=0" in out, out[-2000:]  # every step, rank 0
     return dp_dir
@@ -96,11 +101,15 @@ def test_distributed_optimizer_equals_plain_optimizer_across_layouts(tmp_path):
     """(1,1,1) with the plain optimizer vs (TP1,PP1,DP2) with the distributed optimizer and recomputation."""
     setup = make_ppo_setup(tmp_path)
     base_dir = str(tmp_path / "base")
-    _train(tiny_overrides(setup, base_dir, world=1, steps=2) + GREEDY)
-    base, dp2 = _metrics(base_dir), _metrics(_dp2_run(tmp_path, setup))
-    for step in (1, 2):
-        for k in COMPARED:
-            assert dp2[step][k] == pytest.approx(base[step][k], rel=1e-5, abs=1e-6), (step, k)
+    # Adam with eps=1 (>> sqrt(v) here) makes each update ~lr * momentum, linear in the gradient, so the rounding-level
+    # gradient differences of the two layouts stay rounding-level in the weights (plain Adam would blow a 1e-9
+    # difference of a near-zero gradient up to an lr-sized step); metrics then agree within trainer_runs' bound
+    linear_adam = ["actor_rollout_ref.actor.optim.eps=1.0", "critic.optim.eps=1.0"]
+    _train(tiny_overrides(setup, base_dir, world=1, steps=2) + GREEDY + linear_adam)
+    base, dp2 = _metrics(base_dir), _metrics(_dp2_run(tmp_path, setup, linear_adam))
+    rows = lambda runs: [runs[s] for s in sorted(runs)]  # noqa: E731  (step -> metrics) as logged
+    violations = metric_violations(rows(base), rows(dp2))
+    assert not violations, violations
 
 
 @pytest.mark.dist

@@ -92,16 +92,15 @@ def run_tripod_point(recipe: str, overrides: list[str], steps: int, warmup: int,
     from omegaconf import OmegaConf
 
     from engine.bench.runner import bench_on_rank
-    from engine.cli import run_distributed
-    from engine.cli_train import _world_size, preflight
-    from engine.config import config_to_yaml, load_config, validate_config
+    from engine.config import config_to_yaml
+    from engine.device import DEVICE_ENV
+    from engine.launch import detect_launch, run_distributed
+    from engine.preflight import prepare_train
 
     run_dir = os.path.join(out_dir, "runs", label)
-    cfg = load_config(recipe, [*overrides, *BENCH_OVERRIDES, f"trainer.total_training_steps={steps + warmup}",
-                               f"trainer.default_local_dir={run_dir}"])
-    world = _world_size(cfg)
-    validate_config(cfg, world)
-    preflight(cfg)
+    cfg, world = prepare_train(recipe, [*overrides, *BENCH_OVERRIDES, f"trainer.total_training_steps={steps + warmup}",
+                                        f"trainer.default_local_dir={run_dir}"], detect_launch())
+    os.environ[DEVICE_ENV] = cfg.trainer.device  # read by engine.device.select_device on every rank
     raw_path = os.path.join(run_dir, "raw.json")
     if not from_raw:
         run_distributed(world, bench_on_rank, config_to_yaml(cfg), steps, warmup, raw_path)

@@ -55,7 +55,8 @@ def record_reads(cfg) -> set[str]:
 
 def main(out_path: str, overrides: list[str]) -> None:
     from engine.cli import run_distributed
-    from engine.cli_train import _world_size, preflight
+    from engine.launch import check_world, detect_launch
+    from engine.preflight import preflight
     from engine.config import load_config
     from engine.config_validation import validate_config
     from engine.trainer import PPOTrainer
@@ -63,8 +64,9 @@ def main(out_path: str, overrides: list[str]) -> None:
     cfg = load_config(os.path.join(REPO, "recipes", "defaults.yaml"), overrides)
     validate_config(cfg, 1)
     reads = record_reads(cfg)
-    assert _world_size(cfg) == 1  # (trainer.n_gpus_per_node * trainer.nnodes without a launcher)
-    preflight(cfg)
+    world = check_world(cfg, detect_launch())
+    assert world == 1  # (trainer.n_gpus_per_node * trainer.nnodes without a launcher)
+    preflight(cfg, world)
     with socket.socket() as s:  # then run in this process, as under torchrun
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -11,17 +11,16 @@ import sys
 
 
 def _flip_lm_head_split() -> None:
-    import parallel.convert as convert
-    from parallel.convert.common import OUTPUT_LAYER
+    from parallel.families.spec import OUTPUT_LAYER, FamilySpec
 
-    original = convert.tp_slice
+    original = FamilySpec.shard
 
-    def tp_slice(arch, name, full, tp_size, tp_rank):
+    def shard(self, arch, name, full, tp, rank):
         if name == OUTPUT_LAYER:
-            tp_rank = tp_size - 1 - tp_rank
-        return original(arch, name, full, tp_size, tp_rank)
+            rank = tp - 1 - rank
+        return original(self, arch, name, full, tp, rank)
 
-    convert.tp_slice = tp_slice  # load_hf_weights looks it up in parallel.convert at call time
+    FamilySpec.shard = shard  # the one split implementation every loader reads (parallel/families/spec.py)
 
 
 def _drop_first_stage_grads() -> None:
