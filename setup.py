@@ -18,6 +18,7 @@ setup(
         "pyarrow",
         "tensorboard",
         "rich",
+        "matplotlib",
     ],
     extras_require={
         "ray": ["ray"],
