@@ -142,6 +142,12 @@ class MegatronConfig:
     Megatron-LM: --num-virtual-stages-per-pipeline-rank. verl: same name."""
     sequence_parallel: bool = False
     """Shard layer-norm / dropout activations over the TP group (only with TP > 1). Megatron-LM: --sequence-parallel."""
+    expert_model_parallel_size: int = 1
+    """Expert parallelism (EP) of MoE layers: each rank holds num_experts / EP experts; EP * expert TP must divide
+    TP * DP. Dense models need 1. verl/Megatron-LM: expert_model_parallel_size."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """TP inside each expert (ETP); null: the model's TP (megatron's default). verl/Megatron-LM:
+    expert_tensor_parallel_size."""
     seed: int = 42
     """Seed of this model's megatron RNG (model-parallel RNG tracker, initialisation of non-loaded parameters such
     as the value head). verl: megatron.seed."""
@@ -183,6 +189,8 @@ def _megatron_like_actor() -> MegatronConfig:
                           pipeline_model_parallel_size=base + "pipeline_model_parallel_size}",
                           virtual_pipeline_model_parallel_size=base + "virtual_pipeline_model_parallel_size}",
                           sequence_parallel=base + "sequence_parallel}", seed=base + "seed}",
+                          expert_model_parallel_size=base + "expert_model_parallel_size}",
+                          expert_tensor_parallel_size=base + "expert_tensor_parallel_size}",
                           param_dtype=base + "param_dtype}")
 
 

@@ -122,6 +122,11 @@ def preflight(cfg, world: int) -> None:
     from parallel.arch import arch_from_hf
     from parallel.hybrid_engine import validate_layouts
 
+    import torch
+
+    if cfg.trainer.device == "cuda" and torch.cuda.device_count() < min(world, cfg.trainer.n_gpus_per_node):
+        raise ValueError(f"trainer.device=cuda needs {min(world, cfg.trainer.n_gpus_per_node)} CUDA devices per node, "
+                         f"this machine has {torch.cuda.device_count()}; set trainer.device=cpu or launch fewer ranks")
     arc = cfg.actor_rollout_ref
     check_model_dir(arc.model.path, "actor_rollout_ref.model.path")
     if cfg.algorithm.adv_estimator == "gae" and cfg.critic.model.path != arc.model.path:

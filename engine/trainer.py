@@ -35,7 +35,8 @@ from parallel.layout import ParallelLayout
 
 
 def _layout(m, name: str, arch) -> ParallelLayout:
-    return ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, name=name, arch=arch)
+    return ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                          ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size, name=name, arch=arch)
 
 
 def _model_options(m, layout: ParallelLayout, trainable: bool = True) -> dict:
