@@ -19,8 +19,8 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-from engine.cli_train import add_plan_command, add_train_command
-from engine.launch import USER_ERRORS, CommandFailed, error_line, is_rank_zero, run_distributed
+from tripod.engine.cli_train import add_plan_command, add_train_command
+from tripod.engine.launch import USER_ERRORS, CommandFailed, error_line, is_rank_zero, run_distributed
 
 # ----------------------------------------------------------------------------- convert / export
 
@@ -30,7 +30,7 @@ def _say(line: str) -> None:
 
 
 def _check_parallel_sizes(arch, tp: int, pp: int) -> None:
-    from parallel.convert.common import check_tp_size
+    from tripod.parallel.convert.common import check_tp_size
 
     if pp < 1 or arch.num_layers % pp:
         divisors = [d for d in range(1, arch.num_layers + 1) if arch.num_layers % d == 0]
@@ -42,9 +42,9 @@ def _check_parallel_sizes(arch, tp: int, pp: int) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from parallel.arch import arch_from_hf
-    from parallel.checkpoint import check_checkpoint_destination, convert_hf_to_checkpoint
-    from parallel.convert import SafetensorsReader, check_hf_names, family_of
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.checkpoint import check_checkpoint_destination, convert_hf_to_checkpoint
+    from tripod.parallel.convert import SafetensorsReader, check_hf_names, family_of
 
     arch = arch_from_hf(args.hf_dir)
     names = family_of(arch)
@@ -59,7 +59,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from parallel.checkpoint import checkpoint_arch, check_exportable, export_checkpoint_to_hf
+    from tripod.parallel.checkpoint import checkpoint_arch, check_exportable, export_checkpoint_to_hf
 
     arch = checkpoint_arch(args.ckpt_dir)
     check_exportable(args.ckpt_dir)
@@ -95,7 +95,7 @@ def add_export_command(subparsers) -> None:
 
 
 def add_bench_commands(subparsers) -> None:
-    from engine.bench.command import add_bench_command
+    from tripod.engine.bench.command import add_bench_command
 
     add_bench_command(subparsers)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from engine.launch import detect_launch, run_distributed
+from tripod.engine.launch import detect_launch, run_distributed
 
 
 def _world_size(cfg) -> int:
@@ -26,8 +26,8 @@ def _train_on_rank(config_yaml: str) -> None:
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
-    from engine.config import TripodConfig
-    from engine.trainer import PPOTrainer
+    from tripod.engine.config import TripodConfig
+    from tripod.engine.trainer import PPOTrainer
 
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TripodConfig), OmegaConf.create(config_yaml)))
     val = PPOTrainer(cfg).fit()
@@ -36,11 +36,11 @@ def _train_on_rank(config_yaml: str) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from engine.config import config_to_yaml
-    from engine.preflight import prepare_train
+    from tripod.engine.config import config_to_yaml
+    from tripod.engine.preflight import prepare_train
 
     cfg, world = prepare_train(args.config, args.overrides, detect_launch())  # every rank: same verdict
-    from engine.device import DEVICE_ENV
+    from tripod.engine.device import DEVICE_ENV
 
     os.environ[DEVICE_ENV] = cfg.trainer.device  # read by engine.device.select_device on every rank
     run_distributed(world, _train_on_rank, config_to_yaml(cfg))
@@ -48,9 +48,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from engine.config import load_config
-    from parallel.arch import arch_from_hf
-    from parallel.hybrid_engine import build_reshard_plan
+    from tripod.engine.config import load_config
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.hybrid_engine import build_reshard_plan
 
     cfg = load_config(args.config, args.overrides)
     world = _world_size(cfg)
@@ -64,7 +64,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               bucket_bytes=int(args.bucket_mb * (1 << 20)), world_size=world,
                               vpp=m.virtual_pipeline_model_parallel_size or 1)
     print(plan.describe())
-    from parallel.memory_plan import plan_from_config
+    from tripod.parallel.memory_plan import plan_from_config
 
     critic_arch = arch_from_hf(cfg.critic.model.path) if cfg.algorithm.adv_estimator == "gae" and \
         cfg.critic.model.path else None

@@ -12,7 +12,7 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from engine.config import ConfigError, MegatronConfig, TripodConfig
+from tripod.engine.config import ConfigError, MegatronConfig, TripodConfig
 
 CRITIC_ESTIMATORS = ("gae",)  # the estimators that read values (the trainer builds a critic only for these)
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # need rollout.n >= 2
@@ -97,7 +97,7 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
     layouts += [("critic", critic.megatron)] if use_critic else []
     layouts += [("actor_rollout_ref.ref", ref.megatron)] if use_ref else []
     layout_ok = {key: _layout_fits(e, f"{key}.megatron", m, world_size) for key, m in layouts}
-    from engine.precision import precision_problems  # precision / memory keys (engine/precision.py)
+    from tripod.engine.precision import precision_problems  # precision / memory keys (engine/precision.py)
 
     for key, m in [("actor_rollout_ref.actor", actor)] + ([("critic", critic)] if use_critic else []):
         if m.megatron.use_distributed_optimizer and m.optim.optimizer != "adam":

@@ -25,8 +25,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from engine.checkpoints.manager import COMPLETE, REJECTED, checkpoint_steps
-from engine.launch import TrainingStopped
+from tripod.engine.checkpoints.manager import COMPLETE, REJECTED, checkpoint_steps
+from tripod.engine.launch import TrainingStopped
 
 GOOD = "GOOD"
 STATE_FILE = "guard_state.json"

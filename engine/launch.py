@@ -173,7 +173,7 @@ def _run_in_world(fn: Callable[..., Any], args: tuple) -> None:
         import warnings
         warnings.filterwarnings("ignore")  # megatron's TE/apex fallbacks, torch DCP deprecations
     torch.set_num_threads(_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))))
-    from engine.device import process_group_backend, select_device
+    from tripod.engine.device import process_group_backend, select_device
 
     device = select_device()  # $TRIPOD_DEVICE (trainer.device) and LOCAL_RANK; sets the CUDA device first
     own_group = not dist.is_initialized()
@@ -187,7 +187,7 @@ def _run_in_world(fn: Callable[..., Any], args: tuple) -> None:
             store, rank, world = next(dist.rendezvous("env://"))
             dist.init_process_group(backend=backend, store=dist.PrefixStore(f"tripod/attempt_{attempt}", store),
                                     rank=rank, world_size=world)
-    from parallel.cpu_compat import apply_cpu_compat
+    from tripod.parallel.cpu_compat import apply_cpu_compat
 
     if device.type == "cpu":
         apply_cpu_compat(force=True)

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from parallel.arch import ModelArch
+from tripod.parallel.arch import ModelArch
 
 CUDA_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
@@ -44,7 +44,7 @@ def measure_peak_flops() -> float:
 def peak_memory_gb() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2 ** 30
-    from parallel.hybrid_engine.memory import proc_status_kib
+    from tripod.parallel.hybrid_engine.memory import proc_status_kib
 
     return proc_status_kib("VmHWM") / 2 ** 20
 

@@ -85,7 +85,7 @@ def rollout_dtype(name: Optional[str], device: torch.device | str) -> torch.dtyp
 def precision_problems(cfg, world_size: int, models: list[tuple[str, Any, bool]]) -> list[str]:
     """One line per bad precision / memory key. `models`: (config key, MegatronConfig, trainable) of the models
     the run builds."""
-    from engine.config import PARAM_DTYPES, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ROLLOUT_DTYPES
+    from tripod.engine.config import PARAM_DTYPES, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ROLLOUT_DTYPES
 
     e: list[str] = []
     on_cpu = cfg.trainer.device != "cuda"

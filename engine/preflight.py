@@ -13,13 +13,13 @@ import glob
 import os
 import socket
 
-from engine.launch import Launch, check_world
+from tripod.engine.launch import Launch, check_world
 
 
 def prepare_train(recipe: str, overrides: list[str], launch: Launch):
     """(config, world size) for `tripod train RECIPE overrides` under `launch`, after every cheap check."""
-    from engine.config import load_config
-    from engine.config_validation import validate_config
+    from tripod.engine.config import load_config
+    from tripod.engine.config_validation import validate_config
 
     cfg = load_config(recipe, overrides)
     world = check_world(cfg, launch)
@@ -85,8 +85,8 @@ def check_resume(cfg, arch, world: int) -> None:
     """An explicit trainer.resume checkpoint is complete, from this model and this world size."""
     import json
 
-    from engine.checkpoints.manager import COMPLETE, STATE_FILE
-    from parallel.checkpoint import checkpoint_arch
+    from tripod.engine.checkpoints.manager import COMPLETE, STATE_FILE
+    from tripod.parallel.checkpoint import checkpoint_arch
 
     mode = cfg.trainer.resume
     if mode in ("auto", "disable", "", None):
@@ -116,11 +116,11 @@ def preflight(cfg, world: int) -> None:
     checkpoint and run directory."""
     from transformers import AutoTokenizer
 
-    from engine.data import PromptDataset
-    from engine.rewards import check_data_sources
-    from engine.rollout import validate_rollout_tp
-    from parallel.arch import arch_from_hf
-    from parallel.hybrid_engine import validate_layouts
+    from tripod.engine.data import PromptDataset
+    from tripod.engine.rewards import check_data_sources
+    from tripod.engine.rollout import validate_rollout_tp
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.hybrid_engine import validate_layouts
 
     import torch
 

@@ -14,24 +14,24 @@ import os
 import torch
 import torch.distributed as dist
 
-from engine.algorithms import apply_kl_penalty, build_kl_controller, compute_advantage, masked_mean
-from engine.checkpoints import CheckpointManager
-from engine.config import TripodConfig, save_resolved_config
-from engine.config_validation import CRITIC_ESTIMATORS
-from engine.data import PromptBatch, PromptDataLoader, PromptDataset
-from engine.device import DeviceGuard, check_devices_enabled, current_device
-from engine.guard import DivergenceGuard
-from engine.logging import Timer, Tracker
-from engine.perf import PerfCounter
-from engine.precision import resolve_precision, rollout_dtype
-from engine.rewards import RewardPool
-from engine.rollout import SamplingParams, make_rollout_engine
-from engine.rollout.weight_sync import WeightSync
-from engine.workers.batch import PPOBatch, build_ppo_batch
-from engine.workers.ppo_workers import CriticWorker, PolicyWorker
-from parallel.arch import arch_from_hf
-from parallel.hybrid_engine.engine import HybridEngine
-from parallel.layout import ParallelLayout
+from tripod.engine.algorithms import apply_kl_penalty, build_kl_controller, compute_advantage, masked_mean
+from tripod.engine.checkpoints import CheckpointManager
+from tripod.engine.config import TripodConfig, save_resolved_config
+from tripod.engine.config_validation import CRITIC_ESTIMATORS
+from tripod.engine.data import PromptBatch, PromptDataLoader, PromptDataset
+from tripod.engine.device import DeviceGuard, check_devices_enabled, current_device
+from tripod.engine.guard import DivergenceGuard
+from tripod.engine.logging import Timer, Tracker
+from tripod.engine.perf import PerfCounter
+from tripod.engine.precision import resolve_precision, rollout_dtype
+from tripod.engine.rewards import RewardPool
+from tripod.engine.rollout import SamplingParams, make_rollout_engine
+from tripod.engine.rollout.weight_sync import WeightSync
+from tripod.engine.workers.batch import PPOBatch, build_ppo_batch
+from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
+from tripod.parallel.arch import arch_from_hf
+from tripod.parallel.hybrid_engine.engine import HybridEngine
+from tripod.parallel.layout import ParallelLayout
 
 
 def _layout(m, name: str, arch) -> ParallelLayout:

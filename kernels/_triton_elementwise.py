@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_dispatch import compute_dtype
+from tripod.kernels._triton_dispatch import compute_dtype
 
 BLOCK_SIZE = 1024
 

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_dispatch import compute_dtype
-from kernels._triton_elementwise import kl_value_and_grad
+from tripod.kernels._triton_dispatch import compute_dtype
+from tripod.kernels._triton_elementwise import kl_value_and_grad
 
 BLOCK_SIZE = 256
 

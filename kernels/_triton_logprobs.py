@@ -1,8 +1,8 @@
-"""Triton kernels behind `kernels.logprobs.logprobs_from_hidden` (CUDA; CPU via TRITON_INTERPRET=1).
+"""Triton kernels behind `tripod.kernels.logprobs.logprobs_from_hidden` (CUDA; CPU via TRITON_INTERPRET=1).
 
 Forward: one program per block of tokens walks this rank's vocab in tiles; each logits tile is
 built with tl.dot over the hidden dim and folded into the per-token online statistics
-(running max m, sum exp(z-m), sum exp(z-m)*(z-m), label logit) that `kernels.logprobs`
+(running max m, sum exp(z-m), sum exp(z-m)*(z-m), label logit) that `tripod.kernels.logprobs`
 merges over the TP group. Nothing of size [tokens, vocab] is written.
 
 Backward: one program per (token block, vocab block) of a [chunk_tokens, chunk_vocab] chunk

@@ -1,4 +1,4 @@
-"""Generalized advantage estimation as a reverse associative scan: `kernels.gae`.
+"""Generalized advantage estimation as a reverse associative scan: `tripod.kernels.gae`.
 
 GAE is the linear recurrence A_t = a_t + b_t * A_{t+1} (A_T = 0) with
     (a_t, b_t) = (delta_t, gamma * lam)  at counted tokens (mask 1),
@@ -26,8 +26,8 @@ import math
 
 import torch
 
-from kernels._triton_dispatch import check_float_tensors, check_mask, compute_dtype, resolve_backend
-from kernels.kl_penalty import kl_and_grad_torch, kl_kind_code
+from tripod.kernels._triton_dispatch import check_float_tensors, check_mask, compute_dtype, resolve_backend
+from tripod.kernels.kl_penalty import kl_and_grad_torch, kl_kind_code
 
 SCAN_BLOCK = 8
 
@@ -142,7 +142,7 @@ def gae(
     kl_code = kl_kind_code(kl_kind)
     gamma, lam, kl_coef = float(gamma), float(lam), float(kl_coef)
     if resolve_backend(backend, token_rewards, values, mask) == "triton":
-        from kernels._triton_gae import gae_triton
+        from tripod.kernels._triton_gae import gae_triton
 
         return gae_triton(token_rewards, values, mask, gamma, lam, logp, ref_logp, kl_coef, kl_code)
     return gae_torch(token_rewards, values, mask, gamma, lam, logp, ref_logp, kl_coef, kl_code)

@@ -1,4 +1,4 @@
-"""Per-token KL estimators between policy and reference log-probs: `kernels.kl`.
+"""Per-token KL estimators between policy and reference log-probs: `tripod.kernels.kl`.
 
 Names (aliases share one code): `k1`/`kl` = logp - ref; `abs` = |logp - ref|;
 `k2`/`mse` = 0.5 (logp - ref)^2; `k3`/`low_var_kl` = exp(d) - d - 1 with d = ref - logp clamped to
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_dispatch import check_float_tensors, resolve_backend, upcast
+from tripod.kernels._triton_dispatch import check_float_tensors, resolve_backend, upcast
 
 KL_K1, KL_ABS, KL_K2, KL_K3 = 0, 1, 2, 3
 KL_KINDS = {"k1": KL_K1, "kl": KL_K1, "abs": KL_ABS, "k2": KL_K2, "mse": KL_K2, "k3": KL_K3, "low_var_kl": KL_K3}
@@ -51,7 +51,7 @@ class _KLFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logp, ref_logp, code: int, backend: str):
         if backend == "triton":
-            from kernels._triton_elementwise import kl_forward_triton
+            from tripod.kernels._triton_elementwise import kl_forward_triton
 
             value, grad = kl_forward_triton(logp, ref_logp, code)
         else:

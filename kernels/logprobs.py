@@ -169,7 +169,7 @@ class _LogprobsFromHidden(torch.autograd.Function):
     def forward(ctx, hidden2d, weight, labels1d, inv_temp, vocab_start, valid_local, with_entropy,
                 tp_group, world, use_triton, chunk_tokens, chunk_vocab, reduce_hidden_grad):
         if use_triton:
-            from kernels import _triton_logprobs as tri
+            from tripod.kernels import _triton_logprobs as tri
             m, s, b, zy = tri.forward_stats(hidden2d, weight, labels1d, inv_temp, vocab_start,
                                             valid_local, with_entropy)
         else:
@@ -195,7 +195,7 @@ class _LogprobsFromHidden(torch.autograd.Function):
         grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(cdt).contiguous()
         grad_ent = None if (grad_ent is None or entropy is None) else grad_ent.to(cdt).contiguous()
         if use_triton:
-            from kernels import _triton_logprobs as tri
+            from tripod.kernels import _triton_logprobs as tri
             grad_h, grad_w = tri.backward(hidden2d, weight, labels1d, lse, entropy, grad_logp,
                                           grad_ent, inv_temp, vocab_start, valid_local,
                                           chunk_tokens, chunk_vocab, need_h, need_w)

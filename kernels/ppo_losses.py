@@ -1,4 +1,4 @@
-"""Per-token PPO losses with their clip indicators: `kernels.policy_loss_per_token`, `kernels.value_loss_per_token`.
+"""Per-token PPO losses with their clip indicators: `tripod.kernels.policy_loss_per_token`, `tripod.kernels.value_loss_per_token`.
 
 Both are custom autograd Functions whose forward computes the loss, the clip indicators and the
 elementwise gradient factor d(loss)/d(input) in one pass (Triton kernel on CUDA, torch ops on CPU)
@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from kernels._triton_dispatch import check_float_tensors, resolve_backend, upcast
+from tripod.kernels._triton_dispatch import check_float_tensors, resolve_backend, upcast
 
 LOG_RATIO_BOUND = 20.0
 
@@ -75,7 +75,7 @@ class _PolicyLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, old_logp, logp, advantages, clip_low, clip_high, clip_c, backend):
         if backend == "triton":
-            from kernels._triton_elementwise import policy_loss_forward_triton as forward
+            from tripod.kernels._triton_elementwise import policy_loss_forward_triton as forward
         else:
             forward = policy_loss_torch
         loss, clipped, clipped_lower, grad = forward(old_logp, logp, advantages, clip_low, clip_high, clip_c)
@@ -93,7 +93,7 @@ class _ValueLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values, returns, old_values, clip, backend):
         if backend == "triton":
-            from kernels._triton_elementwise import value_loss_forward_triton as forward
+            from tripod.kernels._triton_elementwise import value_loss_forward_triton as forward
         else:
             forward = value_loss_torch
         loss, clipped, grad = forward(values, returns, old_values, clip)

@@ -78,7 +78,7 @@ def read_hf_config(path_or_dict: str | os.PathLike | dict) -> dict[str, Any]:
 
 def arch_from_hf(path_or_dict: str | os.PathLike | dict) -> ModelArch:
     """Parse and validate an HF config into a `ModelArch` (clear errors for unsupported models)."""
-    from parallel.families import family_for_model_type, supported_model_types
+    from tripod.parallel.families import family_for_model_type, supported_model_types
 
     cfg = read_hf_config(path_or_dict)
     model_type = cfg.get("model_type")

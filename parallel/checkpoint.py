@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel.arch import ModelArch, arch_from_hf
-from parallel.convert import (TOKENIZER_FILES, family_of, load_hf_weights, model_chunks, padded_vocab_size,
+from tripod.parallel.arch import ModelArch, arch_from_hf
+from tripod.parallel.convert import (TOKENIZER_FILES, family_of, load_hf_weights, model_chunks, padded_vocab_size,
                               save_hf_checkpoint, write_hf_config)
 
 METADATA_FILE = "tripod_checkpoint.json"
@@ -181,14 +181,14 @@ def load_model_checkpoint(model: torch.nn.Module, path: str | os.PathLike, layou
 
 
 def _layout_for(tp: int, pp: int, name: str):
-    from parallel.layout import ParallelLayout
+    from tripod.parallel.layout import ParallelLayout
 
     return ParallelLayout(tp=tp, pp=pp, name=name)
 
 
 def convert_hf_to_checkpoint(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int, pp: int) -> None:
     """HF model dir -> tripod checkpoint sharded TP x PP (DP = world / (tp*pp)). Collective over the world."""
-    from parallel.model import build_gpt_model
+    from tripod.parallel.model import build_gpt_model
 
     arch = arch_from_hf(hf_dir)
     family_of(arch)
@@ -201,7 +201,7 @@ def convert_hf_to_checkpoint(hf_dir: str | os.PathLike, out_dir: str | os.PathLi
 def export_checkpoint_to_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike, tp: int = 1, pp: int = 1,
                             dtype: torch.dtype | None = None) -> None:
     """Tripod checkpoint -> HF model dir (safetensors + config.json + tokenizer files), loaded at TP x PP."""
-    from parallel.model import build_gpt_model
+    from tripod.parallel.model import build_gpt_model
 
     arch = checkpoint_arch(ckpt_dir)
     check_exportable(ckpt_dir)

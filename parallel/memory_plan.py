@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from parallel.arch import ModelArch
-from parallel.hybrid_engine.plan import actor_param_specs, local_shape
-from parallel.convert.common import padded_vocab_size
+from tripod.parallel.arch import ModelArch
+from tripod.parallel.hybrid_engine.plan import actor_param_specs, local_shape
+from tripod.parallel.convert.common import padded_vocab_size
 
 
 def _prod(shape) -> int:
@@ -116,7 +116,7 @@ def generation_shard_bytes(arch: ModelArch, rollout_tp: int, dtype: torch.dtype)
 
 def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelArch | None = None) -> MemoryPlan:
     """The memory plan of a (resolved) TripodConfig on `world_size` ranks."""
-    from engine.precision import resolve_precision, rollout_dtype
+    from tripod.engine.precision import resolve_precision, rollout_dtype
 
     arc, algo = cfg.actor_rollout_ref, cfg.algorithm
     device = "cuda" if cfg.trainer.device == "cuda" else "cpu"

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from parallel.arch import ModelArch
-from parallel.convert import padded_vocab_size
-from parallel.families import get_family
-from parallel.layout import ParallelLayout
+from tripod.parallel.arch import ModelArch
+from tripod.parallel.convert import padded_vocab_size
+from tripod.parallel.families import get_family
+from tripod.parallel.layout import ParallelLayout
 
 
 def _transformer_engine_available() -> bool:

@@ -27,5 +27,5 @@ srun --kill-on-bad-exit=1 --ntasks-per-node=1 --nodes="$NNODES" \
   "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$NPROC" \
   --max-restarts="${MAX_RESTARTS:-0}" --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d --rdzv-endpoint="$HEAD:$PORT" \
   --log-dir="$LOGS" --redirects=3 --tee=3 \
-  -m engine.cli train "$RECIPE" trainer.resume=auto "$@" \
+  -m tripod train "$RECIPE" trainer.resume=auto "$@" \
   trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$NPROC"

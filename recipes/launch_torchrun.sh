@@ -15,7 +15,7 @@ RECIPE=${1:?usage: launch_torchrun.sh RECIPE.yaml [key=value ...]}; shift
 PYTHON=${PYTHON:-python}
 read -r CFG_NNODES CFG_NPROC < <("$PYTHON" -c "
 import sys
-from engine.config import load_config
+from tripod.engine.config import load_config
 t = load_config(sys.argv[1], sys.argv[2:]).trainer
 print(t.nnodes, t.n_gpus_per_node)" "$RECIPE" "$@")
 NNODES=${NNODES:-$CFG_NNODES}
@@ -27,5 +27,5 @@ else
   ARGS+=(--node-rank="${NODE_RANK:-0}" --rdzv-backend=c10d --rdzv-id="${RDZV_ID:-tripod}"
          --rdzv-endpoint="${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}:${MASTER_PORT:-29500}")
 fi
-exec "$PYTHON" -m torch.distributed.run "${ARGS[@]}" -m engine.cli train "$RECIPE" "$@" \
+exec "$PYTHON" -m torch.distributed.run "${ARGS[@]}" -m tripod train "$RECIPE" "$@" \
   trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$NPROC"

@@ -25,7 +25,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from parallel.hybrid_engine.memory import proc_status_kib  # noqa: E402
+from tripod.parallel.hybrid_engine.memory import proc_status_kib  # noqa: E402
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -56,9 +56,9 @@ def best_time(fn, repeats: int) -> float:
 
 def bench_gae(quick: bool) -> dict:
     try:
-        from kernels.gae_scan import gae
+        from tripod.kernels.gae_scan import gae
     except ImportError as err:
-        return {"skipped": f"kernels.gae not importable ({err}); the loop baseline alone is not a ratio"}
+        return {"skipped": f"tripod.kernels.gae not importable ({err}); the loop baseline alone is not a ratio"}
     batch, gamma, lam = 8, 0.99, 0.95
     rows = []
     for T in ([256, 1024] if quick else [1024, 4096, 16384]):
@@ -86,7 +86,7 @@ def _full_logits_loss(h, w, labels, g_logp, g_ent):
 
 
 def _fused_loss(h, w, labels, g_logp, g_ent):
-    from kernels.logprobs import logprobs_from_hidden
+    from tripod.kernels.logprobs import logprobs_from_hidden
     logp, entropy = logprobs_from_hidden(h, w, labels, backend="torch")
     return (logp * g_logp).sum() + (entropy * g_ent).sum()
 
@@ -157,7 +157,7 @@ def cuda_time(fn, iters: int = 20) -> float:
 def bench_gpu(quick: bool) -> dict:
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device: Triton-vs-eager GPU numbers not measured"}
-    import kernels
+    import tripod.kernels as kernels
     dev, n = "cuda", (1 << 20) if quick else (1 << 24)
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     ceil_tflops = 2 * 8192 ** 3 / cuda_time(lambda a=a: a @ a) / 1e12

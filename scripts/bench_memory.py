@@ -56,9 +56,9 @@ def _run_config(config_yaml: str, result_path: str) -> None:
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
-    from engine.config import TripodConfig
-    from engine.trainer import PPOTrainer
-    from parallel.hybrid_engine.memory import proc_status_kib
+    from tripod.engine.config import TripodConfig
+    from tripod.engine.trainer import PPOTrainer
+    from tripod.parallel.hybrid_engine.memory import proc_status_kib
 
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TripodConfig), OmegaConf.create(config_yaml)))
     trainer = PPOTrainer(cfg)
@@ -89,10 +89,10 @@ def _run_config(config_yaml: str, result_path: str) -> None:
 
 
 def run_config(overrides: list[str], label: str) -> dict:
-    from engine.cli import run_distributed
-    from engine.config import config_to_yaml, load_config, validate_config
-    from parallel.arch import arch_from_hf
-    from parallel.memory_plan import kv_cache_bytes, plan_from_config
+    from tripod.engine.cli import run_distributed
+    from tripod.engine.config import config_to_yaml, load_config, validate_config
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.memory_plan import kv_cache_bytes, plan_from_config
 
     cfg = load_config(os.path.join(REPO, "recipes", "defaults.yaml"), overrides)
     validate_config(cfg, 2)
@@ -104,7 +104,7 @@ def run_config(overrides: list[str], label: str) -> dict:
     arch = arch_from_hf(cfg.actor_rollout_ref.model.path)
     plan = plan_from_config(cfg, 2, arch)
     r = got["rollout"]
-    gdt = __import__("engine.precision", fromlist=["rollout_dtype"]).rollout_dtype(cfg.actor_rollout_ref.rollout.dtype,
+    gdt = __import__("tripod.engine.precision", fromlist=["rollout_dtype"]).rollout_dtype(cfg.actor_rollout_ref.rollout.dtype,
                                                                                   "cpu")
     kv_plan = kv_cache_bytes(arch, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, r["sequences"],
                              r["prompt_len"] + cfg.actor_rollout_ref.rollout.response_length, gdt)
@@ -138,7 +138,7 @@ def tiny_setup(tmp: str) -> list[str]:
 
 
 def demo_setup(tmp: str, model: str) -> list[str]:
-    from engine.data import make_arithmetic_rows, write_prompt_parquet
+    from tripod.engine.data import make_arithmetic_rows, write_prompt_parquet
     rows = make_arithmetic_rows(16, seed=0, max_digits=1, ops=("+", "-"), allow_negative=False)
     path = os.path.join(tmp, "train.parquet")
     write_prompt_parquet(rows, path)

@@ -39,7 +39,7 @@ def write_data() -> None:
     """One-digit + and - problems (non-negative answers) as chat prompts that carry the worked example. The 64
     validation problems are distinct and none of them occurs in the training set (held-out problems)."""
     sys.path.insert(0, REPO)
-    from engine.data import make_arithmetic_splits, write_prompt_parquet
+    from tripod.engine.data import make_arithmetic_splits, write_prompt_parquet
 
     splits = make_arithmetic_splits(2048, 64, seed=0, train_format_score=0.1, min_digits=1, max_digits=1,
                                     ops=("+", "-"), allow_negative=False, instruction="")
@@ -57,7 +57,7 @@ def main(overrides: list[str]) -> int:
     py = sys.executable
     run([py, "scripts/prepare_smollm2.py", "--out", MODEL_DIR])
     write_data()
-    run([py, "-m", "engine.cli", "train", RECIPE, f"actor_rollout_ref.model.path={MODEL_DIR}",
+    run([py, "-m", "tripod", "train", RECIPE, f"actor_rollout_ref.model.path={MODEL_DIR}",
          f"data.train_files={DATA_DIR}/train.parquet", f"data.val_files={DATA_DIR}/test.parquet",
          f"trainer.default_local_dir={RUN_DIR}", *overrides])
     with open(os.path.join(RUN_DIR, "metrics.jsonl")) as f:

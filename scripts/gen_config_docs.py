@@ -59,13 +59,13 @@ def walk(cls: type, prefix: str = ""):
 
 
 def leaf_keys() -> list[str]:
-    from engine.config import TripodConfig
+    from tripod.engine.config import TripodConfig
 
     return [key for key, _, _, sub in walk(TripodConfig) if sub is None]
 
 
 def undocumented() -> list[str]:
-    from engine.config import TripodConfig
+    from tripod.engine.config import TripodConfig
 
     return [key for key, owner, f, _ in walk(TripodConfig) if not field_doc(owner, f.name)]
 
@@ -94,7 +94,7 @@ def _section(cls: type, prefix: str, defaults: dict, depth: int) -> list[str]:
 def render() -> str:
     from omegaconf import OmegaConf
 
-    from engine.config import TripodConfig
+    from tripod.engine.config import TripodConfig
 
     defaults = OmegaConf.to_container(OmegaConf.structured(TripodConfig), resolve=False)
     lines = ["# Configuration reference", "",

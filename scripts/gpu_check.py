@@ -70,7 +70,7 @@ def step_roofline(dry: bool) -> dict:
 def step_kernels(dry: bool) -> dict:
     import torch
 
-    import kernels
+    import tripod.kernels as kernels
     dev = "cpu" if dry else "cuda"
     g = torch.Generator(device=dev).manual_seed(7)
     n_rows, n_cols = (4, 64) if dry else (64, 4096)
@@ -115,7 +115,7 @@ def step_ppo(dry: bool, workdir: str) -> dict:
         f"trainer.device={'cpu' if dry else 'cuda'}", "trainer.val_before_train=false", "data.val_files=[]",
         "actor_rollout_ref.actor.megatron.param_dtype=bf16", "trainer.logger=[jsonl]"]
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "engine.cli", "train", "recipes/defaults.yaml", *args], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "tripod", "train", "recipes/defaults.yaml", *args], cwd=REPO,
                           env=_env({"TRIPOD_CHECK_DEVICES": "1", "OMP_NUM_THREADS": "1"}), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=420)
     if proc.returncode != 0:

@@ -11,8 +11,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # works from a bare checkout
 
-from engine.data.arithmetic import INSTRUCTION, OPERATORS, make_arithmetic_splits
-from engine.data.dataset import write_prompt_parquet
+from tripod.engine.data.arithmetic import INSTRUCTION, OPERATORS, make_arithmetic_splits
+from tripod.engine.data.dataset import write_prompt_parquet
 
 
 def main(argv: list[str] | None = None) -> None:

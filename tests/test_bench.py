@@ -12,7 +12,7 @@ import pytest
 from ppo_setup import make_ppo_setup
 from utils import REPO_ROOT
 
-from engine.bench.summary import check_schema, compare, summarize
+from tripod.engine.bench.summary import check_schema, compare, summarize
 
 
 def _env():
@@ -66,7 +66,7 @@ def test_bench_on_a_tiny_model_writes_schema_and_counts_tokens(tmp_path):
     """A real `tripod bench` (GRPO, 2 measured steps) with the plain-HF peer: schema, token counts, outputs."""
     setup = make_ppo_setup(tmp_path)
     out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "engine.cli", "bench", "recipes/bench/smollm2-135m-grpo.yaml",
+    cmd = [sys.executable, "-m", "tripod", "bench", "recipes/bench/smollm2-135m-grpo.yaml",
            f"actor_rollout_ref.model.path={setup['model']}", f"data.train_files={setup['train']}",
            "data.max_prompt_length=64", "data.max_response_length=6", "data.train_batch_size=2",
            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
@@ -107,8 +107,8 @@ def _on_policy_child(model: str, train: str) -> None:
     """In a 1-rank world: the same GRPO step with the skip, with the recompute forced, and with a planted bug."""
     import torch
 
-    from engine.config import load_config
-    from engine.trainer import PPOTrainer
+    from tripod.engine.config import load_config
+    from tripod.engine.trainer import PPOTrainer
 
     cfg = load_config(os.path.join(REPO_ROOT, "recipes/bench/smollm2-135m-grpo.yaml"), [
         f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", "data.max_prompt_length=64",
@@ -139,7 +139,7 @@ def _on_policy_child(model: str, train: str) -> None:
 
 def test_on_policy_update_skips_the_recompute_with_the_same_gradient(tmp_path):
     setup = make_ppo_setup(tmp_path)
-    code = ("import sys; sys.argv=['x']; from engine.cli import run_distributed; import test_bench as t; "
+    code = ("import sys; sys.argv=['x']; from tripod.engine.cli import run_distributed; import test_bench as t; "
             f"run_distributed(1, t._on_policy_child, {setup['model']!r}, {setup['train']!r})")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=600)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.dist
 
 def _tripod(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], cwd=REPO_ROOT, env=env, text=True,
+    return subprocess.run([sys.executable, "-m", "tripod", *args], cwd=REPO_ROOT, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout)
 
 
@@ -74,7 +74,7 @@ def test_checkpoint_reshards_to_every_layout(converted, tmp_path):
 
 
 def _cli_error(capsys, *argv: str) -> str:
-    from engine.cli import main
+    from tripod.engine.cli import main
 
     assert main(list(argv)) == 2
     err = capsys.readouterr().err.strip()

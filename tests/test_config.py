@@ -4,8 +4,8 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-from engine.config import ConfigError, TripodConfig, load_config, save_resolved_config
-from engine.config_validation import validate_config
+from tripod.engine.config import ConfigError, TripodConfig, load_config, save_resolved_config
+from tripod.engine.config_validation import validate_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,7 +44,7 @@ def test_defaults_load_with_verl_values_and_interpolations():
 def test_recipes_defaults_yaml_matches_the_dataclasses():
     with open(os.path.join(REPO, "recipes", "defaults.yaml")) as f:
         on_disk = OmegaConf.create(f.read())
-    assert on_disk == OmegaConf.structured(TripodConfig), "regenerate: python -m engine.config > recipes/defaults.yaml"
+    assert on_disk == OmegaConf.structured(TripodConfig), "regenerate: python -m tripod.engine.config > recipes/defaults.yaml"
 
 
 def test_yaml_and_overrides_merge_in_order(tmp_path):

@@ -39,7 +39,7 @@ def test_docs_config_md_is_generated_from_the_dataclasses():
 
 
 def test_critic_inherits_the_shared_fields_and_their_docs():
-    from engine.config import ActorConfig, CriticConfig, PPOModelConfig
+    from tripod.engine.config import ActorConfig, CriticConfig, PPOModelConfig
 
     assert issubclass(ActorConfig, PPOModelConfig) and issubclass(CriticConfig, PPOModelConfig)
     # re-declared in CriticConfig only to follow the actor's value: the docstring is the base class's
@@ -48,8 +48,8 @@ def test_critic_inherits_the_shared_fields_and_their_docs():
 
 
 def test_a_newly_registered_estimator_is_accepted_by_the_config_check():
-    from engine.algorithms import advantages, register_adv_est
-    from engine.config import AlgorithmConfig
+    from tripod.engine.algorithms import advantages, register_adv_est
+    from tripod.engine.config import AlgorithmConfig
 
     assert AlgorithmConfig(adv_estimator="my_estimator").check() != []
 
@@ -76,10 +76,10 @@ def _imports(path: str) -> set[str]:
 
 
 def test_engine_config_does_not_import_what_imports_it():
-    """engine.config is a leaf of the engine: nothing it imports (even lazily) imports engine.config back."""
+    """tripod.engine.config is a leaf of the engine: nothing it imports (even lazily) imports engine.config back."""
     config_imports = {m for m in _imports(os.path.join(str(REPO_ROOT), "engine", "config.py"))
                       if m.startswith(("engine", "parallel", "kernels"))}
-    assert "engine.config_validation" not in config_imports
+    assert "tripod.engine.config_validation" not in config_imports
     for module in config_imports:
         spec = importlib.util.find_spec(module)
         paths = [spec.origin] if spec.origin.endswith(".py") else []
@@ -87,7 +87,7 @@ def test_engine_config_does_not_import_what_imports_it():
             root = spec.submodule_search_locations[0]
             paths = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".py")]
         for path in paths:
-            assert not {"engine.config", "engine.config_validation"} & _imports(path), (module, path)
+            assert not {"tripod.engine.config", "tripod.engine.config_validation"} & _imports(path), (module, path)
 
 
 @pytest.mark.parametrize("key, value, expected", [
@@ -96,7 +96,7 @@ def test_engine_config_does_not_import_what_imports_it():
     ("trainer.logger", "[wandb]", "use any of ['console', 'tensorboard', 'jsonl']"),
 ])
 def test_choice_lists_come_from_the_registries(key, value, expected):
-    from engine.config import load_config
+    from tripod.engine.config import load_config
 
     cfg = load_config(None, [f"{key}={value}"])
     problems = (cfg.algorithm.check() + cfg.actor_rollout_ref.actor.check() + cfg.trainer.check())

@@ -50,7 +50,7 @@ def _leaves_and_interpolations():
     """Every leaf key of the schema, and {key: keys its default interpolates}."""
     from omegaconf import OmegaConf
 
-    from engine.config import TripodConfig
+    from tripod.engine.config import TripodConfig
 
     raw = OmegaConf.to_container(OmegaConf.structured(TripodConfig), resolve=False)
     leaves, feeds = [], {}

@@ -8,8 +8,8 @@ import pytest
 import torch
 import transformers
 
-from parallel.arch import arch_from_hf
-from parallel.convert import (canonical_names, family_of, hf_to_megatron, megatron_to_hf, pad_vocab,
+from tripod.parallel.arch import arch_from_hf
+from tripod.parallel.convert import (canonical_names, family_of, hf_to_megatron, megatron_to_hf, pad_vocab,
                               padded_vocab_size, unpad_vocab)
 
 

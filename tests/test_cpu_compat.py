@@ -10,7 +10,7 @@ from utils import make_tiny_hf_model, run_torchrun
 
 
 def test_apply_is_idempotent_and_cpu_only():
-    from parallel.cpu_compat import apply_cpu_compat, cpu_compat_applied
+    from tripod.parallel.cpu_compat import apply_cpu_compat, cpu_compat_applied
 
     if torch.cuda.is_available():
         assert apply_cpu_compat() is False and not cpu_compat_applied()

@@ -11,9 +11,9 @@ import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from engine.data import (PromptDataLoader, PromptDataset, make_arithmetic_rows, pad_input, pad_sequences,
+from tripod.engine.data import (PromptDataLoader, PromptDataset, make_arithmetic_rows, pad_input, pad_sequences,
                          packed_position_ids, split_by_token_budget, unpad_input, write_prompt_parquet)
-from engine.rewards import check_data_sources, get_reward_fn
+from tripod.engine.rewards import check_data_sources, get_reward_fn
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K_DIR = os.path.join(REPO, "..", "shared", "data", "gsm8k")  # ../shared beside the checkout
@@ -233,7 +233,7 @@ def test_pad_unpad_round_trip(side):
 
 
 def test_arithmetic_splits_hold_out_the_validation_problems():
-    from engine.data import make_arithmetic_splits
+    from tripod.engine.data import make_arithmetic_splits
 
     problem = dict(min_digits=1, max_digits=1, ops=("+", "-"), allow_negative=False)
     train, test = make_arithmetic_splits(512, 64, seed=0, **problem)

@@ -7,7 +7,7 @@ import torch
 
 
 def test_guard_flags_a_tensor_on_another_device():
-    from engine.device import DeviceGuard
+    from tripod.engine.device import DeviceGuard
 
     with DeviceGuard("cpu") as guard:
         x = torch.randn(4, 4)
@@ -17,7 +17,7 @@ def test_guard_flags_a_tensor_on_another_device():
 
 
 def test_guard_passes_transfers_and_scalars():
-    from engine.device import DeviceGuard
+    from tripod.engine.device import DeviceGuard
 
     with DeviceGuard("meta") as guard:
         x = torch.randn(3, 3, device="meta")
@@ -27,7 +27,7 @@ def test_guard_passes_transfers_and_scalars():
 
 
 def test_select_device_refuses_cuda_without_a_gpu(monkeypatch):
-    from engine import device
+    from tripod.engine import device
 
     monkeypatch.setattr(device, "_chosen", None)
     if torch.cuda.is_available():

@@ -32,7 +32,7 @@ SIZES = [(w, tp, pp, ep, etp) for w, tp, pp, ep, etp in itertools.product((1, 2,
 
 @pytest.mark.parametrize("world, tp, pp, ep, etp", SIZES)
 def test_rank_groups_equal_megatrons_rank_generator(world, tp, pp, ep, etp):
-    from parallel.layout import rank_groups
+    from tripod.parallel.layout import rank_groups
 
     ours = rank_groups(list(range(world)), tp, pp, world // (tp * pp), ep, etp)
     for kind, groups in _megatron_groups(world, tp, pp, ep, etp).items():
@@ -41,7 +41,7 @@ def test_rank_groups_equal_megatrons_rank_generator(world, tp, pp, ep, etp):
 
 def test_rank_groups_catch_a_swapped_expert_order():
     """The comparison above can fail: ep-fastest ordering (a plausible slip) differs from megatron's."""
-    from parallel.layout import rank_groups
+    from tripod.parallel.layout import rank_groups
 
     ours = rank_groups(list(range(8)), 2, 1, 4, ep=2, etp=2)
     ep_fastest = [[r, r + 1] for r in range(0, 8, 2)]  # what swapping etp and ep in the index would give
@@ -62,7 +62,7 @@ def _moe_arch(num_experts=6):
     (dict(etp=0), _moe_arch(6), "actor expert_tensor_parallel_size=0 must be a positive integer"),
 ])
 def test_expert_layout_refused_before_any_group(kwargs, arch, message):
-    from parallel.layout import ParallelLayout
+    from tripod.parallel.layout import ParallelLayout
 
     with pytest.raises(ValueError, match=re.escape(message)):
         ParallelLayout(name="actor", arch=arch, **kwargs)

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from engine.guard import GOOD, find_reasons
+from tripod.engine.guard import GOOD, find_reasons
 from ppo_setup import make_ppo_setup, tiny_overrides
 from utils import REPO_ROOT, TESTS_DIR
 
@@ -32,7 +32,7 @@ def test_trip_rules():
 
 
 def _poisoned_setup(tmp_path):
-    from engine.data import make_arithmetic_rows, write_prompt_parquet
+    from tripod.engine.data import make_arithmetic_rows, write_prompt_parquet
 
     setup = make_ppo_setup(tmp_path)
     rows = make_arithmetic_rows(16, seed=0, max_digits=1, instruction="Answer as #### N.")

@@ -40,7 +40,7 @@ def test_round_trip_around_a_megatron_actor(tmp_path, rollout_tp):
 
 
 def test_tripod_plan_prints_groups_and_bytes(tmp_path, capsys):
-    from engine.cli import main
+    from tripod.engine.cli import main
     hf = make_tiny_hf_model(tmp_path, "qwen2")
     args = ["plan", "recipes/defaults.yaml", f"actor_rollout_ref.model.path={hf}", "trainer.n_gpus_per_node=4",
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",

@@ -1,4 +1,4 @@
-"""kernels.gae / kernels.kl / kernels.policy_loss_per_token / kernels.value_loss_per_token against float64 references
+"""tripod.kernels.gae / kernels.kl / kernels.policy_loss_per_token / kernels.value_loss_per_token against float64 references
 written straight from the formulas (per-token loops for the recurrences), for the torch backend
 (fp32, 1e-6 relative to the output's scale) and the Triton kernels (TRITON_INTERPRET=1, set by
 tests/conftest.py before triton is imported, 1e-5)."""
@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from kernels.gae_scan import gae
-from kernels.kl_penalty import kl
-from kernels.ppo_losses import policy_loss_per_token, value_loss_per_token
+from tripod.kernels.gae_scan import gae
+from tripod.kernels.kl_penalty import kl
+from tripod.kernels.ppo_losses import policy_loss_per_token, value_loss_per_token
 
 TRITON_RUNNABLE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
@@ -96,7 +96,8 @@ def random_log_probs(shape, gen):
 @pytest.mark.parametrize("T", [1, 7, 45])
 def test_gae_matches_reference_loop(backend, T, monkeypatch):
     if backend == "triton":  # small blocks: T=45 walks 3 blocks (the last one partial) with carries
-        import kernels._triton_gae
+        import tripod.kernels._triton_gae
+        from tripod import kernels
         monkeypatch.setattr(kernels._triton_gae, "BLOCK_SIZE", 16)
     gen = torch.Generator().manual_seed(T)
     B = 5

@@ -101,7 +101,7 @@ SRUN = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLUR
 
 
 def test_launch_detection():
-    from engine.launch import detect_launch, parse_first_host, srun_env
+    from tripod.engine.launch import detect_launch, parse_first_host, srun_env
 
     tr = detect_launch({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                         "GROUP_WORLD_SIZE": "2"})

@@ -11,7 +11,7 @@ FLOAT = r"(-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf)"
 
 
 def _arch(**overrides):
-    from parallel.arch import arch_from_hf
+    from tripod.parallel.arch import arch_from_hf
 
     cfg = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96,
            "num_hidden_layers": 4, "num_attention_heads": 6, "num_key_value_heads": 2}
@@ -26,7 +26,7 @@ def _arch(**overrides):
     (dict(tp=0), "actor tensor_model_parallel_size=0 must be a positive integer"),
 ])
 def test_layout_refuses_arch_it_cannot_shard_before_any_group(kwargs, message):
-    from parallel.layout import ParallelLayout
+    from tripod.parallel.layout import ParallelLayout
 
     # no torch.distributed here: the arch check must come first, before any process group work
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -34,7 +34,7 @@ def test_layout_refuses_arch_it_cannot_shard_before_any_group(kwargs, message):
 
 
 def test_unknown_architecture_is_refused(tmp_path):
-    from parallel.arch import arch_from_hf
+    from tripod.parallel.arch import arch_from_hf
 
     cfg = {"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"], "vocab_size": 10}
     (tmp_path / "config.json").write_text(json.dumps(cfg))

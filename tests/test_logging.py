@@ -13,8 +13,8 @@ import torch
 from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from engine.logging import ProgressLine, Timer, Tracker, append_to_dict, reduce_metrics
-from engine.logging.progress import format_eta
+from tripod.engine.logging import ProgressLine, Timer, Tracker, append_to_dict, reduce_metrics
+from tripod.engine.logging.progress import format_eta
 
 
 def _read_jsonl(run_dir):

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from kernels.logprobs import logprobs_from_hidden
+from tripod.kernels.logprobs import logprobs_from_hidden
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,4 +1,4 @@
-"""engine.algorithms losses, KL uses and KL controllers against float64 references written from the
+"""tripod.engine.algorithms losses, KL uses and KL controllers against float64 references written from the
 formulas: agg_loss (three modes), policy_loss / value_loss / kl_loss / entropy_loss with their
 metrics and gradients, apply_kl_penalty, Fixed/Adaptive KL controllers (warm-up, state_dict)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from engine.algorithms import (
+from tripod.engine.algorithms import (
     AGG_MODES, AdaptiveKLController, FixedKLController, agg_loss, apply_kl_penalty, build_kl_controller,
     entropy_loss, kl_loss, kl_penalty, list_kl_kinds, policy_loss, value_loss,
 )

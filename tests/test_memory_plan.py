@@ -10,8 +10,8 @@ from utils import make_tiny_hf_model
 def test_stage_numel_matches_the_hf_model(tmp_path, tie):
     from transformers import AutoModelForCausalLM
 
-    from parallel.arch import arch_from_hf
-    from parallel.memory_plan import stage_numel
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.memory_plan import stage_numel
 
     hf_dir = make_tiny_hf_model(tmp_path, "qwen2", vocab_size=128 * 2, tie_word_embeddings=tie)  # no vocab padding
     arch = arch_from_hf(hf_dir)
@@ -24,8 +24,8 @@ def test_stage_numel_matches_the_hf_model(tmp_path, tie):
 
 
 def test_optimizer_byte_rules():
-    from parallel.memory_plan import ModelMemory
-    from parallel.arch import arch_from_hf
+    from tripod.parallel.memory_plan import ModelMemory
+    from tripod.parallel.arch import arch_from_hf
 
     arch = arch_from_hf(dict(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=96,
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))

@@ -35,7 +35,7 @@ def _hf_config(model_type, **overrides):
 def test_moe_layers_equal_the_hf_model(model_type):
     import transformers
 
-    from parallel.moe_arch import mla_from_hf, moe_from_hf
+    from tripod.parallel.moe_arch import mla_from_hf, moe_from_hf
 
     config = _hf_config(model_type)
     model = transformers.AutoModelForCausalLM.from_config(config)
@@ -61,7 +61,7 @@ def test_moe_layers_equal_the_hf_model(model_type):
 
 
 def test_dense_models_have_no_moe():
-    from parallel.moe_arch import mla_from_hf, moe_from_hf
+    from tripod.parallel.moe_arch import mla_from_hf, moe_from_hf
 
     cfg = {"model_type": "qwen2", "num_hidden_layers": 2}
     assert moe_from_hf(cfg) is None and mla_from_hf(cfg) is None
@@ -74,7 +74,7 @@ def test_dense_models_have_no_moe():
                                                  "group by its best expert (max)"),
 ])
 def test_routers_megatron_cannot_match_are_refused(model_type, overrides, message):
-    from parallel.moe_arch import moe_from_hf
+    from tripod.parallel.moe_arch import moe_from_hf
 
     with pytest.raises(ValueError, match=re.escape(message)):
         moe_from_hf(_hf_config(model_type, **overrides).to_dict())
@@ -84,7 +84,7 @@ def test_megatron_fields_build_a_config():
     """Every field name we hand megatron exists on its (MLA)TransformerConfig and is accepted together."""
     from megatron.core.transformer import MLATransformerConfig
 
-    from parallel.moe_arch import megatron_mla_fields, megatron_moe_fields, mla_from_hf, moe_from_hf
+    from tripod.parallel.moe_arch import megatron_mla_fields, megatron_moe_fields, mla_from_hf, moe_from_hf
 
     cfg = _hf_config("deepseek_v3").to_dict()
     moe, mla = moe_from_hf(cfg), mla_from_hf(cfg)

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from engine.workers.batch import build_ppo_batch, split_rows
-from engine.workers.ppo_workers import _mini_batch_rows
+from tripod.engine.workers.batch import build_ppo_batch, split_rows
+from tripod.engine.workers.ppo_workers import _mini_batch_rows
 
 
 def test_layout_and_response_positions():

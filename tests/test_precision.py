@@ -70,7 +70,7 @@ GREEDY = ["actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollou
 def _train(args, env=None, timeout=900):
     run_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
     run_env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), run_env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "engine.cli", "train", "recipes/defaults.yaml", *args], cwd=REPO_ROOT,
+    proc = subprocess.run([sys.executable, "-m", "tripod", "train", "recipes/defaults.yaml", *args], cwd=REPO_ROOT,
                           env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-5000:]
     return proc.stdout

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from parallel.arch import arch_from_hf
-from parallel.families import Split
-from parallel.hybrid_engine.plan import ReshardPlanError, build_reshard_plan, local_shape, segments_of
+from tripod.parallel.arch import arch_from_hf
+from tripod.parallel.families import Split
+from tripod.parallel.hybrid_engine.plan import ReshardPlanError, build_reshard_plan, local_shape, segments_of
 
 
 def tiny_arch(**kw):

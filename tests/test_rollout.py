@@ -19,8 +19,8 @@ from utils import DIST_DIR, run_torchrun
 sys.path.insert(0, str(DIST_DIR))
 import hf_rollout_reference as ref  # noqa: E402
 
-from engine.rollout import SamplingParams, make_rollout_engine, validate_rollout_tp  # noqa: E402
-from engine.rollout.sampling import sample_next_token  # noqa: E402
+from tripod.engine.rollout import SamplingParams, make_rollout_engine, validate_rollout_tp  # noqa: E402
+from tripod.engine.rollout.sampling import sample_next_token  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +193,7 @@ def test_errors_name_the_setting_and_the_fix(llama, checkpoints):
 
 def test_sglang_request_and_result_format(llama):
     """The pure parts of the SGLang backend (runs without sglang): request dicts and result packing."""
-    from engine.rollout.sglang_engine import output_from_sglang, sglang_sampling_params
+    from tripod.engine.rollout.sglang_engine import output_from_sglang, sglang_sampling_params
 
     arch, _, _ = llama
     req = sglang_sampling_params(SamplingParams(max_new_tokens=5, temperature=0.7, n=2, seed=10,

@@ -76,7 +76,7 @@ def test_sbatch_recipe_finishes_and_checkpoints(sbatch_run):
 
 def test_plain_srun_runs_in_process_with_the_same_numbers(setup, sbatch_run, tmp_path):
     run_dir = str(tmp_path / "run")
-    proc = subprocess.run(["srun", "--ntasks=2", "--kill-on-bad-exit=1", sys.executable, "-m", "engine.cli", "train",
+    proc = subprocess.run(["srun", "--ntasks=2", "--kill-on-bad-exit=1", sys.executable, "-m", "tripod", "train",
                            "recipes/defaults.yaml", *_args(setup, run_dir)], cwd=REPO_ROOT,
                           env=_env(MASTER_PORT=str(_free_port())), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=600)
@@ -93,7 +93,7 @@ def test_plain_srun_runs_in_process_with_the_same_numbers(setup, sbatch_run, tmp
 
 def test_srun_task_count_mismatch_is_one_line(setup, tmp_path):
     proc = subprocess.run(["srun", "--ntasks=3", "--overcommit", "--kill-on-bad-exit=1", sys.executable, "-m",
-                           "engine.cli", "train", "recipes/defaults.yaml", *_args(setup, str(tmp_path / "run"))],
+                           "tripod.engine.cli", "train", "recipes/defaults.yaml", *_args(setup, str(tmp_path / "run"))],
                           cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert proc.returncode != 0
     errors = [line for line in proc.stdout.splitlines() if line.startswith("tripod train: error:")]

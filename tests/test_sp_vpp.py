@@ -74,7 +74,7 @@ def _metric_mismatches(want, got):
 
 def _export(run_dir, out):
     ckpt = os.path.join(run_dir, "checkpoints", f"global_step_{STEPS}", "actor")
-    proc = subprocess.run([sys.executable, "-m", "engine.cli", "export", ckpt, out], cwd=REPO_ROOT, env=_env(),
+    proc = subprocess.run([sys.executable, "-m", "tripod", "export", ckpt, out], cwd=REPO_ROOT, env=_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:]
     return load_file(os.path.join(out, "model.safetensors"))
@@ -87,7 +87,7 @@ def runs(tmp_path_factory):
     out = {"setup": setup, "tmp": tmp}
     for layout in LAYOUTS:
         run_dir = str(tmp / layout)
-        proc = subprocess.run([sys.executable, "-m", "engine.cli", "train", "recipes/defaults.yaml",
+        proc = subprocess.run([sys.executable, "-m", "tripod", "train", "recipes/defaults.yaml",
                                *_args(setup, run_dir, layout)], cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-5000:]

@@ -15,9 +15,9 @@ import torch
 
 from utils import run_torchrun
 
-from parallel.arch import ModelArch
-from parallel.families import FamilySpec, Fuse, Split, Weight, register_family, unregister_family
-from parallel.families.llama import local_gpt_layer_spec
+from tripod.parallel.arch import ModelArch
+from tripod.parallel.families import FamilySpec, Fuse, Split, Weight, register_family, unregister_family
+from tripod.parallel.families.llama import local_gpt_layer_spec
 
 TOY_CONFIG = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=None,
@@ -87,7 +87,7 @@ def toy(tmp_path):
 
 
 def test_unregistered_family_is_refused(tmp_path):
-    from parallel.arch import arch_from_hf
+    from tripod.parallel.arch import arch_from_hf
 
     with pytest.raises(ValueError, match="model_type='mistral'.*not supported.*FamilySpec"):
         arch_from_hf(dict(TOY_CONFIG, model_type="mistral"))
@@ -96,8 +96,8 @@ def test_unregistered_family_is_refused(tmp_path):
 def test_toy_family_converts_and_splits_through_the_shared_machinery(toy):
     from safetensors.torch import load_file
 
-    from parallel.arch import arch_from_hf
-    from parallel.convert import canonical_names, family_of, hf_to_megatron, megatron_to_hf
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.convert import canonical_names, family_of, hf_to_megatron, megatron_to_hf
 
     arch = arch_from_hf(toy)
     assert arch.family == "toy_mistral" and family_of(arch) is TOY
@@ -118,9 +118,9 @@ def test_toy_family_rollout_decoder_matches_hf_generate(toy):
     import transformers
     from safetensors.torch import load_file
 
-    from engine.rollout import SamplingParams, make_rollout_engine
-    from parallel.arch import arch_from_hf
-    from parallel.convert import hf_to_megatron
+    from tripod.engine.rollout import SamplingParams, make_rollout_engine
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.convert import hf_to_megatron
 
     arch = arch_from_hf(toy)
     engine = make_rollout_engine("embedded", arch, None)

@@ -84,7 +84,7 @@ def test_resume_after_sigkill_is_exact(tmp_path, tp, pp, world):
 
 
 def _write_rows(path, rows):
-    from engine.data import write_prompt_parquet
+    from tripod.engine.data import write_prompt_parquet
     write_prompt_parquet(rows, path)
 
 

@@ -9,7 +9,7 @@ from utils import make_tiny_hf_model, run_torchrun
 
 
 def test_flatten_by_dtype_round_trip_mixed_dtypes():
-    from engine.rollout.weight_sync import flatten_by_dtype, unflatten
+    from tripod.engine.rollout.weight_sync import flatten_by_dtype, unflatten
 
     g = torch.Generator().manual_seed(2)
     named = [("a", torch.randn(3, 4, generator=g)), ("b", torch.randn(5, generator=g).to(torch.bfloat16)),

@@ -41,7 +41,7 @@ from safetensors.torch import load_file
 
 from utils import DIST_DIR, REPO_ROOT
 
-TRIPOD = [sys.executable, "-m", "engine.cli"]
+TRIPOD = [sys.executable, "-m", "tripod"]
 HOOKED_TRIPOD = [sys.executable, str(DIST_DIR / "train_with_hooks.py")]
 
 U32 = 2.0 ** -24

@@ -114,7 +114,7 @@ def dist_worker(main: Callable[[], None]) -> None:
     try:
         from datetime import timedelta
         dist.init_process_group(backend="gloo", timeout=timedelta(minutes=3))
-        from parallel.cpu_compat import apply_cpu_compat
+        from tripod.parallel.cpu_compat import apply_cpu_compat
         apply_cpu_compat()
         main()
         dist.barrier()

@@ -2,11 +2,11 @@
 
 Pure tensor code (needs only torch); the elementwise work runs on the fused ops in `kernels`.
 """
-from engine.algorithms.advantages import compute_advantage, list_adv_estimators, register_adv_est
-from engine.algorithms.controllers import AdaptiveKLController, FixedKLController, build_kl_controller
-from engine.algorithms.kl import apply_kl_penalty, kl_loss, kl_penalty, list_kl_kinds
-from engine.algorithms.losses import AGG_MODES, agg_loss, agg_norm, entropy_loss, policy_loss, value_loss
-from engine.algorithms.masked import masked_mean, masked_whiten
+from tripod.engine.algorithms.advantages import compute_advantage, list_adv_estimators, register_adv_est
+from tripod.engine.algorithms.controllers import AdaptiveKLController, FixedKLController, build_kl_controller
+from tripod.engine.algorithms.kl import apply_kl_penalty, kl_loss, kl_penalty, list_kl_kinds
+from tripod.engine.algorithms.losses import AGG_MODES, agg_loss, agg_norm, entropy_loss, policy_loss, value_loss
+from tripod.engine.algorithms.masked import masked_mean, masked_whiten
 
 __all__ = [
     "compute_advantage", "list_adv_estimators", "register_adv_est",

@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.algorithms.masked import group_ids, group_mean_std, masked_whiten
-from kernels._triton_dispatch import check_float_tensors, check_mask
-from kernels.gae_scan import gae as gae_scan
+from tripod.engine.algorithms.masked import group_ids, group_mean_std, masked_whiten
+from tripod.kernels._triton_dispatch import check_float_tensors, check_mask
+from tripod.kernels.gae_scan import gae as gae_scan
 
 GRPO_EPS = 1e-6
 AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]

@@ -4,17 +4,17 @@
   (PPO with a KL controller; beta from engine/algorithms/controllers.py),
 * an actor loss term: `kl_loss` aggregates kl like any other loss (GRPO-style `use_kl_loss`).
 
-The estimators themselves (k1/kl, abs, k2/mse, k3/low_var_kl) are the `kernels.kl` op.
+The estimators themselves (k1/kl, abs, k2/mse, k3/low_var_kl) are the `tripod.kernels.kl` op.
 """
 from __future__ import annotations
 
 import torch
 
-from engine.algorithms.losses import agg_loss
-from engine.algorithms.masked import masked_mean
-from kernels._triton_dispatch import check_mask
-from kernels.kl_penalty import KL_KINDS
-from kernels.kl_penalty import kl as kl_op
+from tripod.engine.algorithms.losses import agg_loss
+from tripod.engine.algorithms.masked import masked_mean
+from tripod.kernels._triton_dispatch import check_mask
+from tripod.kernels.kl_penalty import KL_KINDS
+from tripod.kernels.kl_penalty import kl as kl_op
 
 
 def list_kl_kinds() -> list[str]:

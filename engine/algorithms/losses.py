@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.algorithms.masked import masked_mean
-from kernels._triton_dispatch import check_mask
-from kernels.ppo_losses import policy_loss_per_token as policy_loss_op
-from kernels.ppo_losses import value_loss_per_token as value_loss_op
+from tripod.engine.algorithms.masked import masked_mean
+from tripod.kernels._triton_dispatch import check_mask
+from tripod.kernels.ppo_losses import policy_loss_per_token as policy_loss_op
+from tripod.kernels.ppo_losses import value_loss_per_token as value_loss_op
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 

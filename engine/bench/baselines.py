@@ -46,7 +46,7 @@ def work_spec(cfg, steps: int, warmup: int) -> dict:
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    from engine.data import PromptDataLoader, PromptDataset
+    from tripod.engine.data import PromptDataLoader, PromptDataset
 
     d, arc = cfg.data, cfg.actor_rollout_ref
     tok = AutoTokenizer.from_pretrained(d.tokenizer or arc.model.path)
@@ -118,7 +118,7 @@ def run_baseline(name: str, cfg, steps: int, warmup: int, out_dir: str) -> tuple
     if name == "trl":
         cmd = [trl_python(), os.path.join(REPO, "engine", "bench", "trl_grpo.py"), spec_path, raw_path]
     else:
-        cmd = [sys.executable, "-m", "engine.bench.hf_loop", spec_path, raw_path]
+        cmd = [sys.executable, "-m", "tripod.engine.bench.hf_loop", spec_path, raw_path]
     env = dict(os.environ, PYTHONPATH=REPO, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
     env.pop("RANK", None), env.pop("WORLD_SIZE", None)
     print(f"tripod bench: running {BASELINES[name]} on the same work", flush=True)

@@ -1,6 +1,6 @@
 """`tripod bench RECIPE [key=value ...] --steps N --warmup W --out DIR [--sweep key=v1,v2] [--baseline trl hf]`.
 
-Runs the recipe's real PPO/GRPO step (`engine.bench.runner`, the `tripod train` code path) with checkpoints and
+Runs the recipe's real PPO/GRPO step (`tripod.engine.bench.runner`, the `tripod train` code path) with checkpoints and
 validation switched off, once per sweep point, then each requested peer on the same work in the same invocation
 (tripod first, peers right after, so a shared machine's load hits all of them alike), and writes DIR/bench.json,
 DIR/bench.md and DIR/bench.png (+ DIR/sweep.png with --sweep). Prints the side-by-side table.
@@ -72,8 +72,8 @@ def versions() -> dict:
 
 def plan_prediction(cfg, world: int) -> dict | None:
     """`tripod plan`'s prediction for the recipe: resharding bytes and peak extra memory per rank."""
-    from parallel.arch import arch_from_hf
-    from parallel.hybrid_engine import build_reshard_plan
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.hybrid_engine import build_reshard_plan
 
     m = cfg.actor_rollout_ref.actor.megatron
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
@@ -91,11 +91,11 @@ def run_tripod_point(recipe: str, overrides: list[str], steps: int, warmup: int,
     raw records, plan prediction."""
     from omegaconf import OmegaConf
 
-    from engine.bench.runner import bench_on_rank
-    from engine.config import config_to_yaml
-    from engine.device import DEVICE_ENV
-    from engine.launch import detect_launch, run_distributed
-    from engine.preflight import prepare_train
+    from tripod.engine.bench.runner import bench_on_rank
+    from tripod.engine.config import config_to_yaml
+    from tripod.engine.device import DEVICE_ENV
+    from tripod.engine.launch import detect_launch, run_distributed
+    from tripod.engine.preflight import prepare_train
 
     run_dir = os.path.join(out_dir, "runs", label)
     cfg, world = prepare_train(recipe, [*overrides, *BENCH_OVERRIDES, f"trainer.total_training_steps={steps + warmup}",
@@ -115,9 +115,9 @@ def run_tripod_point(recipe: str, overrides: list[str], steps: int, warmup: int,
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from engine.bench.baselines import check_baselines, load_baseline, run_baseline
-    from engine.bench.report import write_outputs
-    from engine.bench.summary import SCHEMA_VERSION, compare, summarize
+    from tripod.engine.bench.baselines import check_baselines, load_baseline, run_baseline
+    from tripod.engine.bench.report import write_outputs
+    from tripod.engine.bench.summary import SCHEMA_VERSION, compare, summarize
 
     if args.steps < 1 or args.warmup < 0:
         raise ValueError(f"--steps {args.steps} --warmup {args.warmup}: need steps >= 1 and warmup >= 0")
@@ -156,7 +156,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def add_bench_command(subparsers) -> None:
-    from engine.bench.baselines import BASELINES
+    from tripod.engine.bench.baselines import BASELINES
 
     p = subparsers.add_parser("bench", help="throughput of a recipe's PPO/GRPO step, optionally beside TRL",
                               description="Run a recipe's real train step N times (no checkpoints, no validation); "
@@ -177,4 +177,4 @@ def add_bench_command(subparsers) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit("use: python -m engine.cli bench ...")
+    sys.exit("use: python -m tripod bench ...")

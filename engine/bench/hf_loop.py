@@ -1,6 +1,6 @@
 """The cheap peer of `tripod bench`: GRPO as a plain transformers loop that materialises full logits.
 
-`python -m engine.bench.hf_loop SPEC.json RAW.json` (spec from engine.bench.baselines.work_spec). Per step:
+`python -m tripod.engine.bench.hf_loop SPEC.json RAW.json` (spec from tripod.engine.bench.baselines.work_spec). Per step:
 `model.generate` (left-padded prompts, n samples each, sampling as the recipe) -> rule rewards -> group-normalised
 advantages -> one on-policy PPO-clip update (ratio exp(logp - logp.detach()), token-mean) from the full
 [B, S, vocab] log-softmax -> clip grad norm -> AdamW. Peak RSS (VmHWM) at the end.
@@ -17,8 +17,8 @@ import torch
 def main(spec_path: str, raw_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.rewards import get_reward_fn
-    from parallel.hybrid_engine.memory import proc_status_kib
+    from tripod.engine.rewards import get_reward_fn
+    from tripod.parallel.hybrid_engine.memory import proc_status_kib
 
     with open(spec_path) as f:
         spec = json.load(f)

@@ -5,7 +5,7 @@ import json
 import os
 from typing import Any
 
-from engine.bench.summary import check_schema
+from tripod.engine.bench.summary import check_schema
 
 STAGE_LABELS = {"reshard": "reshard", "gen": "generation", "reward": "rewards", "old_log_prob": "old log-probs",
                 "ref": "reference", "values": "values", "adv": "advantages", "update_critic": "critic update",

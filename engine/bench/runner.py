@@ -1,8 +1,8 @@
 """The measured side of `tripod bench`, run on every rank: `PPOTrainer.train_step` exactly as `tripod train` runs
-it (no checkpoints, no validation), one raw record per step written by rank 0 for `engine.bench.summary`.
+it (no checkpoints, no validation), one raw record per step written by rank 0 for `tripod.engine.bench.summary`.
 
 A record holds the step's wall time, the trainer's own stage timers (`timing_s/*`), the tokens it processed and
-the matmul FLOPs of each stage by the dense-transformer count of `engine.perf.PerfCounter`, so MFU and tokens/s
+the matmul FLOPs of each stage by the dense-transformer count of `tripod.engine.perf.PerfCounter`, so MFU and tokens/s
 are computed afterwards from numbers that are all in the file.
 """
 from __future__ import annotations
@@ -50,9 +50,9 @@ def bench_on_rank(config_yaml: str, steps: int, warmup: int, raw_path: str) -> N
     """Build the trainer from the resolved recipe, run warmup + steps train steps, write the raw records."""
     from omegaconf import OmegaConf
 
-    from engine.config import TripodConfig
-    from engine.perf import count_params, peak_memory_gb
-    from engine.trainer import PPOTrainer
+    from tripod.engine.config import TripodConfig
+    from tripod.engine.perf import count_params, peak_memory_gb
+    from tripod.engine.trainer import PPOTrainer
 
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TripodConfig), OmegaConf.create(config_yaml)))
     t0 = time.perf_counter()

@@ -1,7 +1,7 @@
-"""The TRL peer of `tripod bench`: TRL's `GRPOTrainer` on the spec `engine.bench.baselines` writes, run by the
+"""The TRL peer of `tripod bench`: TRL's `GRPOTrainer` on the spec `tripod.engine.bench.baselines` writes, run by the
 python of the separate TRL virtualenv (`python engine/bench/trl_grpo.py SPEC.json RAW.json`).
 
-It imports no tripod code except the reward rule (`engine.rewards`, pure python), so it measures TRL itself.
+It imports no tripod code except the reward rule (`tripod.engine.rewards`, pure python), so it measures TRL itself.
 Per step it records the wall time of the optimizer step (callback on_step_begin -> on_step_end), the time spent
 in TRL's `_generate` ("gen"), `_calculate_rewards` ("reward"), the rest of `_prepare_inputs` (old log-probs when
 TRL needs them, advantages: "adv"), the forward+backward of the loss ("update_actor"; optimizer step in "other"),
@@ -27,6 +27,9 @@ def main(spec_path: str, raw_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     sys.path.insert(0, spec["repo"])  # the reward rule only
+    import tripod
+
+    tripod.__path__.append(spec["repo"])  # not installed in the TRL venv: the rooms sit at the repository root
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -34,7 +37,7 @@ def main(spec_path: str, raw_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from engine.rewards import get_reward_fn
+    from tripod.engine.rewards import get_reward_fn
 
     rows = [p for step in spec["prompts"] for p in step]
     data = Dataset.from_list([{"prompt": r["messages"], "ground_truth": r["ground_truth"],

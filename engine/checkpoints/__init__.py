@@ -1,4 +1,4 @@
 """Trainer checkpoints (atomic save, exact resume); model checkpoints themselves are parallel/checkpoint.py."""
-from engine.checkpoints.manager import CheckpointManager, latest_complete
+from tripod.engine.checkpoints.manager import CheckpointManager, latest_complete
 
 __all__ = ["CheckpointManager", "latest_complete"]

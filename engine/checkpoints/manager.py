@@ -51,7 +51,7 @@ _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 def _save_optimizer(worker, path: str) -> None:
     from megatron.core import dist_checkpointing
 
-    from parallel.checkpoint import sharded_model_state
+    from tripod.parallel.checkpoint import sharded_model_state
 
     with worker.layout.activate():
         model_sd = sharded_model_state(worker.chunks)
@@ -98,7 +98,7 @@ def _skip_torch_adam_step(inner) -> None:
 def _load_optimizer(worker, path: str) -> None:
     from megatron.core import dist_checkpointing
 
-    from parallel.checkpoint import sharded_model_state
+    from tripod.parallel.checkpoint import sharded_model_state
 
     with worker.layout.activate():
         _ensure_optimizer_state(worker)
@@ -121,7 +121,7 @@ class CheckpointManager:
         return [(name, w) for name, w in (("actor", t.actor), ("critic", t.critic)) if w is not None]
 
     def save(self, step: int) -> str:
-        from parallel.checkpoint import save_model_checkpoint
+        from tripod.parallel.checkpoint import save_model_checkpoint
 
         t, rank = self.trainer, dist.get_rank()
         final = os.path.join(self.root, f"global_step_{step}")
@@ -163,7 +163,7 @@ class CheckpointManager:
         if not os.path.exists(os.path.join(path, COMPLETE)):
             raise ValueError(f"trainer.resume={mode}: {path} is not a complete tripod checkpoint "
                              f"(no {COMPLETE} marker); point it at a global_step_<k> directory or use auto")
-        from parallel.checkpoint import load_model_checkpoint
+        from tripod.parallel.checkpoint import load_model_checkpoint
 
         t = self.trainer
         with open(os.path.join(path, STATE_FILE)) as f:

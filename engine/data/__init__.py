@@ -1,6 +1,6 @@
 """Prompt data for the PPO trainer: parquet prompt datasets, a resumable loader, token batching, task generators.
 
-    from engine.data import PromptDataset, PromptDataLoader, split_by_token_budget, unpad_input, pad_input
+    from tripod.engine.data import PromptDataset, PromptDataLoader, split_by_token_budget, unpad_input, pad_input
 
     ds = PromptDataset(cfg.data.train_files, tokenizer, cfg.data.prompt_key, cfg.data.max_prompt_length,
                        cfg.data.filter_overlong_prompts, cfg.data.apply_chat_template, cfg.data.reward_fn_key)
@@ -10,9 +10,9 @@
             ...
             checkpoint["data"] = loader.state_dict()   # restore with loader.load_state_dict(...)
 """
-from engine.data.arithmetic import make_arithmetic_rows, make_arithmetic_splits
-from engine.data.batching import pad_input, pad_sequences, packed_position_ids, split_by_token_budget, unpad_input
-from engine.data.dataset import PromptBatch, PromptDataLoader, PromptDataset, write_prompt_parquet
+from tripod.engine.data.arithmetic import make_arithmetic_rows, make_arithmetic_splits
+from tripod.engine.data.batching import pad_input, pad_sequences, packed_position_ids, split_by_token_budget, unpad_input
+from tripod.engine.data.dataset import PromptBatch, PromptDataLoader, PromptDataset, write_prompt_parquet
 
 __all__ = ["PromptBatch", "PromptDataLoader", "PromptDataset", "write_prompt_parquet", "make_arithmetic_rows",
            "make_arithmetic_splits",

@@ -1,6 +1,6 @@
 """Run logging for the PPO trainer: metrics.jsonl + TensorBoard + a console progress line, timers, reductions.
 
-    from engine.logging import Tracker, Timer, reduce_metrics, append_to_dict
+    from tripod.engine.logging import Tracker, Timer, reduce_metrics, append_to_dict
 
     tracker = Tracker(cfg.trainer.default_local_dir, cfg.trainer.logger, resume_step=start_step - 1 or None,
                       total_steps=total_steps)
@@ -12,7 +12,7 @@
     tracker.log({**reduce_metrics(micro), **timer.metrics()}, step)
     tracker.close()
 """
-from engine.logging.progress import ProgressLine, format_metrics
-from engine.logging.tracker import Timer, Tracker, append_to_dict, reduce_metrics, to_scalar
+from tripod.engine.logging.progress import ProgressLine, format_metrics
+from tripod.engine.logging.tracker import Timer, Tracker, append_to_dict, reduce_metrics, to_scalar
 
 __all__ = ["Tracker", "ProgressLine", "Timer", "append_to_dict", "reduce_metrics", "to_scalar", "format_metrics"]

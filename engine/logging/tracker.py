@@ -22,7 +22,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
-from engine.logging.progress import DEFAULT_KEYS, ProgressLine
+from tripod.engine.logging.progress import DEFAULT_KEYS, ProgressLine
 
 BACKENDS = ("console", "tensorboard", "jsonl")
 

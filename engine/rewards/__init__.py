@@ -1,6 +1,6 @@
 """Rule rewards for the PPO trainer, chosen per sample by data source.
 
-    from engine.rewards import RewardPool, get_reward_fn, register_reward
+    from tripod.engine.rewards import RewardPool, get_reward_fn, register_reward
 
     check_data_sources(train_dataset.data_sources)          # fail before training on an unknown data source
     with RewardPool(cfg.reward_model.num_workers, cfg.reward_model.timeout_s, cfg.reward_model.use_ray) as pool:
@@ -8,8 +8,8 @@
 
 Built in: "openai/gsm8k" / "gsm8k" (verl's GSM8K strict rule) and "arithmetic" (`#### N`, numeric compare).
 """
-from engine.rewards import arithmetic, gsm8k  # noqa: F401  (registers the built-in rewards)
-from engine.rewards.pool import RewardPool
-from engine.rewards.registry import check_data_sources, get_reward_fn, register_reward, registered_data_sources
+from tripod.engine.rewards import arithmetic, gsm8k  # noqa: F401  (registers the built-in rewards)
+from tripod.engine.rewards.pool import RewardPool
+from tripod.engine.rewards.registry import check_data_sources, get_reward_fn, register_reward, registered_data_sources
 
 __all__ = ["RewardPool", "check_data_sources", "get_reward_fn", "register_reward", "registered_data_sources"]

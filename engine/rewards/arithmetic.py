@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from decimal import Decimal, InvalidOperation
 
-from engine.rewards.gsm8k import extract_solution
-from engine.rewards.registry import register_reward
+from tripod.engine.rewards.gsm8k import extract_solution
+from tripod.engine.rewards.registry import register_reward
 
 
 def _number(text: str) -> Decimal | None:

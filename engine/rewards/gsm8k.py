@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from engine.rewards.registry import register_reward
+from tripod.engine.rewards.registry import register_reward
 
 SOLUTION_CLIP_CHARS = 300
 _STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")

@@ -24,7 +24,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
-from engine.rewards.registry import check_data_sources, get_reward_fn
+from tripod.engine.rewards.registry import check_data_sources, get_reward_fn
 
 log = logging.getLogger(__name__)
 _Task = tuple[Any, str, str, Optional[dict]]  # (reward fn, solution, ground truth, extra_info)

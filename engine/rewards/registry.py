@@ -2,7 +2,7 @@
 
 A reward function has the signature `fn(solution_str: str, ground_truth: str, extra_info: dict | None = None)
 -> float` and must be a module-level function (the reward pool ships it to worker processes by reference).
-The built-in rule rewards (GSM8K, arithmetic) register themselves when `engine.rewards` is imported.
+The built-in rule rewards (GSM8K, arithmetic) register themselves when `tripod.engine.rewards` is imported.
 """
 from __future__ import annotations
 

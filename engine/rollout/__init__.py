@@ -3,9 +3,9 @@
 See engine/rollout/base.py for the interface, engine/rollout/factory.py for picking a backend and
 docs/rollout.md for the design.
 """
-from engine.rollout.base import (FINISH_LENGTH, FINISH_STOP, ROLLOUT_NAMES, RolloutEngine, RolloutOutput,
+from tripod.engine.rollout.base import (FINISH_LENGTH, FINISH_STOP, ROLLOUT_NAMES, RolloutEngine, RolloutOutput,
                                  SamplingParams, validate_rollout_tp)
-from engine.rollout.factory import make_rollout_engine
+from tripod.engine.rollout.factory import make_rollout_engine
 
 __all__ = ["FINISH_LENGTH", "FINISH_STOP", "ROLLOUT_NAMES", "RolloutEngine", "RolloutOutput", "SamplingParams",
            "make_rollout_engine", "validate_rollout_tp"]

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from parallel.arch import ModelArch
+from tripod.parallel.arch import ModelArch
 
 ROLLOUT_NAMES = ("embedded", "sglang")
 FINISH_STOP = "stop"      # sampled EOS or one of stop_token_ids (the stop token is part of the response)

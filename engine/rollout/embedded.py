@@ -14,12 +14,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutEngine, RolloutOutput, SamplingParams,
+from tripod.engine.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutEngine, RolloutOutput, SamplingParams,
                                  tp_size_and_rank, validate_rollout_tp)
-from engine.rollout.sampling import sample_next_token
-from engine.rollout.tp_decoder import KVCache
-from parallel.arch import ModelArch
-from parallel.families import get_family
+from tripod.engine.rollout.sampling import sample_next_token
+from tripod.engine.rollout.tp_decoder import KVCache
+from tripod.parallel.arch import ModelArch
+from tripod.parallel.families import get_family
 
 
 def decoder_class(arch: ModelArch) -> type:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.rollout.base import ROLLOUT_NAMES, RolloutEngine, tp_size_and_rank, validate_rollout_tp
-from parallel.arch import ModelArch
+from tripod.engine.rollout.base import ROLLOUT_NAMES, RolloutEngine, tp_size_and_rank, validate_rollout_tp
+from tripod.parallel.arch import ModelArch
 
 
 def make_rollout_engine(name: str, arch: ModelArch, tp_group: Any = None, **kwargs: Any) -> RolloutEngine:
@@ -17,10 +17,10 @@ def make_rollout_engine(name: str, arch: ModelArch, tp_group: Any = None, **kwar
                          f"to one of {list(ROLLOUT_NAMES)}")
     validate_rollout_tp(arch, tp_size_and_rank(tp_group)[0])
     if name == "embedded":
-        from engine.rollout.embedded import EmbeddedRolloutEngine
+        from tripod.engine.rollout.embedded import EmbeddedRolloutEngine
 
         return EmbeddedRolloutEngine(arch, tp_group, **kwargs)
-    from engine.rollout.sglang_engine import SGLangRolloutEngine, require_sglang
+    from tripod.engine.rollout.sglang_engine import SGLangRolloutEngine, require_sglang
 
     require_sglang()
     return SGLangRolloutEngine(arch, tp_group, **kwargs)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.rollout.base import SamplingParams
+from tripod.engine.rollout.base import SamplingParams
 
 
 def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutEngine, RolloutOutput, SamplingParams,
+from tripod.engine.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutEngine, RolloutOutput, SamplingParams,
                                  tp_size_and_rank, validate_rollout_tp)
-from parallel.arch import ModelArch
+from tripod.parallel.arch import ModelArch
 
 SGLANG_FIX = ("install it on a CUDA machine (`pip install \"sglang[all]\" torch_memory_saver`, see docs/rollout.md) "
               "or set actor_rollout_ref.rollout.name=embedded")
@@ -118,8 +118,8 @@ class SGLangRolloutEngine(RolloutEngine):
         on every rank of the group (all-gather over rollout TP), flattened per dtype; each rank's flattened bucket
         goes to the SGLang TP worker on its own GPU as a CUDA IPC handle, gathered to the first rank, which issues
         one `update_weights_from_tensor(load_format="flattened_bucket")` per dtype."""
-        from engine.rollout.weight_sync import flatten_by_dtype, gather_bucket_full, hf_buckets
-        from parallel.convert import canonical_names
+        from tripod.engine.rollout.weight_sync import flatten_by_dtype, gather_bucket_full, hf_buckets
+        from tripod.parallel.convert import canonical_names
 
         names = canonical_names(self.arch)
         missing, extra = sorted(set(names) - set(generation_shard)), sorted(set(generation_shard) - set(names))

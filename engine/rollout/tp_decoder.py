@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parallel.arch import ModelArch
-from parallel.families import get_family
+from tripod.parallel.arch import ModelArch
+from tripod.parallel.families import get_family
 
 
 @dataclass

@@ -24,8 +24,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from engine.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
-from parallel.arch import ModelArch
+from tripod.engine.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
+from tripod.parallel.arch import ModelArch
 
 
 class WeightSync:
@@ -73,7 +73,7 @@ class WeightSync:
 def hf_buckets(arch: ModelArch, shard: dict[str, torch.Tensor], tp_size: int, bucket_bytes: int) -> list[list[str]]:
     """Megatron names of the generation shard in buckets whose FULL (TP-merged) size stays under `bucket_bytes`
     (a tensor larger than the budget gets a bucket of its own). Same order on every rank of the group."""
-    from parallel.convert import family_of
+    from tripod.parallel.convert import family_of
 
     buckets: list[list[str]] = [[]]
     size = 0
@@ -92,7 +92,7 @@ def hf_buckets(arch: ModelArch, shard: dict[str, torch.Tensor], tp_size: int, bu
 def gather_bucket_full(arch: ModelArch, names: list[str], shard: dict[str, torch.Tensor], tp_group: Any,
                        tp_size: int) -> list[tuple[str, torch.Tensor]]:
     """[(HF name, full tensor)] of one bucket on EVERY rank of the rollout TP group (all-gather, then merge)."""
-    from parallel.convert import family_of, megatron_to_hf
+    from tripod.parallel.convert import family_of, megatron_to_hf
 
     out: list[tuple[str, torch.Tensor]] = []
     for name in names:

@@ -10,7 +10,7 @@ Data flow: every rank holds the whole `PPOBatch`; a worker takes its DP rank's r
 and `gather_rows()` brings per-row results back to every rank (broadcast from the last PP stage, all-gather over DP).
 
 Policy heads never materialise [tokens, vocab] logits: the output layer is bypassed (it returns the hidden state)
-and `kernels.logprobs_from_hidden` computes log-probs / entropy of the sampled tokens straight from the hidden state
+and `tripod.kernels.logprobs_from_hidden` computes log-probs / entropy of the sampled tokens straight from the hidden state
 and the vocab-parallel LM-head weight.
 """
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from engine.config import LR_DECAY_STYLES, OptimConfig
-from engine.device import current_device, to_device
-from engine.precision import PrecisionSettings
-from engine.workers.batch import PPOBatch, split_rows
-from parallel.arch import ModelArch
+from tripod.engine.config import LR_DECAY_STYLES, OptimConfig
+from tripod.engine.device import current_device, to_device
+from tripod.engine.precision import PrecisionSettings
+from tripod.engine.workers.batch import PPOBatch, split_rows
+from tripod.parallel.arch import ModelArch
 
 
 def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
@@ -81,8 +81,8 @@ class MegatronWorker:
                  offload: bool = False, sequence_parallel: bool = False, virtual_pipeline_size: int | None = None):
         """`optim`, `grad_clip` and `total_steps` (optimizer steps of the whole run, for the LR schedule) matter
         only when `trainable`."""
-        from parallel.convert import load_hf_weights
-        from parallel.model import build_model_chunks
+        from tripod.parallel.convert import load_hf_weights
+        from tripod.parallel.model import build_model_chunks
 
         self.name, self.arch, self.layout = name, arch, layout
         self.value_head, self.trainable = value_head, trainable
@@ -166,7 +166,7 @@ class MegatronWorker:
 
         Returns the dicts from the last stage (one per micro-batch); [] on other stages.
         """
-        from parallel.pipeline import run_pipeline
+        from tripod.parallel.pipeline import run_pipeline
 
         seq = max(mb["input_ids"].shape[1] for mb in microbatches)
         if self.module.config.sequence_parallel:  # megatron splits the sequence evenly over TP
@@ -208,7 +208,7 @@ class MegatronWorker:
     def token_logprobs(self, output: torch.Tensor, mb: PPOBatch, temperature: float,
                        with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropy) of the response tokens from the last stage's hidden states [b, s, h]."""
-        from kernels import logprobs_from_hidden
+        from tripod.kernels import logprobs_from_hidden
 
         pos = mb.response_positions()
         hidden = output.gather(1, pos[..., None].expand(-1, -1, output.shape[-1]))

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.algorithms import agg_norm, entropy_loss, kl_loss, masked_mean, policy_loss, value_loss
-from engine.data.batching import split_by_token_budget
-from engine.workers.batch import PPOBatch, split_rows
-from engine.workers.megatron_worker import MegatronWorker
+from tripod.engine.algorithms import agg_norm, entropy_loss, kl_loss, masked_mean, policy_loss, value_loss
+from tripod.engine.data.batching import split_by_token_budget
+from tripod.engine.workers.batch import PPOBatch, split_rows
+from tripod.engine.workers.megatron_worker import MegatronWorker
 
 
 def _microbatches(batch: PPOBatch, micro: int) -> list[PPOBatch]:

@@ -7,7 +7,7 @@ Owns tripod's Megatron layout contract for canonical ("full") tensors:
 - fusion of HF tensors (`Fuse`): linear_qkv rows grouped per KV group g: [q heads of g, k head g, v head g]
   (same for the bias); linear_fc1 = cat([gate_proj, up_proj], dim 0).
 Which HF names fuse into which tensor, its shape and its TP split come from the family's table
-(parallel/families/); how each split cuts a tensor is `parallel.families.spec` (the only copy).
+(parallel/families/); how each split cuts a tensor is `tripod.parallel.families.spec` (the only copy).
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from typing import Iterable, Mapping
 
 import torch
 
-from parallel.arch import ModelArch
-from parallel.families.spec import (EMBEDDING, FINAL_NORM, LAYER_PREFIX, OUTPUT_LAYER, FamilySpec, Fuse, Split,
+from tripod.parallel.arch import ModelArch
+from tripod.parallel.families.spec import (EMBEDDING, FINAL_NORM, LAYER_PREFIX, OUTPUT_LAYER, FamilySpec, Fuse, Split,
                                     check_tp_size, pad_rows, padded_vocab_size, unpad_rows)
 
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")

@@ -5,7 +5,7 @@ import line at the bottom of this file (docs/extending.md walks through one).
 """
 from __future__ import annotations
 
-from parallel.families.spec import (EMBEDDING, FINAL_NORM, LAYER_PREFIX, OUTPUT_LAYER, FamilySpec, Fuse, Split,
+from tripod.parallel.families.spec import (EMBEDDING, FINAL_NORM, LAYER_PREFIX, OUTPUT_LAYER, FamilySpec, Fuse, Split,
                                     Weight)
 
 _BY_NAME: dict[str, FamilySpec] = {}
@@ -53,4 +53,4 @@ __all__ = ["FamilySpec", "Weight", "Split", "Fuse", "register_family", "unregist
            "LAYER_PREFIX"]
 
 # the built-in families (each module registers itself)
-from parallel.families import llama, qwen2  # noqa: E402,F401
+from tripod.parallel.families import llama, qwen2  # noqa: E402,F401

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from parallel.arch import ModelArch
-from parallel.families.spec import EMBEDDING, FINAL_NORM, OUTPUT_LAYER, FamilySpec, Fuse, Split, Weight
+from tripod.parallel.arch import ModelArch
+from tripod.parallel.families.spec import EMBEDDING, FINAL_NORM, OUTPUT_LAYER, FamilySpec, Fuse, Split, Weight
 
 
 def _qkv_rows(a: ModelArch) -> int:
@@ -70,6 +70,6 @@ SPEC = FamilySpec(name="llama", hf_model_types=("llama",), hf_layer_prefix="mode
                   weights=dense_gpt_weights, check_supported=check_supported, qkv_bias=_qkv_bias,
                   layer_spec=local_gpt_layer_spec)
 
-from parallel.families import register_family  # noqa: E402
+from tripod.parallel.families import register_family  # noqa: E402
 
 register_family(SPEC)

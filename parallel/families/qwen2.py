@@ -5,9 +5,9 @@ o_proj has no bias. Qwen2's sliding-window attention is not modelled, so configs
 """
 from __future__ import annotations
 
-from parallel.arch import ModelArch
-from parallel.families.llama import dense_gpt_weights, local_gpt_layer_spec
-from parallel.families.spec import FamilySpec
+from tripod.parallel.arch import ModelArch
+from tripod.parallel.families.llama import dense_gpt_weights, local_gpt_layer_spec
+from tripod.parallel.families.spec import FamilySpec
 
 
 def check_supported(arch: ModelArch) -> None:
@@ -22,6 +22,6 @@ SPEC = FamilySpec(name="qwen2", hf_model_types=("qwen2",), hf_layer_prefix="mode
                   weights=dense_gpt_weights, check_supported=check_supported, qkv_bias=lambda cfg: True,
                   layer_spec=local_gpt_layer_spec)
 
-from parallel.families import register_family  # noqa: E402
+from tripod.parallel.families import register_family  # noqa: E402
 
 register_family(SPEC)

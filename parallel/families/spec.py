@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 if TYPE_CHECKING:
-    from parallel.arch import ModelArch
+    from tripod.parallel.arch import ModelArch
 
 
 class Split(str, enum.Enum):
@@ -72,7 +72,7 @@ class Weight:
 
 @dataclass(frozen=True)
 class FamilySpec:
-    """One model family. Register it with `parallel.families.register_family`.
+    """One model family. Register it with `tripod.parallel.families.register_family`.
 
     name: tripod family name (`ModelArch.family`). hf_model_types: the HF `model_type`s it serves.
     hf_layer_prefix: HF prefix of per-layer names (`model.layers.`). weights(arch): the table (global rows
@@ -89,7 +89,7 @@ class FamilySpec:
     check_supported: Callable[["ModelArch"], None]
     qkv_bias: Callable[[dict[str, Any]], bool]
     layer_spec: Callable[["ModelArch", bool], Any]
-    rollout_decoder: str = "engine.rollout.tp_decoder:TPDecoder"
+    rollout_decoder: str = "tripod.engine.rollout.tp_decoder:TPDecoder"
     notes: str = field(default="", compare=False)
 
     # ---- the table, by canonical name ------------------------------------------------------------

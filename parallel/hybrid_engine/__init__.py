@@ -6,8 +6,8 @@
 - memory.py     measured peak memory (VmHWM on CPU, the allocator's peak on CUDA)
 - engine.py     `HybridEngine`: the per-step round trip around a rollout engine
 """
-from parallel.hybrid_engine.plan import ReshardPlan, ReshardPlanError, build_reshard_plan, validate_layouts
-from parallel.hybrid_engine.transport import MicroDPGather, TransferStats, naive_full_gather
+from tripod.parallel.hybrid_engine.plan import ReshardPlan, ReshardPlanError, build_reshard_plan, validate_layouts
+from tripod.parallel.hybrid_engine.transport import MicroDPGather, TransferStats, naive_full_gather
 
 __all__ = ["ReshardPlan", "ReshardPlanError", "build_reshard_plan", "validate_layouts", "MicroDPGather",
            "TransferStats", "naive_full_gather"]

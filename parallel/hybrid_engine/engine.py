@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from parallel.arch import ModelArch
-from parallel.convert import global_params
-from parallel.hybrid_engine.plan import ReshardPlan, build_reshard_plan
-from parallel.hybrid_engine.transport import MicroDPGather
+from tripod.parallel.arch import ModelArch
+from tripod.parallel.convert import global_params
+from tripod.parallel.hybrid_engine.plan import ReshardPlan, build_reshard_plan
+from tripod.parallel.hybrid_engine.transport import MicroDPGather
 
 
 def train_shard_from_model(model, layout, arch: ModelArch, plan: ReshardPlan) -> dict[str, torch.Tensor]:

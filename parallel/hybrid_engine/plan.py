@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from parallel.arch import ModelArch
-from parallel.families import get_family
-from parallel.families.spec import Split, padded_vocab_size, subshard_segments
-from parallel.families.spec import local_shape as split_local_shape
+from tripod.parallel.arch import ModelArch
+from tripod.parallel.families import get_family
+from tripod.parallel.families.spec import Split, padded_vocab_size, subshard_segments
+from tripod.parallel.families.spec import local_shape as split_local_shape
 
 
 class ReshardPlanError(ValueError):

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallel.families.spec import Split, merge, shard
-from parallel.hybrid_engine.plan import Bucket, ParamSpec, ReshardPlan, local_shape, segments_of
+from tripod.parallel.families.spec import Split, merge, shard
+from tripod.parallel.hybrid_engine.plan import Bucket, ParamSpec, ReshardPlan, local_shape, segments_of
 
 
 @dataclass

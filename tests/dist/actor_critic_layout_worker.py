@@ -29,11 +29,11 @@ def expect_error(fn, *needles):
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
-    from parallel.arch import arch_from_hf
-    from parallel.convert import load_hf_weights
-    from parallel.layout import ParallelLayout
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.convert import load_hf_weights
+    from tripod.parallel.layout import ParallelLayout
     from model_forward import forward_logits, gather_vocab_logits
-    from parallel.model import build_gpt_model
+    from tripod.parallel.model import build_gpt_model
 
     hf_dir = sys.argv[1]
     arch = arch_from_hf(hf_dir)

@@ -11,12 +11,12 @@ from utils import dist_worker
 
 
 def main() -> None:
-    from parallel import cpu_compat
-    from parallel.arch import arch_from_hf
-    from parallel.convert import load_hf_weights
-    from parallel.layout import ParallelLayout
+    from tripod.parallel import cpu_compat
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.convert import load_hf_weights
+    from tripod.parallel.layout import ParallelLayout
     from model_forward import gather_vocab_logits
-    from parallel.model import build_gpt_model, causal_attention_mask
+    from tripod.parallel.model import build_gpt_model, causal_attention_mask
 
     assert cpu_compat.cpu_compat_applied() and cpu_compat.apply_cpu_compat(trace=True)  # idempotent
     arch = arch_from_hf(sys.argv[1])

@@ -28,7 +28,7 @@ def _hf_reference(hf_dir):
 
 
 def _check_export(model, arch, layout, reference, what, to_all_ranks=False):
-    from parallel.convert import export_hf_weights
+    from tripod.parallel.convert import export_hf_weights
 
     exported = dict(export_hf_weights(model, arch, layout, to_all_ranks=to_all_ranks))
     expect_here = to_all_ranks or (layout.tp_rank == 0 and layout.pp_rank == 0)
@@ -57,11 +57,11 @@ def _check_logits(model, layout, hf_model, what):
 
 
 def main():
-    from parallel.arch import arch_from_hf
-    from parallel.checkpoint import load_model_checkpoint, save_model_checkpoint
-    from parallel.convert import load_hf_weights, save_hf_checkpoint
-    from parallel.layout import ParallelLayout
-    from parallel.model import build_gpt_model
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.checkpoint import load_model_checkpoint, save_model_checkpoint
+    from tripod.parallel.convert import load_hf_weights, save_hf_checkpoint
+    from tripod.parallel.layout import ParallelLayout
+    from tripod.parallel.model import build_gpt_model
 
     qwen_ckpt, qwen_hf, llama_hf, work = sys.argv[1:5]
     rank = dist.get_rank()

@@ -28,7 +28,7 @@ def wrap_for_training(model, layout, *, distributed_optimizer: bool = False, lr:
 def train_step(ddp, optimizer, layout, batch: dict, loss_fn: Callable) -> tuple[float | None, float]:
     """One fwd+bwd+step on one micro-batch; `loss_fn(output) -> scalar`. Returns (loss on last stage
     else None, grad_norm)."""
-    from parallel.pipeline import run_pipeline
+    from tripod.parallel.pipeline import run_pipeline
 
     b, s = batch["input_ids"].shape
 

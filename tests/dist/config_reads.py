@@ -54,12 +54,12 @@ def record_reads(cfg) -> set[str]:
 
 
 def main(out_path: str, overrides: list[str]) -> None:
-    from engine.cli import run_distributed
-    from engine.launch import check_world, detect_launch
-    from engine.preflight import preflight
-    from engine.config import load_config
-    from engine.config_validation import validate_config
-    from engine.trainer import PPOTrainer
+    from tripod.engine.cli import run_distributed
+    from tripod.engine.launch import check_world, detect_launch
+    from tripod.engine.preflight import preflight
+    from tripod.engine.config import load_config
+    from tripod.engine.config_validation import validate_config
+    from tripod.engine.trainer import PPOTrainer
 
     cfg = load_config(os.path.join(REPO, "recipes", "defaults.yaml"), overrides)
     validate_config(cfg, 1)

@@ -6,9 +6,9 @@ usage: torchrun ... guard_poisoned_reward.py key=value ...   (env POISON_FROM / 
 import os
 import sys
 
-from engine.cli import main
-from engine.rewards import register_reward
-from engine.rewards.arithmetic import arithmetic_reward
+from tripod.engine.cli import main
+from tripod.engine.rewards import register_reward
+from tripod.engine.rewards.arithmetic import arithmetic_reward
 
 CALLS = [0]
 LO, HI = int(os.environ["POISON_FROM"]), int(os.environ["POISON_TO"])

@@ -3,7 +3,7 @@
 Shared by tests/test_rollout.py (in-process, TP=1) and tests/dist/tp2_rollout_check.py (torchrun).
 The references are `transformers` itself: `generate(do_sample=False)` for greedy tokens and a plain
 forward over prompt + response for the log-probs. Shards come from the converter
-(`parallel.convert.hf_to_megatron` + `FamilySpec.shard`), i.e. exactly what the resharder hands the engine.
+(`tripod.parallel.convert.hf_to_megatron` + `FamilySpec.shard`), i.e. exactly what the resharder hands the engine.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def load_hf(model_dir: str):
     import transformers
     from safetensors.torch import load_file
 
-    from parallel.arch import arch_from_hf
+    from tripod.parallel.arch import arch_from_hf
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     state = load_file(os.path.join(model_dir, "model.safetensors"))
@@ -48,7 +48,7 @@ def load_hf(model_dir: str):
 
 def generation_shard(arch, hf_state: dict[str, torch.Tensor], tp_size: int, tp_rank: int) -> dict[str, torch.Tensor]:
     """This TP rank's generation shard {megatron name: TP slice} built by the converter."""
-    from parallel.convert import family_of, hf_to_megatron
+    from tripod.parallel.convert import family_of, hf_to_megatron
 
     full, family = hf_to_megatron(arch, hf_state), family_of(arch)
     return {name: family.shard(arch, name, t, tp_size, tp_rank) for name, t in full.items()}
@@ -90,7 +90,7 @@ def check_against_hf(engine, model, prompts: list[list[int]], max_new_tokens: in
 
     Returns the number of generated tokens compared. Raises AssertionError with details otherwise.
     """
-    from engine.rollout import SamplingParams
+    from tripod.engine.rollout import SamplingParams
 
     out = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, greedy=True))
     expected = hf_greedy(model, prompts, max_new_tokens)

@@ -13,13 +13,13 @@ from utils import dist_worker
 
 
 def make_actor(hf_dir, arch, layout):
-    from engine.config import OptimConfig
-    from engine.workers.ppo_workers import PolicyWorker
+    from tripod.engine.config import OptimConfig
+    from tripod.engine.workers.ppo_workers import PolicyWorker
     return PolicyWorker("actor", arch, layout, hf_dir, optim=OptimConfig(lr=1e-3, weight_decay=0.0), grad_clip=1e9)
 
 
 def one_update(actor, batch):
-    from engine.config import ActorConfig
+    from tripod.engine.config import ActorConfig
     cfg = ActorConfig(ppo_mini_batch_size=batch.size, ppo_micro_batch_size_per_gpu=1, clip_ratio_low=0.2,
                       clip_ratio_high=0.2)
     return actor.update(batch, cfg, temperature=1.0, n_samples=1)
@@ -28,11 +28,11 @@ def one_update(actor, batch):
 def main():
     from transformers import AutoModelForCausalLM
 
-    from engine.rollout import SamplingParams, make_rollout_engine
-    from engine.workers.batch import build_ppo_batch
-    from parallel.arch import arch_from_hf
-    from parallel.hybrid_engine.engine import HybridEngine
-    from parallel.layout import ParallelLayout
+    from tripod.engine.rollout import SamplingParams, make_rollout_engine
+    from tripod.engine.workers.batch import build_ppo_batch
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.hybrid_engine.engine import HybridEngine
+    from tripod.parallel.layout import ParallelLayout
 
     hf_dir, tg = sys.argv[1], int(sys.argv[2])
     arch = arch_from_hf(hf_dir)

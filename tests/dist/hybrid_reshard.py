@@ -18,15 +18,15 @@ from utils import dist_worker
 
 
 def train_shard_from_full(plan, full, rank):
-    from parallel.convert import family_of
+    from tripod.parallel.convert import family_of
     tp_rank, family = plan.train_coords(rank)[0], family_of(plan.arch)
     return {s.name: family.shard(plan.arch, s.name, full[s.name], plan.tp, tp_rank).clone()
             for s in plan.owned_specs(rank)}
 
 
 def expected_generation(plan, full, rank):
-    from parallel.convert import family_of
-    from parallel.convert.common import pad_vocab
+    from tripod.parallel.convert import family_of
+    from tripod.parallel.convert.common import pad_vocab
     j, out, family = plan.rollout_tp_rank(rank), {}, family_of(plan.arch)
     for s in plan.specs:
         if s.name in ("embedding.word_embeddings.weight", "output_layer.weight"):  # keeps the training padding
@@ -61,8 +61,8 @@ def hybridflow_mean_bytes(full, tp, pp, rollout_tp):
 
 
 def check(plan, full, tag, measure_memory):
-    from parallel.hybrid_engine import MicroDPGather
-    from parallel.hybrid_engine.memory import measure_peak_memory
+    from tripod.parallel.hybrid_engine import MicroDPGather
+    from tripod.parallel.hybrid_engine.memory import measure_peak_memory
     rank = dist.get_rank()
     shard = train_shard_from_full(plan, full, rank)
     before = {n: t.clone() for n, t in shard.items()}
@@ -91,15 +91,15 @@ def check(plan, full, tag, measure_memory):
 
 
 def random_full(arch, seed=0):
-    from parallel.convert import canonical_names, family_of
+    from tripod.parallel.convert import canonical_names, family_of
     g, family = torch.Generator().manual_seed(seed), family_of(arch)
     return {n: torch.randn(family.shape(arch, n), generator=g) for n in canonical_names(arch)}
 
 
 def main():
-    from parallel.arch import arch_from_hf
-    from parallel.convert import hf_to_megatron
-    from parallel.hybrid_engine import build_reshard_plan
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.convert import hf_to_megatron
+    from tripod.parallel.hybrid_engine import build_reshard_plan
     hf_dir, tp, pp, dp = sys.argv[1], *map(int, sys.argv[2:5])
     rollout_tps = [int(x) for x in sys.argv[5].split(",")]
     arch = arch_from_hf(hf_dir)

@@ -31,7 +31,7 @@ def _forward(layout, mla: bool, fix_spec: bool) -> float:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from parallel.cpu_compat import mla_local_core_attention
+    from tripod.parallel.cpu_compat import mla_local_core_attention
 
     config = _config(mla)
     with layout.activate():
@@ -63,7 +63,7 @@ def main() -> None:
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
-    from parallel.layout import ParallelLayout
+    from tripod.parallel.layout import ParallelLayout
 
     layout = ParallelLayout(name="no_te")
     # each fix taken away in turn: the bug it works around must still reproduce

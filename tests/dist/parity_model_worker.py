@@ -16,11 +16,11 @@ TOLERANCE = 1e-5
 
 
 def main() -> None:
-    from parallel.arch import arch_from_hf
-    from parallel.convert import load_hf_weights
-    from parallel.layout import ParallelLayout
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.convert import load_hf_weights
+    from tripod.parallel.layout import ParallelLayout
     from model_forward import forward_logits
-    from parallel.model import build_gpt_model, padded_vocab_size
+    from tripod.parallel.model import build_gpt_model, padded_vocab_size
 
     cases = torch.load(sys.argv[1])
     layouts = [ParallelLayout(tp=t, pp=p, dp=d, ranks=ranks, name=f"TP{t}PP{p}DP{d}")

@@ -15,9 +15,9 @@ from utils import dist_worker
 
 
 def build(kind, hf_dir, arch, layout, dtype, dist_opt, critic=False):
-    from engine.precision import PrecisionSettings
-    from engine.config import OptimConfig
-    from engine.workers.ppo_workers import CriticWorker, PolicyWorker
+    from tripod.engine.precision import PrecisionSettings
+    from tripod.engine.config import OptimConfig
+    from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
 
     cls = CriticWorker if critic else PolicyWorker
     return cls(kind, arch, layout, hf_dir, value_head=critic, optim=OptimConfig(lr=1e-4, weight_decay=0.0), grad_clip=1e9,
@@ -25,7 +25,7 @@ def build(kind, hf_dir, arch, layout, dtype, dist_opt, critic=False):
 
 
 def run(hf_dir, arch, layout, batch, dtype, dist_opt):
-    from engine.config import ActorConfig, CriticConfig
+    from tripod.engine.config import ActorConfig, CriticConfig
 
     actor = build("actor", hf_dir, arch, layout, dtype, dist_opt)
     critic = build("critic", hf_dir, arch, layout, dtype, dist_opt, critic=True)
@@ -52,9 +52,9 @@ def run(hf_dir, arch, layout, batch, dtype, dist_opt):
 
 
 def main():
-    from engine.workers.batch import build_ppo_batch
-    from parallel.arch import arch_from_hf
-    from parallel.layout import ParallelLayout
+    from tripod.engine.workers.batch import build_ppo_batch
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.layout import ParallelLayout
 
     hf_dir = sys.argv[1]
     arch = arch_from_hf(hf_dir)

@@ -23,14 +23,14 @@ def main():
     from safetensors.torch import load_file
     from test_toy_family import register_toy_family
 
-    from engine.rollout import SamplingParams, make_rollout_engine
+    from tripod.engine.rollout import SamplingParams, make_rollout_engine
     from model_forward import forward_logits
-    from parallel.arch import arch_from_hf
-    from parallel.convert import family_of, hf_to_megatron, load_hf_weights
-    from parallel.families.spec import Split, pad_rows, shard
-    from parallel.hybrid_engine.engine import HybridEngine
-    from parallel.layout import ParallelLayout
-    from parallel.model import build_gpt_model
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.convert import family_of, hf_to_megatron, load_hf_weights
+    from tripod.parallel.families.spec import Split, pad_rows, shard
+    from tripod.parallel.hybrid_engine.engine import HybridEngine
+    from tripod.parallel.layout import ParallelLayout
+    from tripod.parallel.model import build_gpt_model
 
     register_toy_family()
     case = torch.load(sys.argv[1])

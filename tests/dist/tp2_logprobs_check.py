@@ -13,7 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 import torch
 import torch.distributed as dist
 
-from kernels.logprobs import logprobs_from_hidden
+from tripod.kernels.logprobs import logprobs_from_hidden
 
 
 def run(h, w, labels, g_logp, g_ent, group, **kw):

@@ -29,7 +29,7 @@ def same_on_all_ranks(t: torch.Tensor) -> bool:
 
 def check_variant(variant: str, tmp_dir: str) -> int:
     import hf_rollout_reference as ref
-    from engine.rollout import SamplingParams, make_rollout_engine
+    from tripod.engine.rollout import SamplingParams, make_rollout_engine
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:

@@ -11,7 +11,7 @@ import sys
 
 
 def _flip_lm_head_split() -> None:
-    from parallel.families.spec import OUTPUT_LAYER, FamilySpec
+    from tripod.parallel.families.spec import OUTPUT_LAYER, FamilySpec
 
     original = FamilySpec.shard
 
@@ -24,7 +24,7 @@ def _flip_lm_head_split() -> None:
 
 
 def _drop_first_stage_grads() -> None:
-    from engine.workers.megatron_worker import MegatronWorker
+    from tripod.engine.workers.megatron_worker import MegatronWorker
 
     original = MegatronWorker.step
 
@@ -44,6 +44,6 @@ if _plant:
     PLANTS[_plant]()
 
 if __name__ == "__main__":
-    from engine.cli import main
+    from tripod.engine.cli import main
 
     sys.exit(main(sys.argv[1:]))

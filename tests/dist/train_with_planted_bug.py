@@ -15,7 +15,7 @@ def plant(bug: str) -> None:
         import torch.nn.functional as F
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-        from parallel.model import ValueHead
+        from tripod.parallel.model import ValueHead
 
         def forward(self, hidden, weight=None, runtime_gather_output=None):
             if self.sequence_parallel:
@@ -25,7 +25,7 @@ def plant(bug: str) -> None:
 
         ValueHead.forward = forward
     elif bug == "vpp_drop_chunk_grad":
-        from engine.workers.megatron_worker import MegatronWorker
+        from tripod.engine.workers.megatron_worker import MegatronWorker
 
         step = MegatronWorker.step
 
@@ -42,7 +42,7 @@ def plant(bug: str) -> None:
 
 
 if __name__ == "__main__":
-    from engine.cli import main
+    from tripod.engine.cli import main
 
     plant(sys.argv[1])
     sys.exit(main(["train", *sys.argv[2:]]))

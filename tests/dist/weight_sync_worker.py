@@ -20,14 +20,14 @@ from utils import dist_worker
 def main():
     from safetensors.torch import load_file
 
-    from engine.rollout import SamplingParams, make_rollout_engine
-    from engine.rollout.weight_sync import WeightSync, flatten_by_dtype, gather_bucket_full, hf_buckets, unflatten
-    from engine.config import OptimConfig
-    from engine.workers.ppo_workers import PolicyWorker
-    from parallel.arch import arch_from_hf
-    from parallel.convert import family_of
-    from parallel.hybrid_engine.engine import HybridEngine
-    from parallel.layout import ParallelLayout
+    from tripod.engine.rollout import SamplingParams, make_rollout_engine
+    from tripod.engine.rollout.weight_sync import WeightSync, flatten_by_dtype, gather_bucket_full, hf_buckets, unflatten
+    from tripod.engine.config import OptimConfig
+    from tripod.engine.workers.ppo_workers import PolicyWorker
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.convert import family_of
+    from tripod.parallel.hybrid_engine.engine import HybridEngine
+    from tripod.parallel.layout import ParallelLayout
 
     hf_dir = sys.argv[1]
     arch = arch_from_hf(hf_dir)
