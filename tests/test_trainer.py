@@ -115,11 +115,9 @@ def test_bad_config_and_data_stop_at_start(tmp_path, case):
         args.append("actor_rollout_ref.actor.ppo_mini_batch_size=3")
     elif case == "rollout_tp":
         args.append("actor_rollout_ref.rollout.tensor_model_parallel_size=3")
-    start = time.time()
     proc = _train(args, timeout=120)
     assert proc.returncode == 2, proc.stdout[-3000:]
     assert expect in proc.stdout, proc.stdout[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("tripod train: error: "), proc.stdout[-3000:]
-    assert "Traceback" not in proc.stdout
-    assert time.time() - start < 60  # refused before any model or process is started
+    assert "Traceback" not in proc.stdout  # one line: refused before any rank process could print
