@@ -12,32 +12,18 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from ppo_setup import make_ppo_setup, tiny_overrides
-from utils import REPO_ROOT
+from utils import REPO_ROOT, free_port as _free_port, launch_env as _env
 
 LAUNCHER = str(REPO_ROOT / "recipes" / "launch_torchrun.sh")
 COMPARED = ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm", "actor/ppo_kl",
             "critic/score/mean", "response_length/mean", "actor/entropy")
-
-
-def _env(**extra):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHON=sys.executable, **extra)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    return env
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(args, log, **env):

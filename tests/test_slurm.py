@@ -6,30 +6,17 @@ Marked `slurm`: excluded from `make test` (pytest.ini), skipped when sbatch is n
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from ppo_setup import make_ppo_setup, tiny_overrides
-from utils import REPO_ROOT
+from utils import REPO_ROOT, free_port as _free_port, launch_env as _env
 
 pytestmark = [pytest.mark.slurm,
               pytest.mark.skipif(shutil.which("sbatch") is None, reason="no SLURM here (bash scripts/slurm_local.sh)")]
 STEPS = 3
-
-
-def _env(**extra):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHON=sys.executable, **extra)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    return env
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _metrics(run_dir):

@@ -26,6 +26,22 @@ _TINY_COMMON: dict[str, Any] = dict(
 )
 
 
+def launch_env(**extra: str) -> dict[str, str]:
+    """Environment for a launcher subprocess: one thread per rank, the checkout importable, warnings quiet."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHON=sys.executable, **extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for rendezvous and MASTER_PORT)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def make_tiny_hf_model(tmp_path: str | os.PathLike, family: str, *, seed: int = 0,
                        subdir: str | None = None, **overrides: Any) -> str:
     """Save a tiny random fp32 Llama or Qwen2 checkpoint with `save_pretrained`; return its directory.
