@@ -30,6 +30,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
                         qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True, num_nextn_predict_layers=0),
 }
 
+# DeepSeek-V3's published RoPE: YaRN with mscale == mscale_all_dim (scaled softmax, unscaled cos/sin)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 1.0,
+        "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 10000.0}
+
 
 def hf_moe_model(family: str, seed: int, **overrides: Any):
     """The random transformers model (fp32, eager attention and experts)."""

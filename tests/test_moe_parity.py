@@ -2,7 +2,8 @@
 (tp, pp, ep[, etp]) = (1,1,1), (1,1,2), (2,1,2) with sequence parallel (etp 1 and 2), (1,2,2) and (2,2,2) with
 etp=1, on gloo, in ONE 8-rank world (tests/dist/moe_parity_worker.py); HF -> tripod -> HF is bit-identical
 (per-expert names, expert bias included), also from transformers-5's fused expert layout; and the check catches
-two planted bugs (experts swapped under EP, the DeepSeek expert bias dropped)."""
+two planted bugs (experts swapped under EP, the DeepSeek expert bias dropped). DeepSeek-V3 with YaRN RoPE runs at two
+layouts."""
 import json
 import os
 import re
@@ -11,11 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_models import FAMILIES, hf_moe_model
+from moe_models import FAMILIES, YARN, hf_moe_model
 
 FLOAT = r"(-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf)"
 LAYOUTS = ["TP1PP1EP1", "TP1PP1EP2DP2", "TP2PP1EP2ETP1SP", "TP2PP1EP2ETP2DP2SP", "TP1PP2EP2DP2", "TP2PP2EP2ETP1SP"]
 EXPORTS = ["TP2PP1EP2ETP2DP2SP", "TP2PP2EP2ETP1SP", "TP1PP2EP2DP2_fused"]
+# DeepSeek-V3 with its published RoPE (YaRN): per-layer rotary frequencies and MLA's softmax mscale
+YARN_CASE = ("deepseek_v3_yarn", "deepseek_v3", {"rope_parameters": YARN}, ["TP1PP1EP1", "TP2PP1EP2ETP1SP"])
 
 
 def _fused_copy(model, hf_dir: str, out: str) -> None:
@@ -34,16 +37,18 @@ def world(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("moe_parity")
     cases = []
-    for seed, family in enumerate(FAMILIES):
-        model = hf_moe_model(family, seed + 7)
-        hf_dir = str(tmp / family)
+    variants = [(f, f, {}, LAYOUTS) for f in FAMILIES] + [YARN_CASE]
+    for seed, (name, family, overrides, layouts) in enumerate(variants):
+        model = hf_moe_model(family, seed + 7, **overrides)
+        hf_dir = str(tmp / name)
         model.save_pretrained(hf_dir, safe_serialization=True)
-        fused = str(tmp / f"{family}_fused")
+        fused = str(tmp / f"{name}_fused")
         _fused_copy(model, hf_dir, fused)
-        input_ids = torch.randint(3, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(seed))
+        input_ids = torch.randint(3, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(seed))
         with torch.no_grad():
             ref = model(input_ids).logits
-        cases.append({"name": family, "hf_dir": hf_dir, "fused_dir": fused, "input_ids": input_ids, "ref_logits": ref})
+        cases.append({"name": name, "hf_dir": hf_dir, "fused_dir": fused, "input_ids": input_ids, "ref_logits": ref,
+                      "layouts": layouts})
     torch.save(cases, tmp / "cases.pt")
     out = run_torchrun("moe_parity_worker.py", 8, tmp / "cases.pt", tmp / "exports", timeout=400).stdout
     return {"out": out, "root": tmp}
@@ -54,7 +59,8 @@ def test_moe_logits_match_transformers_at_every_layout(world):
     out = world["out"]
     print("\n".join(line for line in out.splitlines() if line.startswith(("PARITY", "PLANTED"))))
     seen = {(m.group(1), m.group(2)) for m in re.finditer(rf"PARITY (\S+) (\S+) rank \d+ maxdiff {FLOAT}", out)}
-    assert seen == {(f, lay) for f in FAMILIES for lay in LAYOUTS}, out[-3000:]
+    assert seen == {(f, lay) for f in FAMILIES for lay in LAYOUTS} | {(YARN_CASE[0], lay) for lay in YARN_CASE[3]}, \
+        out[-3000:]
     diffs = [float(x) for x in re.findall(rf"PARITY \S+ \S+ rank \d+ maxdiff {FLOAT}", out)]
     assert diffs and max(diffs) < 1e-5
 

@@ -1,7 +1,8 @@
 """torchrun worker (8 ranks): MoE GPTModels (qwen3_moe, qwen2_moe, deepseek_v3) vs transformers logits at several
 (tp, pp, ep, etp) layouts in ONE world, plus HF exports for the round-trip checks and two planted bugs.
 
-argv: cases.pt (a list of {"name", "hf_dir", "fused_dir", "input_ids", "ref_logits"}) and an output directory.
+argv: cases.pt (a list of {"name", "hf_dir", "fused_dir", "input_ids", "ref_logits"[, "layouts"]}; "layouts"
+limits a case to some of LAYOUTS) and an output directory.
 Prints `PARITY <model> <layout> rank <r> maxdiff <x>` per last-stage rank (fails above 1e-5),
 `PLANTED <model> <bug> maxdiff <x>` for the planted bugs (the pytest side requires them to be large) and writes
 `<out>/<model>/<layout>[_fused]` HF exports (compared bit for bit with the original by the pytest side).
@@ -79,7 +80,7 @@ def main() -> None:
     for case in cases:
         arch = arch_from_hf(case["hf_dir"])
         for name, layout in layouts.items():
-            if not layout.is_member:
+            if not layout.is_member or name not in case.get("layouts", LAYOUTS):
                 continue
             model = build_gpt_model(arch, layout, sequence_parallel=layout.tp > 1).eval()
             source = case["fused_dir"] if name == FUSED else case["hf_dir"]
