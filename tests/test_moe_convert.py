@@ -17,7 +17,7 @@ from utils import REPO_ROOT
 
 @pytest.fixture(scope="module")
 def hf_models():
-    return {family: hf_moe_model(family, seed) for seed, family in enumerate(FAMILIES)}
+    return {family: hf_moe_model(family, seed) for seed, family in enumerate([*FAMILIES, "deepseek_v2"])}
 
 
 def _arch(model):
@@ -26,7 +26,7 @@ def _arch(model):
     return arch_from_hf(model.config.to_dict())
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted([*FAMILIES, "deepseek_v2"]))
 def test_fused_and_per_expert_layouts_convert_alike_and_round_trip(hf_models, family, tmp_path):
     """transformers-5's in-memory (fused) state dict and save_pretrained's per-expert file give the same canonical
     tensors; exporting them gives back save_pretrained's tensors bit for bit."""

@@ -2,8 +2,8 @@
 (tp, pp, ep[, etp]) = (1,1,1), (1,1,2), (2,1,2) with sequence parallel (etp 1 and 2), (1,2,2) and (2,2,2) with
 etp=1, on gloo, in ONE 8-rank world (tests/dist/moe_parity_worker.py); HF -> tripod -> HF is bit-identical
 (per-expert names, expert bias included), also from transformers-5's fused expert layout; and the check catches
-two planted bugs (experts swapped under EP, the DeepSeek expert bias dropped). DeepSeek-V3 with YaRN RoPE runs at two
-layouts."""
+two planted bugs (experts swapped under EP, the DeepSeek expert bias dropped). DeepSeek-V3 with YaRN RoPE and a
+DeepSeek-V2-Lite-like model run at two layouts each."""
 import json
 import os
 import re
@@ -19,6 +19,9 @@ LAYOUTS = ["TP1PP1EP1", "TP1PP1EP2DP2", "TP2PP1EP2ETP1SP", "TP2PP1EP2ETP2DP2SP",
 EXPORTS = ["TP2PP1EP2ETP2DP2SP", "TP2PP2EP2ETP1SP", "TP1PP2EP2DP2_fused"]
 # DeepSeek-V3 with its published RoPE (YaRN): per-layer rotary frequencies and MLA's softmax mscale
 YARN_CASE = ("deepseek_v3_yarn", "deepseek_v3", {"rope_parameters": YARN}, ["TP1PP1EP1", "TP2PP1EP2ETP1SP"])
+# DeepSeek-V2-Lite-like (q_proj without q_lora, softmax routing without renormalisation)
+V2_CASE = ("deepseek_v2", "deepseek_v2", {}, ["TP1PP1EP2DP2", "TP2PP1EP2ETP1SP"])
+EXTRA = [YARN_CASE, V2_CASE]
 
 
 def _fused_copy(model, hf_dir: str, out: str) -> None:
@@ -37,7 +40,7 @@ def world(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("moe_parity")
     cases = []
-    variants = [(f, f, {}, LAYOUTS) for f in FAMILIES] + [YARN_CASE]
+    variants = [(f, f, {}, LAYOUTS) for f in FAMILIES] + EXTRA
     for seed, (name, family, overrides, layouts) in enumerate(variants):
         model = hf_moe_model(family, seed + 7, **overrides)
         hf_dir = str(tmp / name)
@@ -59,7 +62,7 @@ def test_moe_logits_match_transformers_at_every_layout(world):
     out = world["out"]
     print("\n".join(line for line in out.splitlines() if line.startswith(("PARITY", "PLANTED"))))
     seen = {(m.group(1), m.group(2)) for m in re.finditer(rf"PARITY (\S+) (\S+) rank \d+ maxdiff {FLOAT}", out)}
-    assert seen == {(f, lay) for f in FAMILIES for lay in LAYOUTS} | {(YARN_CASE[0], lay) for lay in YARN_CASE[3]}, \
+    assert seen == {(f, lay) for f in FAMILIES for lay in LAYOUTS} | {(c[0], lay) for c in EXTRA for lay in c[3]}, \
         out[-3000:]
     diffs = [float(x) for x in re.findall(rf"PARITY \S+ \S+ rank \d+ maxdiff {FLOAT}", out)]
     assert diffs and max(diffs) < 1e-5

@@ -331,6 +331,12 @@ def check_tp_size(arch: "ModelArch", tp_size: int) -> None:
         raise ValueError(f"tensor_model_parallel_size={tp_size} must divide num_attention_heads="
                          f"{arch.num_heads} and num_key_value_heads={arch.num_kv_heads}; use one of "
                          f"{[t for t in range(1, arch.num_kv_heads + 1) if arch.num_kv_heads % t == 0]}")
+    mla = getattr(arch, "mla", None)
+    if mla is not None:  # megatron's local MLA splits the down projections' outputs over TP too
+        for key, rows in (("q_lora_rank", mla.q_lora_rank or 0), ("kv_lora_rank+qk_rope_head_dim",
+                                                                  mla.kv_lora_rank + mla.qk_rope_head_dim)):
+            if rows % tp_size:
+                raise ValueError(f"tensor_model_parallel_size={tp_size} must divide {key}={rows} (MLA)")
 
 
 # ----------------------------------------------------------------------------- split geometry (the only copy)
