@@ -134,3 +134,17 @@ def test_cli_refuses_bad_expert_sizes(hf_models, tmp_path, capsys):
         assert main(["convert", str(hf_dir), str(tmp_path / "o"), *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and expected in err, err
+
+
+@pytest.mark.parametrize("rope", ["default", "yarn"])
+def test_mla_softmax_scale_is_hf(rope):
+    """deepseek.softmax_scale (what megatron's MLA computes from rotary_scaling_factor / mscale_all_dim, and what a
+    rollout decoder needs) equals HF's attention scaling, with and without YaRN."""
+    from moe_models import YARN
+
+    from tripod.parallel.families.deepseek import softmax_scale
+
+    model = hf_moe_model("deepseek_v3", 0, **({"rope_parameters": YARN} if rope == "yarn" else {}))
+    arch = _arch(model)
+    assert softmax_scale(arch) == pytest.approx(model.model.layers[0].self_attn.scaling, rel=1e-12)
+    assert (rope == "yarn") == (abs(softmax_scale(arch) * 24 ** 0.5 - 1) > 0.1)

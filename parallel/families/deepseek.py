@@ -18,6 +18,7 @@ YarnRotaryEmbedding is not used (its frequency ramp is separate code).
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from tripod.parallel.arch import ModelArch
@@ -86,6 +87,20 @@ def check_supported(arch: ModelArch) -> None:
         if abs(attention_scaling - 1.0) > 1e-12:
             raise ValueError(f"config.json rope_parameters (YaRN, DeepSeek MLA) scale cos/sin by {attention_scaling}"
                              "; tripod supports YaRN with mscale == mscale_all_dim (as DeepSeek-V3 publishes it)")
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def softmax_scale(arch: ModelArch) -> float:
+    """MLA's attention softmax scale as HF DeepSeek computes it: 1/sqrt(qk_nope + qk_rope head dim), times
+    mscale(factor, mscale_all_dim)^2 under YaRN (megatron: MLASelfAttention.softmax_scale; a decoder needs it too)."""
+    scale = (arch.mla.qk_nope_head_dim + arch.mla.qk_rope_head_dim) ** -0.5
+    rope = arch.rope_parameters or {}
+    if rope.get("rope_type", "default") == "yarn" and rope.get("mscale_all_dim"):
+        scale *= _yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
+    return scale
 
 
 def megatron_fields(arch: ModelArch) -> dict[str, Any]:

@@ -83,6 +83,10 @@ def main() -> None:
             if not layout.is_member or name not in case.get("layouts", LAYOUTS):
                 continue
             model = build_gpt_model(arch, layout, sequence_parallel=layout.tp > 1).eval()
+            if arch.mla is not None:  # the scale a rollout decoder takes from the family is megatron's
+                from tripod.parallel.families.deepseek import softmax_scale
+                assert all(abs(layer.self_attention.softmax_scale - softmax_scale(arch)) < 1e-12
+                           for layer in model.decoder.layers)
             source = case["fused_dir"] if name == FUSED else case["hf_dir"]
             assert not load_hf_weights(model, source, arch, layout)
             diff, last = _forward(model, layout, case)
