@@ -48,8 +48,16 @@ def transformer_config_from_arch(arch: ModelArch, layout: ParallelLayout, *,
     """megatron TransformerConfig for `arch` sharded by `layout`; `overrides` set any config field."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+    from tripod.parallel.families.spec import check_tp_size
+
     layout.validate_for(arch)
     family = get_family(arch.family)
+    if arch.mla is not None:
+        check_tp_size(arch, layout.tp)  # MLA's down projections split over TP as well
+    if arch.moe is not None and arch.moe.expert_ffn_hidden_size % layout.etp:
+        ffn = arch.moe.expert_ffn_hidden_size
+        raise ValueError(f"{layout.name} expert_tensor_parallel_size={layout.etp} does not divide "
+                         f"moe_intermediate_size={ffn}; use one of {[d for d in range(1, ffn + 1) if ffn % d == 0]}")
     if arch.moe is not None and layout.tp > 1:
         sequence_parallel = True  # megatron: MoE + TP trains only with SP (moe_layer.py)
     if sequence_parallel and layout.tp == 1:

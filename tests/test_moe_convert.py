@@ -148,3 +148,13 @@ def test_mla_softmax_scale_is_hf(rope):
     arch = _arch(model)
     assert softmax_scale(arch) == pytest.approx(model.model.layers[0].self_attn.scaling, rel=1e-12)
     assert (rope == "yarn") == (abs(softmax_scale(arch) * 24 ** 0.5 - 1) > 0.1)
+
+
+def test_fp8_checkpoints_are_refused_with_the_fix(hf_models):
+    from tripod.parallel.convert import hf_to_megatron
+
+    model = hf_models["deepseek_v3"]
+    state = dict(model.state_dict())
+    state["model.layers.1.self_attn.q_a_proj.weight_scale_inv"] = torch.ones(1, 1)
+    with pytest.raises(ValueError, match="FP8 block-scale tensor.*dequantize it to bf16 first"):
+        hf_to_megatron(_arch(model), state)
