@@ -129,8 +129,9 @@ def save_model_checkpoint(model: torch.nn.Module, path: str | os.PathLike, arch:
         write_hf_config(arch, os.path.join(path, HF_SUBDIR), dtype, tokenizer_dir)
         meta = {
             "format_version": FORMAT_VERSION, "family": arch.family, "num_layers": arch.num_layers,
-            "vocab_size": arch.vocab_size, "saved_layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
-                                                             **({"ep": layout.ep, "etp": layout.etp} if arch.moe else {})},
+            "vocab_size": arch.vocab_size,
+            "saved_layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+                             **({"ep": layout.ep, "etp": layout.etp} if arch.moe else {})},
             "saved_padded_vocab_size": padded_vocab_size(arch.vocab_size, layout.tp),
             "value_head": bool(getattr(gpt, "tripod_value_head", False)),
             "dtype": str(dtype).removeprefix("torch."), **(extra_metadata or {}),

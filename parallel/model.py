@@ -17,7 +17,8 @@ routing with load balancing off and the expert bias frozen) and their decoder bl
 `FamilySpec.block_spec`; config overrides (moe_router_load_balancing_type, moe_aux_loss_coeff,
 moe_router_bias_update_rate, ...) replace those fields. Experts are split over the layout's expert groups
 (expert_model_parallel_size = layout.ep, expert_tensor_parallel_size = layout.etp). megatron refuses to train an
-MoE layer with tensor parallelism but without sequence parallelism, so MoE models at tp > 1 always run with it. Caveat: megatron's rotary embedding takes positions 0..s-1 and ignores
+MoE layer with tensor parallelism but without sequence parallelism, so MoE models at tp > 1 always run with it.
+Caveat: megatron's rotary embedding takes positions 0..s-1 and ignores
 `position_ids`; left-padded batches must be handled by the caller (e.g. right padding).
 """
 from __future__ import annotations

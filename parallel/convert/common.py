@@ -229,5 +229,6 @@ def megatron_to_hf_tensor(arch: ModelArch, family: FamilySpec, name: str,
 
 __all__ = ["EMBEDDING", "FINAL_NORM", "OUTPUT_LAYER", "LAYER_PREFIX", "check_tp_size", "padded_vocab_size",
            "pad_vocab", "unpad_vocab", "split_layer_name", "layer_name", "megatron_names", "hf_names_for",
-           "check_hf_names", "HFExpertViews", "skipped_extra_layers", "fuse_to_megatron", "unfuse_to_hf", "is_replicated", "hf_to_megatron_state",
+           "check_hf_names", "HFExpertViews", "skipped_extra_layers", "fuse_to_megatron", "unfuse_to_hf",
+           "is_replicated", "hf_to_megatron_state",
            "megatron_to_hf_tensor"]

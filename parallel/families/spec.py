@@ -97,8 +97,8 @@ class FamilySpec:
     layer_spec(arch, use_te): the megatron transformer layer spec (one spec for every layer), or, for models whose
     layers differ (MoE / MLA), block_spec(arch, use_te, config, vp_stage): megatron's decoder block spec of this
     rank's layers. megatron_fields(arch): extra TransformerConfig fields (MoE routing, MLA dims, qk norm).
-    extra_hf_layers: a reason to skip HF tensors of layers >= num_hidden_layers on read (DeepSeek MTP). rollout_decoder: "module:Class" of the
-    decoder the embedded rollout engine runs on a generation shard of this family.
+    extra_hf_layers: a reason to skip HF tensors of layers >= num_hidden_layers on read (DeepSeek MTP).
+    rollout_decoder: "module:Class" of the decoder the embedded rollout engine runs on a generation shard.
     """
 
     name: str
