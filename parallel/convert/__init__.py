@@ -208,8 +208,10 @@ def export_hf_weights(model: torch.nn.Module, arch: ModelArch, layout, *,
     routed experts under HF's per-expert names, the router's expert bias like any parameter).
 
     Every rank of the model's TP x PP grid must iterate it to the end (the collectives run in
-    lockstep). Tensors are yielded on TP rank 0 of PP stage 0 of each DP replica, or on every rank
-    with `to_all_ranks=True`; other ranks iterate and get nothing.
+    lockstep); with expert_model_parallel_size > 1 every rank of the layout (all DP replicas: the EP groups
+    span them). Tensors are yielded on TP rank 0 of PP stage 0 of each DP replica, or on every rank
+    with `to_all_ranks=True`; other ranks iterate and get nothing. A routed expert is gathered over its
+    expert-TP group and broadcast over its EP group, so every rank of its stage holds it before the PP move.
     """
     names = family_of(arch)
     if getattr(model_chunks(model)[0], "tripod_value_head", False):
