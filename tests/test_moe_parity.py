@@ -78,6 +78,10 @@ def test_moe_round_trip_is_bit_identical(world):
             assert sorted(back) == sorted(original), (family, layout, set(back) ^ set(original))
             for k, t in original.items():
                 assert back[k].dtype == t.dtype and torch.equal(back[k], t), (family, layout, k)
+        cast = load_file(os.path.join(world["root"], "exports", family, "TP2PP2EP2ETP1SP_bf16", "model.safetensors"))
+        for k, t in original.items():  # --dtype casts the parameters; the fp32 expert bias stays as HF keeps it
+            want = t if k.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
+            assert cast[k].dtype == want.dtype and torch.equal(cast[k], want), (family, k)
 
 
 @pytest.mark.dist

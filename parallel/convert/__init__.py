@@ -322,7 +322,8 @@ def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArch, layout, out_dir:
 
     Every rank of DP replica 0 of the layout must call it (every rank when expert_model_parallel_size > 1);
     TP rank 0 of PP stage 0 of DP replica 0 writes.
-    `dtype` casts the weights (default: the model's dtype).
+    `dtype` casts the weights (default: the model's dtype), except rows held in fp32 (`Weight.fp32`: the
+    router's expert bias, which HF keeps in fp32 too).
     """
     from safetensors.torch import save_file
 
@@ -345,12 +346,14 @@ def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArch, layout, out_dir:
         save_file(shards[-1], os.path.join(out_dir, files[-1]), metadata={"format": "pt"})
         shards[-1], sizes[-1] = {}, 0
 
-    out_dtype = dtype
+    family = family_of(arch)
+    keep = {h for n, w in family.rows(arch).items() if w.fp32 for h in family.hf_names(arch, n)}
+    out_dtype = dtype or next(p for chunk in model_chunks(model) for p in chunk.parameters()).dtype
     for hf_name, tensor in export_hf_weights(model, arch, layout):
         if not writer:
             continue  # another DP replica's copy (expert parallelism makes every replica take part)
-        tensor = tensor.to(dtype) if dtype is not None else tensor
-        out_dtype = tensor.dtype
+        if dtype is not None and hf_name not in keep:
+            tensor = tensor.to(dtype)
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and sizes[-1] + nbytes > max_shard_bytes:
             flush()

@@ -42,7 +42,7 @@ def routed_expert_weights(arch: ModelArch, *, shared_hf: str | None = None,
                    Split.REPLICATED, layers=Layers.MOE)]
     if moe.expert_bias:
         rows.append(Weight("mlp.router.expert_bias", ("mlp.gate.e_score_correction_bias",),
-                           lambda a: (_moe(a).num_experts,), Split.REPLICATED, layers=Layers.MOE))
+                           lambda a: (_moe(a).num_experts,), Split.REPLICATED, layers=Layers.MOE, fp32=True))
     rows += [
         Weight(EXPERT_FC1, ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
                lambda a: (2 * _moe(a).expert_ffn_hidden_size, a.hidden_size), Split.GATED_ROW, Fuse.CONCAT,

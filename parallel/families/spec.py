@@ -74,6 +74,8 @@ class Weight:
     it, in fusion order. `shape(arch)`: canonical full shape (unpadded vocab). `tp`: the TP split.
     `per_expert`: the row repeats per expert (names carry `{e}`; see the module docstring for EP).
     `layers`: which decoder layers carry a per-layer row (`Layers`).
+    `fp32`: held in fp32 whatever the parameter dtype, by megatron and HF (the router's expert bias): export
+    never casts it.
     """
 
     megatron: str
@@ -84,6 +86,7 @@ class Weight:
     per_layer: bool = True
     per_expert: bool = False
     layers: Layers = Layers.ALL
+    fp32: bool = False
 
 
 @dataclass(frozen=True)

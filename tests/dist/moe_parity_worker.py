@@ -26,6 +26,7 @@ LAYOUTS = {
 EXPORT = {"TP2PP1EP2ETP2DP2SP", "TP2PP2EP2ETP1SP"}  # layouts whose export is checked bit for bit
 FUSED = "TP1PP2EP2DP2"  # loads the transformers-5 fused-expert copy, exports per-expert
 PLANT = "TP1PP1EP2DP2"
+BF16 = "TP2PP2EP2ETP1SP"  # also exported cast to bf16 (the fp32 expert bias stays fp32)
 TOLERANCE = 1e-5
 
 
@@ -96,6 +97,9 @@ def main() -> None:
             if name in EXPORT or name == FUSED:
                 suffix = "_fused" if name == FUSED else ""
                 save_hf_checkpoint(model, arch, layout, os.path.join(out_root, case["name"], name + suffix))
+            if name == BF16:
+                save_hf_checkpoint(model, arch, layout, os.path.join(out_root, case["name"], name + "_bf16"),
+                                   dtype=torch.bfloat16)
             if name == PLANT and last:
                 _plant(model, layout, case)
 
