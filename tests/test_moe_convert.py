@@ -106,15 +106,16 @@ def _tripod(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
 
 @pytest.mark.dist
 def test_cli_convert_export_with_expert_parallelism_is_bit_identical(hf_models, tmp_path):
-    """DeepSeek-V3 (MLA, dense + MoE layers, expert bias buffer): HF -> TP1xPP2xEP2 checkpoint (4 ranks) -> HF
-    loaded at TP2xEP2 with expert TP 1 (2 ranks): every tensor back bit for bit, per-expert names."""
+    """DeepSeek-V3 (MLA, dense + MoE layers, expert bias buffer): HF -> TP1xEP2 checkpoint (2 ranks, DP 2) -> HF
+    loaded at TP2xEP2 with expert TP 1 (2 ranks, DP 1: each expert on another rank than it was saved from):
+    every tensor back bit for bit, per-expert names. (PP and expert-TP exports: test_moe_parity.py.)"""
     hf_dir = tmp_path / "hf"
     hf_models["deepseek_v3"].save_pretrained(hf_dir, safe_serialization=True)
     ckpt, out = tmp_path / "ckpt", tmp_path / "back"
-    proc = _tripod("convert", str(hf_dir), str(ckpt), "--pp", "2", "--ep", "2")
+    proc = _tripod("convert", str(hf_dir), str(ckpt), "--ep", "2")
     assert proc.returncode == 0, proc.stderr[-4000:]
     meta = json.loads((ckpt / "tripod_checkpoint.json").read_text())
-    assert meta["saved_layout"] == {"tp": 1, "pp": 2, "dp": 2, "ep": 2, "etp": 1}, meta
+    assert meta["saved_layout"] == {"tp": 1, "pp": 1, "dp": 2, "ep": 2, "etp": 1}, meta
     proc = _tripod("export", str(ckpt), str(out), "--tp", "2", "--ep", "2", "--etp", "1")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "TP2 x PP1 x EP2, expert TP1" in proc.stdout
