@@ -145,8 +145,7 @@ class EmbeddedRolloutEngine(RolloutEngine):
         lengths = torch.zeros(total, dtype=torch.long)
         finish = [FINISH_LENGTH] * total
 
-        cache = KVCache.allocate(self.arch.num_layers, total, self.decoder.kv_heads,
-                                 prompt_len + params.max_new_tokens, self.arch.head_dim, self.dtype, self.device)
+        cache = self.decoder.allocate_cache(total, prompt_len + params.max_new_tokens, self.dtype, self.device)
         self.kv_cache = cache
         self.last_kv_cache_bytes = sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
         cache.valid[:, :prompt_len] = prompt_mask
