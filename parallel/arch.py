@@ -4,7 +4,14 @@ Every room that needs the shape of a model (Megatron model building, the weight 
 embedded rollout engine, the resharding plan) reads it from `ModelArch`, so the HF config is parsed
 in exactly one place. Which HF `model_type`s are supported is the family registry's business
 (parallel/families/): built in are Llama and Qwen2/Qwen2.5 (RMSNorm, SwiGLU, RoPE with optional
-scaling, GQA, optional QKV bias, tied or untied embeddings).
+scaling, GQA, optional QKV bias, tied or untied embeddings) and the MoE families Qwen3-MoE, Qwen2-MoE and
+DeepSeek-V3/V2, whose routed-expert MLP (`ModelArch.moe`) and multi-head latent attention (`ModelArch.mla`) are
+parsed by parallel/moe_arch.py.
+
+With MLA the dense attention fields keep a meaning where one exists: `num_kv_heads == num_heads` (every head has
+its own keys and values after the kv up-projection; there are no shared KV groups) and `head_dim` is the RoPE
+head dim `qk_rope_head_dim` (HF's `config.head_dim` for DeepSeek), so `rope_inv_freq()` is the per-layer rotary
+embedding of MLA. The q/k/v head dims of MLA live in `ModelArch.mla`.
 """
 from __future__ import annotations
 
@@ -14,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from tripod.parallel.moe_arch import MLAArch, MoEArch, mla_from_hf, moe_from_hf
 
 
 @dataclass(frozen=True)
@@ -34,11 +43,18 @@ class ModelArch:
     rope_parameters: dict[str, Any] = field(default_factory=dict)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    moe: MoEArch | None = None  # routed experts (None: dense MLP in every layer)
+    mla: MLAArch | None = None  # multi-head latent attention (None: standard GQA attention)
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (0 for a dense model)."""
+        return self.moe.num_experts if self.moe is not None else 0
 
     def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
         """(inv_freq [head_dim/2] float32, attention_scaling) exactly as `transformers` computes them.
@@ -92,9 +108,12 @@ def arch_from_hf(path_or_dict: str | os.PathLike | dict) -> ModelArch:
         raise ValueError(f"config.json hidden_act={act!r}: only SwiGLU ('silu') MLPs are supported")
     heads = cfg["num_attention_heads"]
     kv = cfg.get("num_key_value_heads") or heads
+    mla = mla_from_hf(cfg)
+    if mla is not None:  # see the module docstring: no KV groups, head_dim is the RoPE head dim
+        kv = heads
     if heads % kv:
         raise ValueError(f"config.json num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    head_dim = mla.qk_rope_head_dim if mla is not None else cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     qkv_bias = family.qkv_bias(cfg)
@@ -117,5 +136,7 @@ def arch_from_hf(path_or_dict: str | os.PathLike | dict) -> ModelArch:
         rope_parameters=rope,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=cfg.get("eos_token_id"),
+        moe=moe_from_hf(cfg),
+        mla=mla,
         hf_config=cfg,
     )

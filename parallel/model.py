@@ -1,4 +1,4 @@
-"""Megatron GPTModel built from a `ModelArch` (Llama / Qwen2) for one `ParallelLayout`.
+"""Megatron GPTModel built from a `ModelArch` (Llama / Qwen2, and the MoE / MLA families) for one `ParallelLayout`.
 
 Owns: the TransformerConfig mapping (RMSNorm, SwiGLU, RoPE, GQA, QKV bias, tied embeddings,
 sequence parallel, virtual pipeline stages), megatron-style vocab padding, the critic's scalar value
@@ -11,7 +11,13 @@ replaced by `ValueHead`). With `virtual_pipeline_model_parallel_size=v`, `build_
 each rank v chunks (megatron's interleaved layout: chunk c of PP rank r holds the layers of virtual
 stage c * pp + r).
 RoPE uses the HF definition (`arch.rope_inv_freq()`), so llama3 / linear scaling match
-`transformers` exactly. Caveat: megatron's rotary embedding takes positions 0..s-1 and ignores
+`transformers` exactly (with MLA the rotary embedding lives in every layer's attention and each gets it).
+MoE / MLA models take their extra TransformerConfig fields from the family (`FamilySpec.megatron_fields`: HF-exact
+routing with load balancing off and the expert bias frozen) and their decoder block spec from
+`FamilySpec.block_spec`; config overrides (moe_router_load_balancing_type, moe_aux_loss_coeff,
+moe_router_bias_update_rate, ...) replace those fields. Experts are split over the layout's expert groups
+(expert_model_parallel_size = layout.ep, expert_tensor_parallel_size = layout.etp). megatron refuses to train an
+MoE layer with tensor parallelism but without sequence parallelism, so MoE models at tp > 1 always run with it. Caveat: megatron's rotary embedding takes positions 0..s-1 and ignores
 `position_ids`; left-padded batches must be handled by the caller (e.g. right padding).
 """
 from __future__ import annotations
@@ -40,9 +46,12 @@ def transformer_config_from_arch(arch: ModelArch, layout: ParallelLayout, *,
                                  params_dtype: torch.dtype = torch.float32,
                                  sequence_parallel: bool = False, **overrides: Any):
     """megatron TransformerConfig for `arch` sharded by `layout`; `overrides` set any config field."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     layout.validate_for(arch)
+    family = get_family(arch.family)
+    if arch.moe is not None and layout.tp > 1:
+        sequence_parallel = True  # megatron: MoE + TP trains only with SP (moe_layer.py)
     if sequence_parallel and layout.tp == 1:
         sequence_parallel = False  # megatron requires tp > 1 for SP; it is a no-op at tp=1
     fields = dict(
@@ -59,12 +68,17 @@ def transformer_config_from_arch(arch: ModelArch, layout: ParallelLayout, *,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
     )
-    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    if arch.moe is not None:
+        fields.update(expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
+    if family.megatron_fields is not None:
+        fields.update(family.megatron_fields(arch))
+    config_class = MLATransformerConfig if arch.mla is not None else TransformerConfig
+    known = {f.name for f in dataclasses.fields(config_class)}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ValueError(f"transformer_config_from_arch: unknown TransformerConfig fields {unknown}")
     fields.update(overrides)
-    return TransformerConfig(**fields)
+    return config_class(**fields)
 
 
 class ValueHead(torch.nn.Module):
@@ -131,12 +145,18 @@ def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool
         config_overrides["virtual_pipeline_model_parallel_size"] = virtual_pipeline_size
     config = transformer_config_from_arch(arch, layout, params_dtype=params_dtype,
                                           sequence_parallel=sequence_parallel, **config_overrides)
-    layer_spec = get_family(arch.family).layer_spec(arch, _transformer_engine_available())
+    family = get_family(arch.family)
+    use_te = _transformer_engine_available()
     vpp = virtual_pipeline_size or 1
     first = layout.is_first_stage and (vp_stage or 0) == 0
     last = layout.is_last_stage and (vp_stage or 0) == vpp - 1
     with layout.activate():
-        model_parallel_cuda_manual_seed(seed, tp_rank=layout.tp_rank, ep_rank=0, etp_rank=layout.tp_rank)
+        if family.block_spec is not None:
+            layer_spec = family.block_spec(arch, use_te, config, vp_stage)
+        else:
+            layer_spec = family.layer_spec(arch, use_te)
+        model_parallel_cuda_manual_seed(seed, tp_rank=layout.tp_rank, ep_rank=layout.ep_rank,
+                                        etp_rank=layout.etp_rank)
         model = GPTModel(
             config=config, transformer_layer_spec=layer_spec,
             vocab_size=padded_vocab_size(arch.vocab_size, layout.tp),
@@ -148,7 +168,11 @@ def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool
             pg_collection=layout.pg_collection,
         )
     # HF defines RoPE (incl. llama3 / linear scaling); megatron's own scaling is not the same code
-    model.rotary_pos_emb.inv_freq = inv_freq.to(torch.float32)
+    if arch.mla is None:
+        model.rotary_pos_emb.inv_freq = inv_freq.to(torch.float32)
+    else:  # MLA: one rotary embedding per layer, over the qk_rope_head_dim dims (arch.head_dim)
+        for layer in model.decoder.layers:
+            layer.self_attention.rotary_pos_emb.inv_freq = inv_freq.to(torch.float32)
     model.tripod_arch = arch
     model.tripod_value_head = value_head
     if value_head and last:

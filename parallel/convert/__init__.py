@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from typing import Iterator, Mapping
 
@@ -20,11 +21,14 @@ import torch
 import torch.distributed as dist
 
 from tripod.parallel.arch import ModelArch
-from tripod.parallel.convert.common import (EMBEDDING, FINAL_NORM, LAYER_PREFIX, OUTPUT_LAYER, check_hf_names,
-                                     fuse_to_megatron, hf_names_for, hf_to_megatron_state, is_replicated,
+from tripod.parallel.convert.common import (EMBEDDING, FINAL_NORM, LAYER_PREFIX, OUTPUT_LAYER, HFExpertViews,
+                                     check_hf_names, fuse_to_megatron, hf_names_for, hf_to_megatron_state, is_replicated,
                                      megatron_names, megatron_to_hf_tensor, pad_vocab, padded_vocab_size,
                                      split_layer_name, unpad_vocab)
 from tripod.parallel.families import FamilySpec, get_family
+from tripod.parallel.families.spec import expert_index
+
+_EXPERT_IN_NAME = re.compile(r"\.local_experts\.\d+\.")
 
 
 def family_of(arch: ModelArch) -> FamilySpec:
@@ -62,7 +66,9 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 # ----------------------------------------------------------------------------- reading HF files
 
 class SafetensorsReader:
-    """Lazy access to the tensors of an HF model directory (one file or shards + index json)."""
+    """Lazy access to the tensors of an HF model directory (one file or shards + index json).
+
+    transformers-5 fused expert tensors are shown under their per-expert names (common.HFExpertViews)."""
 
     def __init__(self, hf_dir: str | os.PathLike) -> None:
         self.hf_dir = os.fspath(hf_dir)
@@ -82,16 +88,27 @@ class SafetensorsReader:
             if not os.path.isfile(os.path.join(self.hf_dir, file)):
                 raise FileNotFoundError(f"{self.hf_dir}: {SAFETENSORS_INDEX} lists {file}, which is missing")
         self._handles: dict[str, object] = {}
+        self._last: tuple[str, torch.Tensor] | None = None  # the last fused expert tensor read
+        self._views = HFExpertViews(self.file_of, self._read_cached,
+                                    lambda n: self._handle(n).get_slice(n).get_shape()[0])
 
-    def names(self) -> list[str]:
-        return list(self.file_of)
-
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         from safetensors import safe_open
         file = self.file_of[name]
         if file not in self._handles:
             self._handles[file] = safe_open(os.path.join(self.hf_dir, file), framework="pt")
-        return self._handles[file].get_tensor(name)
+        return self._handles[file]
+
+    def _read_cached(self, name: str) -> torch.Tensor:
+        if self._last is None or self._last[0] != name:
+            self._last = (name, self._handle(name).get_tensor(name))
+        return self._last[1]
+
+    def names(self) -> list[str]:
+        return list(self._views.names)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._views.get(name) if self._views.fused else self._handle(name).get_tensor(name)
 
 
 # ----------------------------------------------------------------------------- sharded models
@@ -108,15 +125,22 @@ def model_chunks(model) -> list[torch.nn.Module]:
     return [unwrap_model(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
 
 
-def global_params(model) -> dict[str, torch.nn.Parameter]:
-    """This rank's parameters (every chunk) by canonical name with the GLOBAL layer index."""
+def global_params(model) -> dict[str, torch.Tensor]:
+    """This rank's parameters and persistent buffers (every chunk) by canonical name: GLOBAL layer index and, for
+    routed experts, GLOBAL expert index (megatron's `local_experts.{i}` on EP rank r is expert r * n_local + i)."""
     out = {}
     for gpt in model_chunks(model):
-        for local, param in gpt.named_parameters():
+        for local, tensor in gpt.state_dict(keep_vars=True).items():
+            if local.endswith("._extra_state") or tensor is None:
+                continue
             layer, suffix = split_layer_name(local)
             if layer is not None:  # megatron's layer_number is 1-based and global
-                local = f"{LAYER_PREFIX}{gpt.decoder.layers[layer].layer_number - 1}.{suffix}"
-            out[local] = param
+                module = gpt.decoder.layers[layer]
+                e = expert_index(suffix)
+                if e is not None:
+                    suffix = _EXPERT_IN_NAME.sub(f".local_experts.{module.mlp.local_expert_indices[e]}.", suffix, 1)
+                local = f"{LAYER_PREFIX}{module.layer_number - 1}.{suffix}"
+            out[local] = tensor
     return out
 
 
@@ -125,10 +149,12 @@ def _is_value_head(model, name: str) -> bool:
 
 
 def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike, arch: ModelArch, layout) -> list[str]:
-    """Copy this rank's TP/PP shard of the HF checkpoint in `hf_dir` into `model` (strict).
+    """Copy this rank's TP/PP/EP shard of the HF checkpoint in `hf_dir` into `model` (strict; parameters and
+    the persistent buffers the family names, e.g. the router's expert bias).
 
-    Reads only the tensors this rank needs (safetensors, lazily). Returns the names of model
-    parameters that have no HF counterpart and were left as initialised (a critic's value head).
+    Reads only the tensors this rank needs (safetensors, lazily): routed experts of its EP rank, split over
+    the expert-TP group. Returns the names of model parameters that have no HF counterpart and were left as
+    initialised (a critic's value head).
     """
     names = family_of(arch)
     reader = SafetensorsReader(hf_dir)
@@ -148,13 +174,21 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike, arch: Mod
                                  "was the model built from this config.json?") from None
             _check_split_matches_megatron(names, arch, source, param, local)
             full = fuse_to_megatron(arch, names, source, [reader.get(h) for h in hf])
-            shard = names.shard(arch, source, full, layout.tp, layout.tp_rank)
+            size, rank = _split_coords(names, arch, source, layout)
+            shard = names.shard(arch, source, full, size, rank)
             if shard.shape != param.shape:
                 raise ValueError(f"{'/'.join(hf)} -> {local}: shard shape {tuple(shard.shape)} != model "
-                                 f"parameter shape {tuple(param.shape)} (TP{layout.tp} rank {layout.tp_rank}); "
+                                 f"parameter shape {tuple(param.shape)} (split {size} ways, rank {rank}); "
                                  "the model was built for a different config or layout")
             param.copy_(shard)
     return not_loaded
+
+
+def _split_coords(family: FamilySpec, arch: ModelArch, name: str, layout) -> tuple[int, int]:
+    """(group size, rank) that canonical `name` is split over: expert-TP for routed experts, TP otherwise."""
+    if family.is_expert(arch, name):
+        return layout.etp, layout.etp_rank
+    return layout.tp, layout.tp_rank
 
 
 def _check_split_matches_megatron(family: FamilySpec, arch: ModelArch, name: str, param, local: str) -> None:
@@ -169,7 +203,8 @@ def _check_split_matches_megatron(family: FamilySpec, arch: ModelArch, name: str
 
 def export_hf_weights(model: torch.nn.Module, arch: ModelArch, layout, *,
                       to_all_ranks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (hf_name, full tensor) one at a time, gathered over TP and PP (unpadded vocab).
+    """Yield (hf_name, full tensor) one at a time, gathered over TP, PP and the expert groups (unpadded vocab;
+    routed experts under HF's per-expert names, the router's expert bias like any parameter).
 
     Every rank of the model's TP x PP grid must iterate it to the end (the collectives run in
     lockstep). Tensors are yielded on TP rank 0 of PP stage 0 of each DP replica, or on every rank
@@ -180,36 +215,66 @@ def export_hf_weights(model: torch.nn.Module, arch: ModelArch, layout, *,
         raise ValueError("export_hf_weights: a critic (value_head=True) has no HF causal-LM form; "
                          "keep it as a tripod checkpoint (parallel.checkpoint.save_model_checkpoint)")
     local = global_params(model)
-    dtype = next(iter(local.values())).dtype
-    stages: list = [sorted(local)]
+    held = {n: str(t.dtype).removeprefix("torch.") for n, t in local.items()}
+    stages: list = [held]
     if layout.pp > 1:  # which stage holds which layer (megatron may split layers unevenly)
         stages = [None] * layout.pp
-        dist.all_gather_object(stages, sorted(local), group=layout.pp_group)
-    owner = {n: s for s, held in enumerate(stages) for n in held}
+        dist.all_gather_object(stages, held, group=layout.pp_group)
+    owner = {n: s for s, names_of in enumerate(stages) for n in names_of}
+    # routed experts live on one EP rank only: their stage is the stage of their layer
+    layer_owner = {split_layer_name(n)[0]: s for n, s in owner.items() if split_layer_name(n)[0] is not None}
+    dtypes = {n: getattr(torch, d) for names_of in stages for n, d in names_of.items()}
     pp_ranks = layout.group_ranks("pp")
     tp_ranks = layout.group_ranks("tp")
     is_dst = to_all_ranks or (layout.tp_rank == 0 and layout.pp_rank == 0)
     for name in megatron_names(arch, names):
-        if name not in owner:
+        expert = names.is_expert(arch, name)
+        stage = layer_owner.get(split_layer_name(name)[0]) if expert else owner.get(name)
+        if stage is None:
             raise ValueError(f"export_hf_weights: no pipeline stage holds {name!r}; the model does not "
                              "match config.json")
-        stage, full = owner[name], None
+        full = None
         if layout.pp_rank == stage:
-            shard = local[name].detach().contiguous()
-            if layout.tp == 1 or is_replicated(arch, names, name):
-                full = names.merge(arch, name, [shard])
-            elif to_all_ranks:
-                shards = [torch.empty_like(shard) for _ in range(layout.tp)]
-                dist.all_gather(shards, shard, group=layout.tp_group)
-                full = names.merge(arch, name, shards)
+            if expert:
+                full = _gather_expert(names, arch, name, local, layout)
             else:
-                shards = [torch.empty_like(shard) for _ in range(layout.tp)] if layout.tp_rank == 0 else None
-                dist.gather(shard, shards, dst=tp_ranks[0], group=layout.tp_group)
-                full = names.merge(arch, name, shards) if layout.tp_rank == 0 else None
+                shard = local[name].detach().contiguous()
+                if layout.tp == 1 or is_replicated(arch, names, name):
+                    full = names.merge(arch, name, [shard])
+                elif to_all_ranks:
+                    shards = [torch.empty_like(shard) for _ in range(layout.tp)]
+                    dist.all_gather(shards, shard, group=layout.tp_group)
+                    full = names.merge(arch, name, shards)
+                else:
+                    shards = [torch.empty_like(shard) for _ in range(layout.tp)] if layout.tp_rank == 0 else None
+                    dist.gather(shard, shards, dst=tp_ranks[0], group=layout.tp_group)
+                    full = names.merge(arch, name, shards) if layout.tp_rank == 0 else None
         if layout.pp > 1 and (to_all_ranks or stage != 0):
+            dtype = dtypes.get(name) or next(iter(dtypes.values()))
             full = _move_over_pp(names.shape(arch, name), full, stage, dtype, layout, pp_ranks, to_all_ranks)
         if is_dst:
             yield from megatron_to_hf_tensor(arch, names, name, full)
+
+
+def _gather_expert(family: FamilySpec, arch: ModelArch, name: str, local: dict, layout) -> torch.Tensor:
+    """The full tensor of routed expert `name` on every rank of its pipeline stage: gathered over the expert-TP
+    group of the owning EP rank, then broadcast from it over each EP group."""
+    owner = family.ep_owner(arch, name, layout.ep)
+    full = None
+    if layout.ep_rank == owner:
+        shard = local[name].detach().contiguous()
+        if layout.etp > 1:
+            shards = [torch.empty_like(shard) for _ in range(layout.etp)]
+            dist.all_gather(shards, shard, group=layout.pg_collection.expt_tp)
+        else:
+            shards = [shard]
+        full = family.merge(arch, name, shards)
+    if layout.ep == 1:
+        return full
+    dtype = full.dtype if full is not None else next(t for n, t in local.items() if family.is_expert(arch, n)).dtype
+    buf = full.contiguous() if full is not None else torch.empty(family.shape(arch, name), dtype=dtype)
+    dist.broadcast(buf, src=layout.group_ranks("ep")[owner], group=layout.pg_collection.ep)
+    return buf
 
 
 def _move_over_pp(shape, full, stage, dtype, layout, pp_ranks, to_all_ranks):
@@ -252,14 +317,15 @@ def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArch, layout, out_dir:
                        max_shard_bytes: int = 2 << 30) -> None:
     """Write `model` as an HF checkpoint (safetensors shards + index, config.json, tokenizer files).
 
-    Every rank of DP replica 0 of the layout must call it; TP rank 0 of PP stage 0 writes.
+    Every rank of DP replica 0 of the layout must call it (every rank when expert_model_parallel_size > 1);
+    TP rank 0 of PP stage 0 of DP replica 0 writes.
     `dtype` casts the weights (default: the model's dtype).
     """
     from safetensors.torch import save_file
 
-    if layout.dp_rank != 0:
-        return  # other DP replicas hold the same weights
-    writer = layout.tp_rank == 0 and layout.pp_rank == 0
+    if layout.dp_rank != 0 and layout.ep == 1:
+        return  # other DP replicas hold the same weights (with EP they hold other experts and must take part)
+    writer = layout.tp_rank == 0 and layout.pp_rank == 0 and layout.dp_rank == 0
     out_dir = os.fspath(out_dir)
     shards: list[dict[str, torch.Tensor]] = [{}]
     sizes = [0]
@@ -278,6 +344,8 @@ def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArch, layout, out_dir:
 
     out_dtype = dtype
     for hf_name, tensor in export_hf_weights(model, arch, layout):
+        if not writer:
+            continue  # another DP replica's copy (expert parallelism makes every replica take part)
         tensor = tensor.to(dtype) if dtype is not None else tensor
         out_dtype = tensor.dtype
         nbytes = tensor.numel() * tensor.element_size()

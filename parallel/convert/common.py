@@ -8,11 +8,19 @@ Owns tripod's Megatron layout contract for canonical ("full") tensors:
   (same for the bias); linear_fc1 = cat([gate_proj, up_proj], dim 0).
 Which HF names fuse into which tensor, its shape and its TP split come from the family's table
 (parallel/families/); how each split cuts a tensor is `tripod.parallel.families.spec` (the only copy).
+
+Routed experts: canonical tensors are per expert (global expert index, `local_experts.{e}`); on the HF side
+both layouts are read -- per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight` (what save_pretrained writes,
+and what export writes) and transformers-5's fused `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first) /
+`mlp.experts.down_proj` [E, H, I] (a model's in-memory state dict): `HFExpertViews` presents the fused tensors
+under the per-expert names. HF layers past num_hidden_layers (DeepSeek-V3's MTP layers) are skipped on read
+when the family says so (`FamilySpec.extra_hf_layers`), with one logged line.
 """
 from __future__ import annotations
 
+import logging
 import re
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 
@@ -23,6 +31,66 @@ from tripod.parallel.families.spec import (EMBEDDING, FINAL_NORM, LAYER_PREFIX, 
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # HF buffers some older checkpoints carry; they are recomputed, never loaded.
 _IGNORED_HF = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+log = logging.getLogger(__name__)
+
+
+class HFExpertViews:
+    """HF tensor names with transformers-5 fused expert tensors shown as the per-expert tensors they hold.
+
+    `names`: the per-expert view of `present`; `get(name)` reads through `read` (a fused tensor is read once
+    per call and sliced; callers reading many experts should cache `read`).
+    """
+
+    def __init__(self, present: Iterable[str], read: Callable[[str], torch.Tensor],
+                 num_experts: Callable[[str], int]) -> None:
+        self._read = read
+        self._view: dict[str, tuple[str, int, str]] = {}
+        self.names: list[str] = []
+        for name in present:
+            m = _FUSED_EXPERTS.match(name)
+            if m is None:
+                self.names.append(name)
+                continue
+            prefix, kind = m.groups()
+            parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+            for e in range(num_experts(name)):
+                for part in parts:
+                    virtual = f"{prefix}.{e}.{part}.weight"
+                    self._view[virtual] = (name, e, part)
+                    self.names.append(virtual)
+
+    @property
+    def fused(self) -> bool:
+        return bool(self._view)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._view:
+            return self._read(name)
+        fused, e, part = self._view[name]
+        t = self._read(fused)[e]
+        if part == "down_proj":
+            return t
+        gate, up = t.chunk(2, dim=0)
+        return gate if part == "gate_proj" else up
+
+
+def skipped_extra_layers(arch: ModelArch, family: FamilySpec, present: Iterable[str], source: str) -> set[str]:
+    """HF tensors of layers >= num_hidden_layers that the family skips (DeepSeek MTP), logged once; else empty."""
+    if not family.extra_hf_layers:
+        return set()
+    prefix = family.hf_layer_prefix
+    skipped = set()
+    for name in present:
+        if name.startswith(prefix):
+            layer = name[len(prefix):].split(".", 1)[0]
+            if layer.isdigit() and int(layer) >= arch.num_layers:
+                skipped.add(name)
+    if skipped:
+        layers = sorted({int(n[len(prefix):].split(".", 1)[0]) for n in skipped})
+        log.warning("%s: skipping %d tensor(s) of layer(s) %s >= num_hidden_layers=%d (%s)", source, len(skipped),
+                    layers, arch.num_layers, family.extra_hf_layers)
+    return skipped
 
 
 # ----------------------------------------------------------------------------- vocab padding
@@ -69,6 +137,7 @@ def check_hf_names(arch: ModelArch, family: FamilySpec, present: Iterable[str], 
     """Raise ValueError listing missing / unexpected HF tensors of a checkpoint (`source` names it)."""
     expected = {h for m in megatron_names(arch, family) for h in family.hf_names(arch, m)}
     present = {n for n in present if not _IGNORED_HF.search(n)}
+    present -= skipped_extra_layers(arch, family, present, source)
     if arch.tie_word_embeddings:  # a tied checkpoint may still carry the duplicate LM head
         present -= {h for w in family.weights(arch) if w.megatron == OUTPUT_LAYER for h in w.hf}
     missing, extra = expected - present, present - expected
@@ -80,7 +149,8 @@ def check_hf_names(arch: ModelArch, family: FamilySpec, present: Iterable[str], 
             parts.append(f"unexpected {len(extra)} tensor(s): {_preview(extra)}")
         raise ValueError(
             f"{source}: weights do not match config.json ({arch.family}, num_hidden_layers="
-            f"{arch.num_layers}, tie_word_embeddings={arch.tie_word_embeddings}, qkv_bias={arch.qkv_bias}); "
+            f"{arch.num_layers}, tie_word_embeddings={arch.tie_word_embeddings}, qkv_bias={arch.qkv_bias}"
+            + (f", {arch.moe.num_experts} experts" if arch.moe is not None else "") + "); "
             + "; ".join(parts)
             + ". Fix: use the config.json that was saved with these weights (or re-save the model "
               "with save_pretrained).")
@@ -131,10 +201,11 @@ def hf_to_megatron_state(arch: ModelArch, family: FamilySpec,
                          hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A whole HF state dict -> canonical full Megatron tensors (strict: missing/extra names raise)."""
     family.check_supported(arch)
-    check_hf_names(arch, family, hf_state.keys(), source="HF state dict")
+    views = HFExpertViews(hf_state.keys(), hf_state.__getitem__, lambda n: hf_state[n].shape[0])
+    check_hf_names(arch, family, views.names, source="HF state dict")
     out = {}
     for name in megatron_names(arch, family):
-        parts = [hf_state[h] for h in family.hf_names(arch, name)]
+        parts = [views.get(h) for h in family.hf_names(arch, name)]
         full = fuse_to_megatron(arch, family, name, parts)
         if tuple(full.shape) != family.shape(arch, name):
             raise ValueError(f"{'/'.join(family.hf_names(arch, name))}: shape {tuple(full.shape)} "
@@ -153,5 +224,5 @@ def megatron_to_hf_tensor(arch: ModelArch, family: FamilySpec, name: str,
 
 __all__ = ["EMBEDDING", "FINAL_NORM", "OUTPUT_LAYER", "LAYER_PREFIX", "check_tp_size", "padded_vocab_size",
            "pad_vocab", "unpad_vocab", "split_layer_name", "layer_name", "megatron_names", "hf_names_for",
-           "check_hf_names", "fuse_to_megatron", "unfuse_to_hf", "is_replicated", "hf_to_megatron_state",
+           "check_hf_names", "HFExpertViews", "skipped_extra_layers", "fuse_to_megatron", "unfuse_to_hf", "is_replicated", "hf_to_megatron_state",
            "megatron_to_hf_tensor"]

@@ -5,8 +5,8 @@ import line at the bottom of this file (docs/extending.md walks through one).
 """
 from __future__ import annotations
 
-from tripod.parallel.families.spec import (EMBEDDING, FINAL_NORM, LAYER_PREFIX, OUTPUT_LAYER, FamilySpec, Fuse, Split,
-                                    Weight)
+from tripod.parallel.families.spec import (EMBEDDING, FINAL_NORM, LAYER_PREFIX, OUTPUT_LAYER, FamilySpec, Fuse, Layers,
+                                           Split, Weight)
 
 _BY_NAME: dict[str, FamilySpec] = {}
 _BY_MODEL_TYPE: dict[str, FamilySpec] = {}
@@ -48,9 +48,9 @@ def supported_model_types() -> list[str]:
     return sorted(_BY_MODEL_TYPE)
 
 
-__all__ = ["FamilySpec", "Weight", "Split", "Fuse", "register_family", "unregister_family", "get_family",
+__all__ = ["FamilySpec", "Weight", "Split", "Fuse", "Layers", "register_family", "unregister_family", "get_family",
            "family_for_model_type", "supported_model_types", "EMBEDDING", "FINAL_NORM", "OUTPUT_LAYER",
            "LAYER_PREFIX"]
 
 # the built-in families (each module registers itself)
-from tripod.parallel.families import llama, qwen2  # noqa: E402,F401
+from tripod.parallel.families import deepseek, llama, qwen2, qwen2_moe, qwen3_moe  # noqa: E402,F401

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from tripod.parallel.arch import ModelArch
-from tripod.parallel.families.spec import EMBEDDING, FINAL_NORM, OUTPUT_LAYER, FamilySpec, Fuse, Split, Weight
+from tripod.parallel.families.spec import EMBEDDING, FINAL_NORM, OUTPUT_LAYER, FamilySpec, Fuse, Layers, Split, Weight
 
 
 def _qkv_rows(a: ModelArch) -> int:
@@ -35,9 +35,9 @@ def dense_gpt_weights(arch: ModelArch) -> tuple[Weight, ...]:
         Weight("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), lambda a: (a.hidden_size,),
                Split.REPLICATED),
         Weight("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-               lambda a: (2 * a.ffn_hidden_size, a.hidden_size), Split.GATED_ROW, Fuse.CONCAT),
+               lambda a: (2 * a.ffn_hidden_size, a.hidden_size), Split.GATED_ROW, Fuse.CONCAT, layers=Layers.DENSE),
         Weight("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), lambda a: (a.hidden_size, a.ffn_hidden_size),
-               Split.COL),
+               Split.COL, layers=Layers.DENSE),
         Weight(FINAL_NORM, ("model.norm.weight",), lambda a: (a.hidden_size,), Split.REPLICATED, per_layer=False),
         Weight(OUTPUT_LAYER, ("lm_head.weight",), lambda a: (a.vocab_size, a.hidden_size), Split.VOCAB,
                per_layer=False),
