@@ -22,11 +22,19 @@ from tripod.parallel.arch import ModelArch
 from tripod.parallel.families import get_family
 
 
+DENSE_DECODER = "tripod.engine.rollout.tp_decoder:TPDecoder"
+MOE_DECODER = "tripod.engine.rollout.moe_decoder:MoEDecoder"
+
+
 def decoder_class(arch: ModelArch) -> type:
-    """The decoder class the family of `arch` names (`FamilySpec.rollout_decoder`, "module:Class")."""
+    """The decoder class the family of `arch` names (`FamilySpec.rollout_decoder`, "module:Class"); a family that
+    keeps the dense default but has routed experts or latent attention (`arch.moe` / `arch.mla`) gets `MoEDecoder`."""
     import importlib
 
-    module, _, cls = get_family(arch.family).rollout_decoder.partition(":")
+    name = get_family(arch.family).rollout_decoder
+    if name == DENSE_DECODER and (getattr(arch, "moe", None) is not None or getattr(arch, "mla", None) is not None):
+        name = MOE_DECODER
+    module, _, cls = name.partition(":")
     return getattr(importlib.import_module(module), cls)
 
 

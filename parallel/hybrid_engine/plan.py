@@ -168,18 +168,19 @@ class ReshardPlan:
         return ExpertLayout(self.tp, self.dp, self.pp, self.ep, self.etp or self.tp, n)
 
     @functools.cached_property
-    def _experts_by_stage(self) -> dict[tuple[int, int], list[ParamSpec]]:
-        out: dict[tuple[int, int], list[ParamSpec]] = {}
+    def _experts_by_stage(self) -> dict[int, list[ParamSpec]]:
+        out: dict[int, list[ParamSpec]] = {}
         for s in self.expert_specs:
-            out.setdefault((s.stage, s.expert), []).append(s)
+            out.setdefault(s.stage, []).append(s)
         return out
 
     def owned_expert_specs(self, rank: int) -> list[ParamSpec]:
-        """The expert tensors `rank` holds in training (its EP rank's experts of its stage; its expert-TP slice)."""
+        """The expert tensors `rank` holds in training (its EP rank's experts of its stage; its expert-TP slice), in
+        plan order (the order both ends of the exchange enumerate segments in)."""
         lay = self.expert_layout
         _, b, _, stage = lay.coords(rank)
-        return [s for e in range(b * lay.n_local, (b + 1) * lay.n_local)
-                for s in self._experts_by_stage.get((stage, e), [])]
+        first, last = b * lay.n_local, (b + 1) * lay.n_local
+        return [s for s in self._experts_by_stage.get(stage, []) if first <= s.expert < last]
 
     def expert_recv(self, rank: int) -> dict[int, list[Segment]]:
         """Source rank -> the expert segments `rank` takes from it (itself: local copies), in plan order."""
