@@ -129,3 +129,40 @@ def test_expert_plan_refusals_name_the_key():
         build_reshard_plan(arch, 2, 1, 3, 1, ep=3, etp=1)
     with pytest.raises(ReshardPlanError, match="rollout.tensor_model_parallel_size=.*expert intermediate size"):
         build_reshard_plan(_arch("deepseek_v3", moe_intermediate_size=30), 4, 1, 1, 4, ep=1, etp=1)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_sglang_backend_sends_the_checkpoint_names(tmp_path, family):
+    """The SGLang backend pushes full HF tensors under the names `save_pretrained` writes: per-expert
+    `mlp.experts.{e}.{gate,up,down}_proj.weight` (SGLang's qwen3_moe / qwen2_moe / deepseek_v2 `load_weights` map
+    them with FusedMoE.make_expert_params_mapping(ckpt_gate_proj_name="gate_proj", ...)), the router as
+    `mlp.gate.weight` (+ `e_score_correction_bias`), and bit-identical values. A layer's q_a_proj and
+    kv_a_proj_with_mqa share a bucket (SGLang fuses them inside one load_weights call). sglang itself needs a GPU."""
+    import re
+
+    from safetensors.torch import load_file
+
+    from tripod.engine.rollout.weight_sync import gather_bucket_full, hf_buckets
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.convert import family_of, hf_to_megatron
+
+    hf_dir = make_tiny_moe_model(tmp_path, family, seed=2)
+    arch = arch_from_hf(hf_dir)
+    disk = load_file(os.path.join(hf_dir, "model.safetensors"))
+    shard = {n: family_of(arch).shard(arch, n, t, 1, 0) for n, t in hf_to_megatron(arch, disk).items()}
+    sent: dict[str, torch.Tensor] = {}
+    buckets = hf_buckets(arch, shard, 1, bucket_bytes=8 << 10)  # small: many bucket boundaries
+    for bucket in buckets:
+        for hf_name, tensor in gather_bucket_full(arch, bucket, shard, None, 1):
+            assert hf_name not in sent
+            sent[hf_name] = tensor
+    assert sent.keys() == disk.keys()
+    assert all(torch.equal(sent[k], disk[k]) for k in disk)
+    experts = [k for k in sent if ".mlp.experts." in k]
+    assert experts and all(re.fullmatch(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", k)
+                           and int(k.split(".")[5]) < arch.moe.num_experts for k in experts)
+    if arch.mla is not None:
+        for bucket in buckets:
+            for name in bucket:
+                if ".linear_q_down_proj." in name:
+                    assert name.replace("linear_q_down_proj", "linear_kv_down_proj") in bucket
