@@ -7,12 +7,15 @@ in-process under torchrun / a multi-task srun, or in locally spawned processes o
 
 plan: prints the hybrid engine's resharding plan for the recipe's actor layout and rollout TP (groups, bytes
 received and peak extra memory per rank) and the memory plan per rank (params, grads, fp32 main weights, optimizer
-states of each model, generation shard, KV cache: parallel/memory_plan.py), without starting any process.
+states of each model, generation shard, KV cache: parallel/memory_plan.py), without starting any process. It needs
+only the model's config.json: a local directory, the local Hugging Face cache, or recipes/model_configs/ for a repo id
+(`plan_model_config`).
 """
 from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from tripod.engine.launch import detect_launch, run_distributed
 
@@ -47,8 +50,32 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "model_configs"
+
+
+def plan_model_config(path: str, key: str = "actor_rollout_ref.model.path") -> str:
+    """Where `tripod plan` reads the config.json of `path`: the directory itself, the local Hugging Face cache, or
+    the architecture-only copy in recipes/model_configs/<org>--<name>.json (see its README for the sources)."""
+    if os.path.exists(path):
+        return path
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(repo_id=path, filename="config.json")
+        if isinstance(cached, str):
+            return cached
+    except Exception:  # not a valid repo id, or no hub client: fall through to the bundled copies
+        pass
+    bundled = MODEL_CONFIGS / (path.replace("/", "--") + ".json")
+    if bundled.is_file():
+        return str(bundled)
+    raise FileNotFoundError(f"{key}={path}: no local directory, no cached config.json and no {bundled}; "
+                            "download the model (or just its config.json) and point the key at it")
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from tripod.engine.config import load_config
+    from tripod.engine.precision import rollout_dtype
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.hybrid_engine import build_reshard_plan
 
@@ -59,15 +86,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if world % (tp * pp):
         raise ValueError(f"world size {world} (trainer.n_gpus_per_node * trainer.nnodes) is not a multiple of the "
                          f"actor's TP*PP = {tp}*{pp}")
-    arch = arch_from_hf(cfg.actor_rollout_ref.model.path)
+    source = plan_model_config(cfg.actor_rollout_ref.model.path)
+    arch = arch_from_hf(source)
+    print(f"architecture: {source}")
     plan = build_reshard_plan(arch, tp, pp, world // (tp * pp), cfg.actor_rollout_ref.rollout.tensor_model_parallel_size,
                               bucket_bytes=int(args.bucket_mb * (1 << 20)), world_size=world,
-                              vpp=m.virtual_pipeline_model_parallel_size or 1)
+                              vpp=m.virtual_pipeline_model_parallel_size or 1, ep=m.expert_model_parallel_size,
+                              etp=m.expert_tensor_parallel_size,
+                              dtype=rollout_dtype(cfg.actor_rollout_ref.rollout.dtype,
+                                                  "cuda" if cfg.trainer.device == "cuda" else "cpu"))
     print(plan.describe())
     from tripod.parallel.memory_plan import plan_from_config
 
-    critic_arch = arch_from_hf(cfg.critic.model.path) if cfg.algorithm.adv_estimator == "gae" and \
-        cfg.critic.model.path else None
+    critic_arch = arch_from_hf(plan_model_config(cfg.critic.model.path, "critic.model.path")) \
+        if cfg.algorithm.adv_estimator == "gae" and cfg.critic.model.path else None
     print("\nmemory per rank (parallel/memory_plan.py; activations not included):")
     print(plan_from_config(cfg, world, arch, critic_arch).describe())
     return 0

@@ -34,6 +34,7 @@ PARAM_DTYPES = ("fp32", "bf16", "fp16")
 ROLLOUT_DTYPES = ("fp32", "bf16", "fp16")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
+MOE_LOAD_BALANCING_TYPES = ("none", "aux_loss", "seq_aux_loss")  # megatron's moe_router_load_balancing_type
 
 
 def _choice(key: str, value: Any, allowed) -> list[str]:
@@ -148,6 +149,17 @@ class MegatronConfig:
     expert_tensor_parallel_size: Optional[int] = None
     """TP inside each expert (ETP); null: the model's TP (megatron's default). verl/Megatron-LM:
     expert_tensor_parallel_size."""
+    moe_router_load_balancing_type: str = "none"
+    """MoE models: the router's load-balancing loss, none | aux_loss (over the micro-batch's tokens) | seq_aux_loss
+    (per sequence, DeepSeek-V3's). Logged as actor/moe_aux_loss (critic/moe_aux_loss). Megatron-LM/verl:
+    moe_router_load_balancing_type."""
+    moe_aux_loss_coeff: float = 0.0
+    """MoE models: weight of the load-balancing loss in the training loss (0: off, logits stay those of the HF
+    model). Needs moe_router_load_balancing_type aux_loss or seq_aux_loss. Megatron-LM/verl: moe_aux_loss_coeff."""
+    moe_router_bias_update_rate: float = 0.0
+    """MoE models with an expert bias (DeepSeek-V3 e_score_correction_bias): how far each optimizer step moves
+    the bias of an over/under-loaded expert (aux-loss-free balancing); 0 keeps the checkpoint's bias fixed.
+    Megatron-LM: moe_router_bias_update_rate (its default 1e-3 is for pre-training)."""
     seed: int = 42
     """Seed of this model's megatron RNG (model-parallel RNG tracker, initialisation of non-loaded parameters such
     as the value head). verl: megatron.seed."""
@@ -175,6 +187,14 @@ class MegatronConfig:
         e = [f"{key}.{n}={v} must be >= 1" for n, v in (("tensor_model_parallel_size", self.tensor_model_parallel_size),
                                                          ("pipeline_model_parallel_size",
                                                           self.pipeline_model_parallel_size)) if v < 1]
+        e += _choice(f"{key}.moe_router_load_balancing_type", self.moe_router_load_balancing_type,
+                     MOE_LOAD_BALANCING_TYPES)
+        e += [f"{key}.{n}={v} must be >= 0" for n, v in (("moe_aux_loss_coeff", self.moe_aux_loss_coeff),
+                                                         ("moe_router_bias_update_rate",
+                                                          self.moe_router_bias_update_rate)) if v < 0]
+        if self.moe_aux_loss_coeff > 0 and self.moe_router_load_balancing_type == "none":
+            e.append(f"{key}.moe_aux_loss_coeff={self.moe_aux_loss_coeff} has no effect with "
+                     f"{key}.moe_router_load_balancing_type=none; set it to aux_loss or seq_aux_loss")
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None and (vpp < 1 or self.pipeline_model_parallel_size < 2):
             e.append(f"{key}.virtual_pipeline_model_parallel_size={vpp} needs an integer >= 1 and "
@@ -191,6 +211,9 @@ def _megatron_like_actor() -> MegatronConfig:
                           sequence_parallel=base + "sequence_parallel}", seed=base + "seed}",
                           expert_model_parallel_size=base + "expert_model_parallel_size}",
                           expert_tensor_parallel_size=base + "expert_tensor_parallel_size}",
+                          moe_router_load_balancing_type=base + "moe_router_load_balancing_type}",
+                          moe_aux_loss_coeff=base + "moe_aux_loss_coeff}",
+                          moe_router_bias_update_rate=base + "moe_router_bias_update_rate}",
                           param_dtype=base + "param_dtype}")
 
 

@@ -28,6 +28,7 @@ from tripod.engine.rewards import RewardPool
 from tripod.engine.rollout import SamplingParams, make_rollout_engine
 from tripod.engine.rollout.weight_sync import WeightSync
 from tripod.engine.workers.batch import PPOBatch, build_ppo_batch
+from tripod.engine.workers.megatron_worker import moe_config_overrides
 from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
 from tripod.parallel.arch import arch_from_hf
 from tripod.parallel.hybrid_engine.engine import HybridEngine
@@ -39,10 +40,12 @@ def _layout(m, name: str, arch) -> ParallelLayout:
                           ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size, name=name, arch=arch)
 
 
-def _model_options(m, layout: ParallelLayout, trainable: bool = True) -> dict:
-    """Worker keyword arguments from a `megatron` config section: precision, sequence parallel, virtual stages."""
+def _model_options(m, layout: ParallelLayout, key: str, arch, trainable: bool = True) -> dict:
+    """Worker keyword arguments from the `{key}.megatron` config section: precision, sequence parallel, virtual
+    stages, the MoE router's load balancing."""
     return dict(sequence_parallel=m.sequence_parallel, virtual_pipeline_size=m.virtual_pipeline_model_parallel_size,
-                precision=resolve_precision(m, layout.dp, trainable))
+                precision=resolve_precision(m, layout.dp, trainable),
+                config_overrides=moe_config_overrides(m, arch, key))
 
 
 class PPOTrainer:
@@ -83,16 +86,19 @@ class PPOTrainer:
         self.actor = PolicyWorker("actor", self.arch, actor_layout, path, seed=actor_cfg.megatron.seed,
                                   optim=actor_cfg.optim, grad_clip=actor_cfg.grad_clip,
                                   total_steps=max(self.total_steps - cfg.trainer.critic_warmup, 1) * updates(actor_cfg),
-                                  **_model_options(actor_cfg.megatron, actor_layout))
+                                  **_model_options(actor_cfg.megatron, actor_layout, "actor_rollout_ref.actor",
+                                                   self.arch))
         ref_layout = _layout(arc.ref.megatron, "reference", self.arch)
         self.ref = (PolicyWorker("reference", self.arch, ref_layout, path, trainable=False, seed=arc.ref.megatron.seed,
-                                 offload=arc.ref.offload, **_model_options(arc.ref.megatron, ref_layout, False))
+                                 offload=arc.ref.offload,
+                                 **_model_options(arc.ref.megatron, ref_layout, "actor_rollout_ref.ref", self.arch,
+                                                  False))
                     if self.use_ref else None)
         critic_layout = _layout(cfg.critic.megatron, "critic", self.arch)
         self.critic = (CriticWorker("critic", self.arch, critic_layout, cfg.critic.model.path, value_head=True,
                                     seed=cfg.critic.megatron.seed, optim=cfg.critic.optim,
                                     grad_clip=cfg.critic.grad_clip, total_steps=self.total_steps * updates(cfg.critic),
-                                    **_model_options(cfg.critic.megatron, critic_layout))
+                                    **_model_options(cfg.critic.megatron, critic_layout, "critic", self.arch))
                        if self.use_critic else None)
 
         rollout = arc.rollout

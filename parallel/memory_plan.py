@@ -8,9 +8,15 @@ For each model (actor, critic, reference) on its layout, the bytes one rank hold
     optim        numel * 8 / DP'          Adam exp_avg + exp_avg_sq in fp32
     (DP' = DP with the distributed optimizer, else 1; the reference has params only, on the host if offloaded)
 
-and for the rollout: the generation shard (its rollout-TP slice of the whole model in the rollout dtype; nothing
-when rollout TP == actor TP, PP == 1 and the dtypes agree: the engine then reads the actor's parameters) and the
-KV cache of one generate call (2 * layers * kv_heads/tg * head_dim * sequences * (prompt + response) * bytes).
+MoE models: a rank holds its TP slice of the dense tensors (attention, norms, router, shared experts, dense-MLP
+layers: / TP) and num_experts / EP experts of each MoE layer of its stage, each cut over expert TP (/ ETP); the
+distributed optimizer shards the expert part over expert-DP (EDP = TP*DP / (EP*ETP)) instead of DP.
+
+and for the rollout: the generation shard (its rollout-TP slice of the whole model in the rollout dtype, every expert
+included; nothing when rollout TP == actor TP, PP == 1, EP == 1 and the dtypes agree: the engine then reads the
+actor's parameters) and the KV cache of one generate call (2 * layers * kv_heads/tg * head_dim * sequences *
+(prompt + response) * bytes; MLA caches the latent instead: layers * (kv_lora_rank + qk_rope_head_dim) per token,
+replicated over rollout TP).
 `scripts/bench_memory.py` measures the same quantities on live objects; `tripod plan` prints this table.
 """
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tripod.parallel.arch import ModelArch
+from tripod.parallel.families.spec import local_shape as split_local_shape
 from tripod.parallel.hybrid_engine.plan import actor_param_specs, local_shape
 from tripod.parallel.convert.common import padded_vocab_size
 
@@ -31,11 +38,21 @@ def _prod(shape) -> int:
     return out
 
 
-def stage_numel(arch: ModelArch, tp: int, pp: int, *, value_head: bool = False) -> list[int]:
-    """Parameters of one TP rank on each PP stage (embedding, layers, final norm, LM head or value head)."""
-    per_stage = [0] * pp
+def stage_numel(arch: ModelArch, tp: int, pp: int, *, value_head: bool = False, ep: int = 1,
+                etp: int | None = None) -> list[int]:
+    """Parameters of one rank on each PP stage (embedding, layers, final norm, LM head or value head, its experts)."""
+    return [d + e for d, e in stage_numel_split(arch, tp, pp, value_head=value_head, ep=ep, etp=etp)]
+
+
+def stage_numel_split(arch: ModelArch, tp: int, pp: int, *, value_head: bool = False, ep: int = 1,
+                      etp: int | None = None) -> list[tuple[int, int]]:
+    """(dense, routed-expert) parameters of one rank on each PP stage."""
+    per_stage, experts = [0] * pp, [0] * pp
     for spec in actor_param_specs(arch, tp, pp):
-        per_stage[spec.stage] += _prod(local_shape(spec, tp))
+        if spec.expert is not None:  # every expert has the same shape: this rank's 1/ep of them, cut etp ways
+            experts[spec.stage] += _prod(split_local_shape(spec.rule, spec.global_shape, etp or tp))
+        else:
+            per_stage[spec.stage] += _prod(local_shape(spec, tp))
     h, v = arch.hidden_size, padded_vocab_size(arch.vocab_size, tp)
     if value_head:
         if not arch.tie_word_embeddings:
@@ -43,7 +60,9 @@ def stage_numel(arch: ModelArch, tp: int, pp: int, *, value_head: bool = False) 
         per_stage[-1] += h + 1
     elif arch.tie_word_embeddings and pp > 1:
         per_stage[-1] += (v // tp) * h  # megatron keeps a copy of the tied embedding on the last stage
-    return per_stage
+    if any(x % ep for x in experts):
+        raise ValueError(f"expert_model_parallel_size={ep} must divide the number of experts")
+    return [(d, x // ep) for d, x in zip(per_stage, experts)]
 
 
 @dataclass
@@ -57,19 +76,35 @@ class ModelMemory:
     distributed_optimizer: bool = False
     offloaded: bool = False  # reference params kept in host memory between uses
     value_head: bool = False
+    ep: int = 1
+    etp: int | None = None  # None: tp
     numel: int = 0
+    expert_numel: int = 0  # of which routed experts
     rows: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def edp(self) -> int:
+        return self.tp * self.dp // (self.ep * (self.etp or self.tp))
+
     def compute(self, arch: ModelArch) -> "ModelMemory":
-        self.numel = max(stage_numel(arch, self.tp, self.pp, value_head=self.value_head))
+        split = stage_numel_split(arch, self.tp, self.pp, value_head=self.value_head, ep=self.ep, etp=self.etp)
+        dense, self.expert_numel = max(split, key=sum)
+        self.numel = dense + self.expert_numel
         pbytes = torch.empty((), dtype=self.param_dtype).element_size()
         self.rows = {"params": self.numel * pbytes}
         if self.trainable:
-            shard = self.dp if self.distributed_optimizer else 1
+            # the distributed optimizer shards dense state over DP, expert state over expert-DP
+            sharded = (dense // self.dp + self.expert_numel // self.edp if self.distributed_optimizer
+                       else self.numel)
             self.rows["grads"] = self.numel * 4
-            self.rows["main_params"] = self.numel * 4 // shard if pbytes < 4 else 0
-            self.rows["optim"] = self.numel * 8 // shard
+            self.rows["main_params"] = sharded * 4 if pbytes < 4 else 0
+            self.rows["optim"] = sharded * 8
         return self
+
+    @property
+    def layout(self) -> str:
+        experts = f"EP{self.ep}ETP{self.etp or self.tp}" if self.ep > 1 or self.etp not in (None, self.tp) else ""
+        return f"TP{self.tp}xPP{self.pp}xDP{self.dp}{experts}"
 
     @property
     def total(self) -> int:
@@ -89,10 +124,10 @@ class MemoryPlan:
 
     def describe(self) -> str:
         mib = 1 << 20
-        lines = ["model      layout        dtype  distopt   params_MiB  grads_MiB  main_MiB  optim_MiB  total_MiB"]
+        lines = ["model      layout             dtype  distopt   params_MiB  grads_MiB  main_MiB  optim_MiB  total_MiB"]
         for m in self.models:
             r = m.rows
-            lines.append(f"{m.name:<10} TP{m.tp}xPP{m.pp}xDP{m.dp:<3} {str(m.param_dtype)[6:]:<6} "
+            lines.append(f"{m.name:<10} {m.layout:<18} {str(m.param_dtype)[6:]:<6} "
                          f"{str(m.distributed_optimizer).lower():<7} {r['params'] / mib:>11.1f} "
                          f"{r.get('grads', 0) / mib:>10.1f} {r.get('main_params', 0) / mib:>9.1f} "
                          f"{r.get('optim', 0) / mib:>10.1f} {m.total / mib:>10.1f}"
@@ -105,7 +140,11 @@ class MemoryPlan:
 
 
 def kv_cache_bytes(arch: ModelArch, rollout_tp: int, sequences: int, seq_len: int, dtype: torch.dtype) -> int:
+    """The embedded engine's KV cache of one generate call on one rank (engine/rollout/tp_decoder.py, moe_decoder.py)."""
     es = torch.empty((), dtype=dtype).element_size()
+    mla = getattr(arch, "mla", None)
+    if mla is not None:  # the latent and the RoPE key, replicated over rollout TP
+        return arch.num_layers * (mla.kv_lora_rank + mla.qk_rope_head_dim) * sequences * seq_len * es
     return 2 * arch.num_layers * (arch.num_kv_heads // rollout_tp) * arch.head_dim * sequences * seq_len * es
 
 
@@ -126,7 +165,8 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
         dp = world_size // (tp * pp)
         prec = resolve_precision(m, dp, trainable)
         return ModelMemory(name, tp, pp, dp, prec.param_dtype, trainable, prec.use_distributed_optimizer,
-                           offloaded, value_head).compute(critic_arch if value_head and critic_arch else arch)
+                           offloaded, value_head, m.expert_model_parallel_size,
+                           m.expert_tensor_parallel_size).compute(critic_arch if value_head and critic_arch else arch)
 
     models = [model("actor", arc.actor.megatron, True)]
     if algo.adv_estimator == "gae":
@@ -139,7 +179,8 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
     sequences = -(-cfg.data.train_batch_size * r.n // replicas)
     actor = models[0]
     # parallel/hybrid_engine/engine.py: same TP, no PP, same dtype -> the engine reads the parameters themselves
-    aliased = actor.pp == 1 and actor.tp == r.tensor_model_parallel_size and actor.param_dtype == gdt
+    aliased = actor.pp == 1 and actor.tp == r.tensor_model_parallel_size and actor.param_dtype == gdt and \
+        (actor.expert_numel == 0 or (actor.ep == 1 and actor.etp in (None, actor.tp)))
     return MemoryPlan(models, 0 if aliased else generation_shard_bytes(arch, r.tensor_model_parallel_size, gdt),
                       kv_cache_bytes(arch, r.tensor_model_parallel_size, sequences,
                                      cfg.data.max_prompt_length + r.response_length, gdt), aliased)

@@ -23,12 +23,17 @@ def char_tokenizer():
 
 
 def make_ppo_setup(tmp_path, *, family: str = "qwen2", n_train: int = 32, n_val: int = 8, **model_overrides) -> dict:
-    """{'model': dir, 'train': parquet, 'val': parquet}; prompts are short arithmetic questions."""
+    """{'model': dir, 'train': parquet, 'val': parquet}; prompts are short arithmetic questions. `family`: llama /
+    qwen2 (tests/utils.py) or an MoE family of tests/moe_models.py (qwen3_moe, qwen2_moe, deepseek_v3)."""
     from tripod.engine.data import make_arithmetic_rows, write_prompt_parquet
 
     overrides = dict(max_position_embeddings=256, vocab_size=128)
     overrides.update(model_overrides)
-    model = make_tiny_hf_model(tmp_path, family, **overrides)
+    if family in ("llama", "qwen2"):
+        model = make_tiny_hf_model(tmp_path, family, **overrides)
+    else:
+        from moe_models import make_tiny_moe_model
+        model = make_tiny_moe_model(tmp_path, family, **overrides)
     char_tokenizer().save_pretrained(model)
     instruction = "Answer as #### N."
     paths = {"model": model}

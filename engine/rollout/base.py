@@ -145,11 +145,23 @@ def validate_rollout_tp(arch: ModelArch, tg: int) -> None:
     key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
     if tg < 1:
         raise ValueError(f"{key}={tg}: must be >= 1")
-    for what, count in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
-                        ("intermediate_size", arch.ffn_hidden_size)):
+    sizes = [("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
+             ("intermediate_size", arch.ffn_hidden_size)]
+    from tripod.parallel.moe_arch import mla_from_hf, moe_from_hf
+
+    moe = getattr(arch, "moe", None) or moe_from_hf(arch.hf_config)
+    mla = getattr(arch, "mla", None) or mla_from_hf(arch.hf_config)
+    if moe is not None:  # the embedded engine cuts every expert over the rollout TP group (moe_decoder.py)
+        sizes.append(("moe_intermediate_size", moe.expert_ffn_hidden_size))
+        if moe.shared_expert_ffn_hidden_size:
+            sizes.append(("shared expert intermediate size", moe.shared_expert_ffn_hidden_size))
+    if mla is not None:  # megatron splits the MLA down projections' outputs over TP
+        sizes.append(("kv_lora_rank + qk_rope_head_dim", mla.kv_lora_rank + mla.qk_rope_head_dim))
+        if mla.q_lora_rank:
+            sizes.append(("q_lora_rank", mla.q_lora_rank))
+    for what, count in sizes:
         if count % tg:
-            divisors = [d for d in range(1, count + 1) if arch.num_heads % d == 0 and arch.num_kv_heads % d == 0
-                        and arch.ffn_hidden_size % d == 0]
+            divisors = [d for d in range(1, count + 1) if all(c % d == 0 for _, c in sizes)]
             raise ValueError(f"{key}={tg} does not divide the model's {what}={count} "
                              f"(num_attention_heads={arch.num_heads}, num_key_value_heads={arch.num_kv_heads}); "
                              f"set {key} to one of {divisors}")

@@ -22,11 +22,19 @@ from tripod.parallel.arch import ModelArch
 from tripod.parallel.families import get_family
 
 
+DENSE_DECODER = "tripod.engine.rollout.tp_decoder:TPDecoder"
+MOE_DECODER = "tripod.engine.rollout.moe_decoder:MoEDecoder"
+
+
 def decoder_class(arch: ModelArch) -> type:
-    """The decoder class the family of `arch` names (`FamilySpec.rollout_decoder`, "module:Class")."""
+    """The decoder class the family of `arch` names (`FamilySpec.rollout_decoder`, "module:Class"); a family that
+    keeps the dense default but has routed experts or latent attention (`arch.moe` / `arch.mla`) gets `MoEDecoder`."""
     import importlib
 
-    module, _, cls = get_family(arch.family).rollout_decoder.partition(":")
+    name = get_family(arch.family).rollout_decoder
+    if name == DENSE_DECODER and (getattr(arch, "moe", None) is not None or getattr(arch, "mla", None) is not None):
+        name = MOE_DECODER
+    module, _, cls = name.partition(":")
     return getattr(importlib.import_module(module), cls)
 
 
@@ -145,8 +153,7 @@ class EmbeddedRolloutEngine(RolloutEngine):
         lengths = torch.zeros(total, dtype=torch.long)
         finish = [FINISH_LENGTH] * total
 
-        cache = KVCache.allocate(self.arch.num_layers, total, self.decoder.kv_heads,
-                                 prompt_len + params.max_new_tokens, self.arch.head_dim, self.dtype, self.device)
+        cache = self.decoder.allocate_cache(total, prompt_len + params.max_new_tokens, self.dtype, self.device)
         self.kv_cache = cache
         self.last_kv_cache_bytes = sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
         cache.valid[:, :prompt_len] = prompt_mask

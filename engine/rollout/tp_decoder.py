@@ -5,7 +5,8 @@ tensor come from the model family's table, parallel/families/; docs/rollout.md):
 TP rank its own KV groups and its own slice of the FFN; row-parallel linear_proj / linear_fc2
 produce partial sums that are all-reduced over the TP group; the embedding and the LM head are
 vocab-parallel. Math follows the HF reference (RMSNorm in fp32, SwiGLU, RoPE from
-`ModelArch.rope_inv_freq`, GQA, optional qkv bias).
+`ModelArch.rope_inv_freq`, GQA, optional qkv bias, optional per-head q/k RMSNorm as Qwen3 has).
+MoE and MLA layers: engine/rollout/moe_decoder.py.
 """
 from __future__ import annotations
 
@@ -32,11 +33,13 @@ class KVCache:
 
     @classmethod
     def allocate(cls, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> "KVCache":
-        def empty() -> torch.Tensor:
-            return torch.empty(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+                 dtype: torch.dtype, device: torch.device, value_dim: int | None = None) -> "KVCache":
+        """`value_dim` (default `head_dim`): last dim of the values when it differs from the keys' (MLA)."""
+        def empty(dim: int) -> torch.Tensor:
+            return torch.empty(batch, kv_heads, capacity, dim, dtype=dtype, device=device)
 
-        return cls([empty() for _ in range(num_layers)], [empty() for _ in range(num_layers)],
+        return cls([empty(head_dim) for _ in range(num_layers)],
+                   [empty(value_dim or head_dim) for _ in range(num_layers)],
                    torch.zeros(batch, capacity, dtype=torch.bool, device=device))
 
     def keep_rows(self, rows: torch.Tensor) -> None:
@@ -67,6 +70,11 @@ class TPDecoder:
         inv_freq, self.rope_scaling = arch.rope_inv_freq()
         self.inv_freq = inv_freq.float()
         self.weights: dict[str, torch.Tensor] = {}
+
+    def allocate_cache(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+        """The KV cache of one generate call: [batch, kv_heads / tg, capacity, head_dim] keys and values per layer."""
+        return KVCache.allocate(self.arch.num_layers, batch, self.kv_heads, capacity, self.arch.head_dim, dtype,
+                                device)
 
     # ---- weights --------------------------------------------------------------------------------
     def check_shard(self, shard: dict[str, torch.Tensor]) -> None:
@@ -134,6 +142,10 @@ class TPDecoder:
         q = qkv[:, :, :, :group].reshape(N, S, self.q_heads, hd).transpose(1, 2)
         k = qkv[:, :, :, group].transpose(1, 2)
         v = qkv[:, :, :, group + 1].transpose(1, 2)
+        if p + "q_layernorm.weight" in self.weights:  # Qwen3: RMSNorm over each head's q and k, before RoPE
+            eps = self.arch.rms_norm_eps
+            q = rms_norm(q, self.weights[p + "q_layernorm.weight"], eps)
+            k = rms_norm(k, self.weights[p + "k_layernorm.weight"], eps)
         cos, sin = cos[:, None], sin[:, None]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin

@@ -19,6 +19,7 @@ flattened bucket to the SGLang TP worker on its GPU (CUDA IPC handles, gathered 
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any, Iterator
 
 import torch
@@ -75,18 +76,29 @@ def hf_buckets(arch: ModelArch, shard: dict[str, torch.Tensor], tp_size: int, bu
     (a tensor larger than the budget gets a bucket of its own). Same order on every rank of the group."""
     from tripod.parallel.convert import family_of
 
+    units: dict[str, list[str]] = {}  # tensors SGLang must receive in the same call stay in one bucket
+    for name in sorted(shard):
+        units.setdefault(_MLA_A_PROJ.sub(".<a_proj>.", name), []).append(name)
     buckets: list[list[str]] = [[]]
     size = 0
-    for name in sorted(shard):
-        t = shard[name]
-        nbytes = t.element_size() * int(torch.Size(family_of(arch).shape(arch, name)).numel()) if tp_size > 1 else \
-            t.numel() * t.element_size()
+    for names in units.values():
+        nbytes = 0
+        for name in names:
+            t = shard[name]
+            nbytes += t.element_size() * int(torch.Size(family_of(arch).shape(arch, name)).numel()) \
+                if tp_size > 1 else t.numel() * t.element_size()
         if buckets[-1] and size + nbytes > bucket_bytes:
             buckets.append([])
             size = 0
-        buckets[-1].append(name)
+        buckets[-1].extend(names)
         size += nbytes
     return [b for b in buckets if b]
+
+
+# SGLang's DeepSeek loader fuses q_a_proj with kv_a_proj_with_mqa (fused_qkv_a_proj_with_mqa) inside ONE load_weights
+# call in the versions that keep the half it has seen in a per-call dict (`cached_a_proj = {}`), so a layer's two
+# down projections must travel in the same bucket.
+_MLA_A_PROJ = re.compile(r"\.linear_(?:q|kv)_down_proj\.")
 
 
 def gather_bucket_full(arch: ModelArch, names: list[str], shard: dict[str, torch.Tensor], tp_group: Any,

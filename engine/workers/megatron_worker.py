@@ -66,6 +66,33 @@ def _bypass_output_layer(model, tp_group) -> None:
     model.output_layer.forward = forward
 
 
+# megatron's tracker name of each load-balancing loss (transformer/moe/router.py)
+MOE_AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
+
+
+def moe_config_overrides(megatron_cfg, arch: ModelArch, key: str) -> dict:
+    """TransformerConfig fields from `{key}.megatron.moe_*` for an MoE model; {} for a dense one (which must leave
+    them at their defaults: one clear line naming the key otherwise)."""
+    from tripod.parallel.moe_arch import moe_from_hf
+
+    moe = getattr(arch, "moe", None) or moe_from_hf(arch.hf_config)
+    m = megatron_cfg
+    lb, coeff, rate = m.moe_router_load_balancing_type, m.moe_aux_loss_coeff, m.moe_router_bias_update_rate
+    if moe is None:
+        if lb != "none" or coeff or rate:
+            raise ValueError(f"{key}.megatron.moe_router_load_balancing_type={lb!r} / moe_aux_loss_coeff={coeff} / "
+                             f"moe_router_bias_update_rate={rate}: the {arch.family} model has no experts; "
+                             "leave them at none / 0 / 0")
+        return {}
+    if rate and not moe.expert_bias:
+        raise ValueError(f"{key}.megatron.moe_router_bias_update_rate={rate}: this {arch.family} router has no expert "
+                         "bias (only DeepSeek-V3's sigmoid router does); set it to 0")
+    out = dict(moe_router_load_balancing_type=lb, moe_aux_loss_coeff=float(coeff))
+    if moe.expert_bias:
+        out["moe_router_bias_update_rate"] = float(rate)
+    return out
+
+
 def _cast_floating_params(model, dtype: torch.dtype) -> None:
     """Every parameter in `dtype`. megatron's CPU (local-spec) RMSNorm builds fp32 weights whatever params_dtype is,
     where TE's norm uses params_dtype; megatron's Float16 optimizer checkpoints assume all params are 16-bit."""
@@ -78,9 +105,11 @@ class MegatronWorker:
     def __init__(self, name: str, arch: ModelArch, layout, hf_dir: str, *, value_head: bool = False,
                  trainable: bool = True, optim: OptimConfig | None = None, grad_clip: float = 1.0,
                  total_steps: int = 1, seed: int = 1234, precision: PrecisionSettings | None = None,
-                 offload: bool = False, sequence_parallel: bool = False, virtual_pipeline_size: int | None = None):
+                 offload: bool = False, sequence_parallel: bool = False, virtual_pipeline_size: int | None = None,
+                 config_overrides: dict | None = None):
         """`optim`, `grad_clip` and `total_steps` (optimizer steps of the whole run, for the LR schedule) matter
-        only when `trainable`."""
+        only when `trainable`. `config_overrides`: extra TransformerConfig fields (the MoE router's, from
+        `moe_config_overrides`)."""
         from tripod.parallel.convert import load_hf_weights
         from tripod.parallel.model import build_model_chunks
 
@@ -93,7 +122,7 @@ class MegatronWorker:
                                          value_head=value_head, params_dtype=self.precision.param_dtype, seed=seed,
                                          sequence_parallel=sequence_parallel,
                                          use_cpu_initialization=self.device.type == "cpu",
-                                         **self.precision.transformer_overrides())
+                                         **self.precision.transformer_overrides(), **(config_overrides or {}))
         model = self.chunks[-1]
         with layout.activate():
             load_hf_weights(self.chunks, hf_dir, arch, layout)
@@ -158,6 +187,32 @@ class MegatronWorker:
         return ddp, opt
 
     # ---- running micro-batches ----------------------------------------------------------------
+    def moe_aux_loss(self, num_microbatches: int) -> float | None:
+        """The load-balancing loss of the micro-batches just run (mean over MoE layers and micro-batches, averaged
+        over DP), then clears megatron's tracker; None when the model has no such loss. Call on every rank of the
+        layout (collectives).
+
+        Reduced as megatron's reduce_aux_losses_tracker_across_ranks + track_moe_metrics do it: summed over PP (each
+        stage fills its own layers), summed over the router's TP(xCP) group (each TP rank tracks its share of the
+        tokens), averaged over DP (as SUM / dp: gloo has no AVG); per layer it is the loss before its coefficient."""
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        cfg = self.module.config
+        name = MOE_AUX_LOSS_NAMES.get(getattr(cfg, "moe_router_load_balancing_type", "none"))
+        tracker = get_moe_layer_wise_logging_tracker()
+        if name is None or not cfg.num_moe_experts or not cfg.moe_aux_loss_coeff:
+            tracker.clear()
+            return None
+        values = tracker[name]["values"] if name in tracker else torch.zeros(cfg.num_layers, device=self.device)
+        values = values.to(self.device, torch.float32) / max(num_microbatches, 1)
+        lay = self.layout
+        for group, size in ((lay.pp_group, lay.pp), (lay.tp_group, lay.tp), (lay.dp_group, lay.dp)):
+            if size > 1:
+                dist.all_reduce(values, group=group)
+        tracker.clear()
+        moe_layers = sum(cfg.moe_layer_freq) if isinstance(cfg.moe_layer_freq, list) else cfg.num_layers
+        return float(values.sum()) / max(moe_layers, 1) / lay.dp
+
     def dp_rows(self, n: int) -> slice:
         return split_rows(n, self.layout.dp)[self.layout.dp_rank]
 
@@ -182,6 +237,9 @@ class MegatronWorker:
             return out, lambda output: loss_fn(output, mb)
 
         if not forward_only:
+            from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+            get_moe_layer_wise_logging_tracker().clear()  # moe_aux_loss() then reads this run's routers only
             with self.layout.activate():
                 for chunk in self.model:
                     chunk.zero_grad_buffer()

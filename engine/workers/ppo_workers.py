@@ -133,7 +133,11 @@ class PolicyWorker(MegatronWorker):
             return loss * scale, metrics
 
         outs = self.run(micro, loss_fn, forward_only=False)
-        return self.sum_over_dp(_sum_metrics(outs))
+        out = self.sum_over_dp(_sum_metrics(outs))
+        aux = self.moe_aux_loss(len(micro))
+        if aux is not None:
+            out["actor/moe_aux_loss"] = aux
+        return out
 
 
 class CriticWorker(MegatronWorker):
@@ -176,4 +180,8 @@ class CriticWorker(MegatronWorker):
                                 "critic/vpred_mean": masked_mean(v.detach(), mask) * share}
 
         outs = self.run(micro, loss_fn, forward_only=False)
-        return self.sum_over_dp(_sum_metrics(outs))
+        out = self.sum_over_dp(_sum_metrics(outs))
+        aux = self.moe_aux_loss(len(micro))
+        if aux is not None:
+            out["critic/moe_aux_loss"] = aux
+        return out

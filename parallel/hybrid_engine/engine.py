@@ -23,7 +23,7 @@ def train_shard_from_model(model, layout, arch: ModelArch, plan: ReshardPlan) ->
     """This rank's training shard as {global megatron name: parameter data} (views, no copies).
 
     `model` is the actor's GPTModel or its list of virtual-pipeline chunks (DDP-wrapped or not)."""
-    wanted = {s.name for s in plan.owned_specs(_global_rank())}
+    wanted = {s.name for s in plan.owned_specs(_global_rank()) + plan.owned_expert_specs(_global_rank())}
     shard = {name: p.data for name, p in global_params(model).items() if name in wanted}
     missing = sorted(wanted - set(shard))
     if missing:
@@ -45,7 +45,7 @@ class HybridEngine:
         self.arch, self.layout = arch, actor_layout
         self.plan = build_reshard_plan(arch, actor_layout.tp, actor_layout.pp, actor_layout.dp, rollout_tp,
                                        bucket_bytes=bucket_bytes, dtype=dtype, world_size=dist.get_world_size(),
-                                       vpp=vpp or 1)
+                                       vpp=vpp or 1, ep=actor_layout.ep, etp=actor_layout.etp)
         if list(actor_layout.ranks) != list(range(dist.get_world_size())):
             raise ValueError("the hybrid engine reshards an actor laid over the whole world; "
                              f"actor ranks are {actor_layout.ranks}")
@@ -76,7 +76,8 @@ class HybridEngine:
         rollout dtype is the parameters' dtype. Then `to_rollout` returns views of the parameters (no copy, no
         traffic); the rollout engine only reads them, and only between training phases."""
         p = self.plan
-        return p.pp == 1 and p.tp == p.rollout_tp and all(
+        same_experts = not p.expert_specs or (p.ep == 1 and (p.etp or p.tp) == p.tp)
+        return p.pp == 1 and p.tp == p.rollout_tp and same_experts and all(
             t.dtype == p.dtype for t in train_shard_from_model(model, self.layout, self.arch, p).values())
 
     def to_rollout(self, model: torch.nn.Module, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:

@@ -14,11 +14,16 @@ dtype (one collective per bucket), and every receiver copies the bucket straight
 therefore holds at most its generation shard plus one bucket. Bytes received per rank (ideal, paper):
 (t*p - tg)/(tg*t*p) * M, against (t*p - 1)/(t*p) * M for gathering the full model everywhere.
 
+Routed experts (MoE) do not follow the TP x DP x PP grid: the micro-DP buckets carry only the dense tensors, and the
+expert tensors move point to point from the training EP x expert-TP layout into every rollout TP slice
+(parallel/hybrid_engine/experts.py has the rule; `bytes_received` counts both parts).
+
 Everything here is pure arithmetic over `ModelArch` (no process groups), so the plan can be printed by
 `tripod plan CONFIG` and validated before any weight moves.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +32,7 @@ from tripod.parallel.arch import ModelArch
 from tripod.parallel.families import get_family
 from tripod.parallel.families.spec import Split, padded_vocab_size, subshard_segments
 from tripod.parallel.families.spec import local_shape as split_local_shape
+from tripod.parallel.hybrid_engine.experts import ExpertLayout, check_expert_sizes, expert_index, overlap_segments
 
 
 class ReshardPlanError(ValueError):
@@ -38,7 +44,8 @@ class ParamSpec:
     name: str                   # global megatron name (global layer index)
     global_shape: tuple[int, ...]  # megatron's TP-unsplit shape, vocab padded for the training TP size
     stage: int                  # PP stage holding it in the training layout
-    rule: Split                 # its TP split, from the family's table
+    rule: Split                 # its TP split, from the family's table (over expert TP for an expert tensor)
+    expert: int | None = None   # global expert index of a routed-expert tensor
 
 
 def actor_param_specs(arch: ModelArch, tp: int, pp: int, vpp: int = 1) -> list[ParamSpec]:
@@ -55,7 +62,8 @@ def actor_param_specs(arch: ModelArch, tp: int, pp: int, vpp: int = 1) -> list[P
             stage = (int(name.split(".")[2]) // per_chunk) % pp
         else:
             stage = 0 if name == "embedding.word_embeddings.weight" else pp - 1
-        specs.append(ParamSpec(name, family.padded_shape(arch, name, vocab_rows), stage, row.tp))
+        expert = expert_index(name) if getattr(row, "per_expert", False) or ".local_experts." in name else None
+        specs.append(ParamSpec(name, family.padded_shape(arch, name, vocab_rows), stage, row.tp, expert))
     return specs
 
 
@@ -120,7 +128,9 @@ class ReshardPlan:
     specs: list[ParamSpec]
     micro_dp_groups: list[list[int]]
     rollout_tp_groups: list[list[int]]
-    buckets: dict[int, list[Bucket]]   # owner rank -> its buckets, in send order
+    buckets: dict[int, list[Bucket]]   # owner rank -> its buckets of dense tensors, in send order
+    ep: int = 1
+    etp: int | None = None             # None: tp
 
     @property
     def world_size(self) -> int:
@@ -144,7 +154,79 @@ class ReshardPlan:
         return next(g for g in self.rollout_tp_groups if rank in g)
 
     def owned_specs(self, rank: int) -> list[ParamSpec]:
-        return [s for s in self.specs if s.stage == self.train_coords(rank)[2]]
+        """The dense tensors `rank` holds (its TP slice of its stage's); experts: `owned_expert_specs`."""
+        return [s for s in self.specs if s.expert is None and s.stage == self.train_coords(rank)[2]]
+
+    # ---- routed experts (parallel/hybrid_engine/experts.py) ------------------------------------------
+    @functools.cached_property
+    def expert_specs(self) -> list[ParamSpec]:
+        return [s for s in self.specs if s.expert is not None]
+
+    @functools.cached_property
+    def expert_layout(self) -> ExpertLayout:
+        n = 1 + max((s.expert for s in self.expert_specs), default=0)
+        return ExpertLayout(self.tp, self.dp, self.pp, self.ep, self.etp or self.tp, n)
+
+    @functools.cached_property
+    def _experts_by_stage(self) -> dict[int, list[ParamSpec]]:
+        out: dict[int, list[ParamSpec]] = {}
+        for s in self.expert_specs:
+            out.setdefault(s.stage, []).append(s)
+        return out
+
+    def owned_expert_specs(self, rank: int) -> list[ParamSpec]:
+        """The expert tensors `rank` holds in training (its EP rank's experts of its stage; its expert-TP slice), in
+        plan order (the order both ends of the exchange enumerate segments in)."""
+        lay = self.expert_layout
+        _, b, _, stage = lay.coords(rank)
+        first, last = b * lay.n_local, (b + 1) * lay.n_local
+        return [s for s in self._experts_by_stage.get(stage, []) if first <= s.expert < last]
+
+    def expert_recv(self, rank: int) -> dict[int, list[Segment]]:
+        """Source rank -> the expert segments `rank` takes from it (itself: local copies), in plan order."""
+        lay, j = self.expert_layout, self.rollout_tp_rank(rank)
+        c = lay.coords(rank)[2]
+        out: dict[int, list[Segment]] = {}
+        for spec in self.expert_specs:
+            b = spec.expert // lay.n_local
+            for a in range(lay.etp):
+                for src, dst, shape in overlap_segments(spec.rule, spec.global_shape, a, lay.etp, j, self.rollout_tp):
+                    out.setdefault(lay.rank(a, b, c, spec.stage), []).append(Segment(spec.name, src, dst, shape))
+        return out
+
+    def expert_send(self, rank: int) -> dict[int, list[Segment]]:
+        """Destination rank -> the segments of its own expert pieces `rank` sends there (same order as recv)."""
+        lay = self.expert_layout
+        a, _, c, _ = lay.coords(rank)
+        mine = self.owned_expert_specs(rank)
+        out: dict[int, list[Segment]] = {}
+        for dst_rank in range(self.world_size):
+            if dst_rank == rank or lay.coords(dst_rank)[2] != c:
+                continue
+            j = self.rollout_tp_rank(dst_rank)
+            segs = [Segment(s.name, src, dst, shape) for s in mine
+                    for src, dst, shape in overlap_segments(s.rule, s.global_shape, a, lay.etp, j, self.rollout_tp)]
+            if segs:
+                out[dst_rank] = segs
+        return out
+
+    def expert_bytes_received(self, rank: int) -> int:
+        """What the expert exchange delivers to `rank` (enumerated from the plan's segments)."""
+        return sum(seg.numel for src, segs in self.expert_recv(rank).items() if src != rank
+                   for seg in segs) * self.elem_size()
+
+    @functools.cached_property
+    def _expert_generation_numel(self) -> int:
+        return sum(_prod(local_shape(s, self.rollout_tp)) for s in self.expert_specs)
+
+    def expert_bytes_received_fast(self, rank: int) -> int:
+        """`expert_bytes_received` in closed form: this rank's rollout slice of every expert, less what it holds."""
+        lay, j = self.expert_layout, self.rollout_tp_rank(rank)
+        a = lay.coords(rank)[0]
+        need = self._expert_generation_numel
+        held = sum(_prod(seg[2]) for s in self.owned_expert_specs(rank)
+                   for seg in overlap_segments(s.rule, s.global_shape, a, lay.etp, j, self.rollout_tp))
+        return (need - held) * self.elem_size()
 
     def generation_shapes(self) -> dict[str, tuple[int, ...]]:
         return {s.name: local_shape(s, self.rollout_tp) for s in self.specs}
@@ -158,10 +240,14 @@ class ReshardPlan:
     def generation_shard_bytes(self) -> int:
         return sum(_prod(s) for s in self.generation_shapes().values()) * self.elem_size()
 
-    def bytes_received(self, rank: int) -> int:
-        """Exactly what the transport receives on `rank`: every bucket of every other member of its group."""
+    def bytes_received(self, rank: int, fast: bool = False) -> int:
+        """Exactly what the transport receives on `rank`: every bucket of every other member of its micro-DP group,
+        plus the expert pieces it takes from other ranks (`fast`: closed form for those, same number)."""
         es = self.elem_size()
-        return sum(b.numel * es for o in self.micro_dp_group_of(rank) if o != rank for b in self.buckets[o])
+        dense = sum(b.numel * es for o in self.micro_dp_group_of(rank) if o != rank for b in self.buckets[o])
+        if not self.expert_specs:
+            return dense
+        return dense + (self.expert_bytes_received_fast(rank) if fast else self.expert_bytes_received(rank))
 
     def bytes_received_ideal(self) -> float:
         t, p, tg = self.tp, self.pp, self.rollout_tp
@@ -180,8 +266,13 @@ class ReshardPlan:
 
     def describe(self) -> str:
         mb = 1 << 20
+        experts = ""
+        if self.expert_specs:
+            lay = self.expert_layout
+            experts = (f", experts EP={lay.ep} ETP={lay.etp} EDP={lay.edp} ({lay.num_experts} experts, "
+                       f"{lay.n_local} per EP rank; to rollout: every expert cut over rollout TP, point to point)")
         lines = [
-            f"train layout   TP={self.tp} PP={self.pp} DP={self.dp} (world {self.world_size})",
+            f"train layout   TP={self.tp} PP={self.pp} DP={self.dp} (world {self.world_size}){experts}",
             f"rollout layout TP={self.rollout_tp} PP=1 DP={self.world_size // self.rollout_tp}",
             f"micro-DP size  {self.micro_dp_size} = (TP*PP)/(rollout TP)",
             f"model bytes    {self.model_bytes() / mb:.2f} MiB ({self.dtype}), bucket {self.bucket_bytes / mb:.2f} MiB",
@@ -191,7 +282,7 @@ class ReshardPlan:
         ]
         for r in range(self.world_size):
             lines.append(f"{r:>4}  {self.rollout_tp_rank(r):>15}  {len(self.buckets[r]):>12}  "
-                         f"{self.bytes_received(r) / mb:>8.2f}  {self.bytes_received_ideal() / mb:>14.2f}  "
+                         f"{self.bytes_received(r, fast=True) / mb:>8.2f}  {self.bytes_received_ideal() / mb:>14.2f}  "
                          f"{self.bytes_received_naive() / mb:>14.2f}  {self.peak_extra_bytes() / mb:>14.2f}")
         return "\n".join(lines)
 
@@ -203,9 +294,20 @@ def _prod(shape: tuple[int, ...]) -> int:
     return n
 
 
-def validate_layouts(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: int, world_size: int | None = None) -> None:
+def validate_layouts(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: int, world_size: int | None = None,
+                     expert_specs: list[ParamSpec] = (), ep: int = 1, etp: int | None = None) -> None:
     """Refuse unsupported pairs with a message naming the config key and the fix."""
     problems = []
+    if expert_specs:
+        etp = etp or tp
+        n = 1 + max(s.expert for s in expert_specs)
+        if n % ep or (tp * dp) % (ep * etp):
+            problems.append(f"actor expert_model_parallel_size={ep} must divide the {n} experts and "
+                            f"expert_model_parallel_size*expert_tensor_parallel_size={ep}*{etp} must divide TP*DP="
+                            f"{tp}*{dp}")
+        problems += check_expert_sizes(sorted({(s.global_shape, s.rule) for s in expert_specs}), etp, rollout_tp)
+    elif ep != 1:
+        problems.append(f"actor expert_model_parallel_size={ep}: the model has no experts; use 1")
     if world_size is not None and tp * pp * dp != world_size:
         problems.append(f"actor TP*PP*DP = {tp}*{pp}*{dp} = {tp * pp * dp} != world size {world_size}")
     if arch.num_heads % tp or arch.num_kv_heads % tp:
@@ -226,10 +328,14 @@ def validate_layouts(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: int
 
 def build_reshard_plan(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: int, *,
                        bucket_bytes: int = 64 << 20, dtype: torch.dtype = torch.float32,
-                       world_size: int | None = None, vpp: int = 1) -> ReshardPlan:
-    validate_layouts(arch, tp, pp, dp, rollout_tp, world_size)
-    k = tp // rollout_tp
+                       world_size: int | None = None, vpp: int = 1, ep: int = 1,
+                       etp: int | None = None) -> ReshardPlan:
+    """The plan for actor layout TP x PP x DP (experts: EP x expert TP `etp`, None = tp) -> rollout TP."""
     specs = actor_param_specs(arch, tp, pp, vpp)
+    expert_specs = [s for s in specs if s.expert is not None]
+    validate_layouts(arch, tp, pp, dp, rollout_tp, world_size, expert_specs, ep, etp)
+    dense_specs = [s for s in specs if s.expert is None]
+    k = tp // rollout_tp
     es = torch.empty((), dtype=dtype).element_size()
     max_numel = max(1, bucket_bytes // es)
 
@@ -247,7 +353,7 @@ def build_reshard_plan(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: i
         tp_rank, _, stage = rank % tp, 0, rank // (tp * dp)
         q = tp_rank % k
         segs = []
-        for spec in specs:
+        for spec in dense_specs:
             if spec.stage != stage or (spec.rule is Split.REPLICATED and q != 0):
                 continue  # replicated params are sent once per stage, by its first TP rank in the group
             for seg in segments_of(spec, q, k, tp):
@@ -259,4 +365,5 @@ def build_reshard_plan(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: i
             out[-1].segments.append(seg)
             out[-1].numel += seg.numel
         buckets[rank] = out
-    return ReshardPlan(arch, tp, pp, dp, rollout_tp, bucket_bytes, dtype, specs, micro, rollout_groups, buckets)
+    return ReshardPlan(arch, tp, pp, dp, rollout_tp, bucket_bytes, dtype, specs, micro, rollout_groups, buckets,
+                       ep, etp)

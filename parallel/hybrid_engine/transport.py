@@ -5,7 +5,11 @@ then each member of its micro-DP group in turn broadcasts its buckets (flattened
 receiver unpacks them straight into place. One reusable bucket buffer per rank; nothing else is allocated. (When the
 layouts and dtypes coincide the hybrid engine skips this and hands out the parameters: engine.py.)
 
-`naive_full_gather` is the baseline: every rank gathers the whole model (all TP slices, all PP stages), then takes
+Routed experts (MoE) travel point to point instead (`exchange_experts`, the rule is in parallel/hybrid_engine/
+experts.py): in round s of a ring schedule every rank sends one flat buffer to rank + s and receives one from
+rank - s, each only when the plan has segments for that pair; both sides enumerate the same segments.
+
+`naive_full_gather` is the baseline (dense models): every rank gathers the whole model (all TP slices, all PP stages), then takes
 its rollout TP slice from it (what "all-gather full tensors on every rank" costs).
 
 Both take the training shard as `{global megatron name: this rank's TP slice}` and return the generation shard as
@@ -88,11 +92,42 @@ class MicroDPGather:
                 if owner != me:
                     _unpack(bucket, flat, gen)
         del buf
+        exchange_experts(plan, me, train_shard, gen, self.stats)
         return gen
+
+
+def exchange_experts(plan: ReshardPlan, me: int, train_shard: dict[str, torch.Tensor], gen: dict[str, torch.Tensor],
+                     stats: TransferStats) -> None:
+    """Fill the expert tensors of this rank's generation shard (no-op for a dense model)."""
+    if not plan.expert_specs:
+        return
+    recv, send = plan.expert_recv(me), plan.expert_send(me)
+    for seg in recv.pop(me, []):  # pieces this rank holds itself
+        gen[seg.name][seg.dst_slices].copy_(train_shard[seg.name][seg.src_slices])
+    device = next(iter(gen.values())).device
+    world = plan.world_size
+    for shift in range(1, world):
+        to, frm = (me + shift) % world, (me - shift) % world
+        reqs, inbox = [], None
+        if to in send:
+            segs = send[to]
+            out = torch.empty(sum(seg.numel for seg in segs), dtype=plan.dtype, device=device)
+            _pack(Bucket(me, plan.dtype, segs), train_shard, out)
+            reqs.append(dist.isend(out, dst=to))
+            stats.count(out, received=False)
+        if frm in recv:
+            inbox = torch.empty(sum(seg.numel for seg in recv[frm]), dtype=plan.dtype, device=device)
+            reqs.append(dist.irecv(inbox, src=frm))
+        for req in reqs:
+            req.wait()
+        if inbox is not None:
+            stats.count(inbox)
+            _unpack(Bucket(frm, plan.dtype, recv[frm]), inbox, gen)
 
 
 def _check_train_shard(plan: ReshardPlan, rank: int, shard: dict[str, torch.Tensor]) -> None:
     want = {s.name: local_shape(s, plan.tp) for s in plan.owned_specs(rank)}
+    want.update({s.name: local_shape(s, plan.etp or plan.tp) for s in plan.owned_expert_specs(rank)})
     missing = sorted(set(want) - set(shard))
     if missing:
         raise ValueError(f"rank {rank}: training shard lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
@@ -129,6 +164,8 @@ def naive_full_gather(plan: ReshardPlan, train_shard: dict[str, torch.Tensor], t
     `tp_group` is the training TP group, `pp_group` the training PP group (global ranks `pp_ranks`, stage order).
     Holds the full model (M bytes) plus the generation shard at its peak.
     """
+    if plan.expert_specs:
+        raise ValueError("naive_full_gather is the dense baseline; an MoE actor reshards with MicroDPGather")
     stats = stats if stats is not None else TransferStats()
     me, t = dist.get_rank(), plan.tp
     tp_rank, _, stage = plan.train_coords(me)

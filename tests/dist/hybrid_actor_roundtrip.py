@@ -1,6 +1,8 @@
 """torchrun worker (4 ranks): the hybrid engine around a real megatron actor (TP2 x PP2) and the embedded engine.
 
-argv: HF_DIR ROLLOUT_TP. Checks: greedy rollout from the resharded actor == transformers' generate; the rollout's
+argv: HF_DIR ROLLOUT_TP [TP PP EP ETP] (default 2 2 1 -; an MoE actor with expert parallelism: e.g. 2 1 2 1).
+Checks: the generation shard equals the HF checkpoint's rollout-TP slice exactly and the transport received what the
+plan counts (MoE: experts arrive point to point); greedy rollout from the resharded actor == transformers' generate; the rollout's
 log-probs == the actor's recomputed log-probs (1e-5); training shards bit-identical after the round trip; a
 training step after the round trip gives the same loss and grad norm as the same step without it.
 """
@@ -25,6 +27,33 @@ def one_update(actor, batch):
     return actor.update(batch, cfg, temperature=1.0, n_samples=1)
 
 
+def check_generation_shard(hf_dir, arch, hybrid, actor):
+    """Every tensor of the resharded generation shard == the rollout-TP slice of the HF checkpoint (bit-exact: only
+    copies happen), and what the transport counted == what the plan says for this rank."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    from tripod.parallel.convert import family_of, hf_to_megatron
+
+    state = {}
+    for f in sorted(glob.glob(f"{hf_dir}/*.safetensors")):
+        state.update(load_file(f))
+    canon = hf_to_megatron(arch, state)
+    family, plan, me = family_of(arch), hybrid.plan, dist.get_rank()
+    before = hybrid.gather.stats.bytes_received
+    gen = hybrid.to_rollout(actor.model)
+    j = plan.rollout_tp_rank(me)
+    assert set(gen) == set(canon), sorted(set(gen) ^ set(canon))[:6]
+    for name, full in canon.items():
+        want = family.shard(arch, name, full, plan.rollout_tp, j)
+        assert torch.equal(gen[name], want.to(gen[name].dtype)), f"rank {me}: generation shard {name} differs"
+    if not hybrid.aliases_training_shard(actor.model):
+        got = hybrid.gather.stats.bytes_received - before
+        assert got == plan.bytes_received(me) == plan.bytes_received(me, fast=True), \
+            (me, got, plan.bytes_received(me), plan.bytes_received(me, fast=True))
+
+
 def main():
     from transformers import AutoModelForCausalLM
 
@@ -35,12 +64,16 @@ def main():
     from tripod.parallel.layout import ParallelLayout
 
     hf_dir, tg = sys.argv[1], int(sys.argv[2])
+    extra = sys.argv[3:7] if len(sys.argv) > 3 else ["2", "2", "1"]
+    tp, pp, ep = (int(x) for x in extra[:3])
+    etp = int(extra[3]) if len(extra) > 3 and extra[3] != "-" else None
     arch = arch_from_hf(hf_dir)
-    layout = ParallelLayout(tp=2, pp=2, name="actor", arch=arch)
+    layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, name="actor", arch=arch)
     actor = make_actor(hf_dir, arch, layout)
     hybrid = HybridEngine(arch, layout, tg, bucket_bytes=16 << 10)
     engine = make_rollout_engine("embedded", arch, hybrid.rollout_tp_group, pad_token_id=0)
     before = {n: p.detach().clone() for n, p in actor.module.named_parameters()}
+    check_generation_shard(hf_dir, arch, hybrid, actor)
 
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, arch.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 7, 4)]
@@ -70,7 +103,7 @@ def main():
     for k in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl"):
         assert abs(with_trip[k] - without[k]) <= 1e-6, (k, with_trip[k], without[k])
     if dist.get_rank() == 0:
-        print(f"OK rollout_tp={tg} pg_loss={with_trip['actor/pg_loss']:.6f} grad_norm={with_trip['actor/grad_norm']:.6f}",
+        print(f"OK rollout_tp={tg} layout={tp},{pp},{ep},{etp} pg_loss={with_trip['actor/pg_loss']:.6f} grad_norm={with_trip['actor/grad_norm']:.6f}",
               flush=True)
 
 

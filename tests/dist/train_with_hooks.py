@@ -5,6 +5,7 @@ this script as `__mp_main__` in each child) and under torchrun: TRIPOD_TEST_PLAN
 here, never by the engine), to prove that the cross-layout equivalence check fails on it:
       lm_head_tp_split   the LM head's vocab-parallel split rule is flipped (TP rank r loads rank tp-1-r's rows)
       pp_stage_grads     the first pipeline stage's gradients are dropped before every optimizer step
+      expert_dp_grads    routed-expert gradients are summed over expert-DP instead of averaged (x edp)
 """
 import os
 import sys
@@ -38,7 +39,24 @@ def _drop_first_stage_grads() -> None:
     MegatronWorker.step = step
 
 
-PLANTS = {"lm_head_tp_split": _flip_lm_head_split, "pp_stage_grads": _drop_first_stage_grads}
+def _sum_expert_dp_grads() -> None:
+    from tripod.engine.workers.megatron_worker import MegatronWorker
+
+    original = MegatronWorker.step
+
+    def step(self):
+        edp = self.layout.edp
+        if edp > 1:
+            for p in self.module.parameters():  # megatron marks expert parameters allreduce=False
+                if not getattr(p, "allreduce", True) and getattr(p, "main_grad", None) is not None:
+                    p.main_grad.mul_(edp)
+        return original(self)
+
+    MegatronWorker.step = step
+
+
+PLANTS = {"lm_head_tp_split": _flip_lm_head_split, "pp_stage_grads": _drop_first_stage_grads,
+          "expert_dp_grads": _sum_expert_dp_grads}
 _plant = os.environ.get("TRIPOD_TEST_PLANT")
 if _plant:
     PLANTS[_plant]()
