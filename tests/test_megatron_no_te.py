@@ -29,3 +29,19 @@ def test_moe_and_mla_run_only_with_the_workarounds():
         assert f"BUG_STILL_PRESENT {name}: {error}" in out, (name, out[-3000:])
     assert "BUG_GONE" not in out
     assert out.count("FIXED_FORWARD") == 2, out[-3000:]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("sp", [1, 0])
+def test_mla_gradients_at_tp2_match_transformers_only_with_the_rope_key_fix(tmp_path, sp):
+    """mla_rope_key_grad (parallel/cpu_compat.py): TP2 gradients of a tiny DeepSeek-V3 equal transformers' own
+    backward with the fix, and megatron as installed still gets them wrong (the canary)."""
+    from moe_models import make_tiny_moe_model
+
+    hf = make_tiny_moe_model(tmp_path, "deepseek_v3", seed=1)
+    fixed = run_torchrun("mla_tp_grad_worker.py", 2, hf, sp, timeout=300).stdout
+    assert f"GRAD_MATCH sp={sp}" in fixed, fixed[-3000:]
+    if sp == 0:  # one canary run is enough
+        raw = run_torchrun("mla_tp_grad_worker.py", 2, hf, sp, "without_fix", timeout=300).stdout
+        assert f"GRAD_MISMATCH sp={sp}" in raw and "linear_kv_down_proj" in raw, (
+            "megatron now gets MLA's RoPE-key gradient right at TP > 1: drop mla_rope_key_grad", raw[-3000:])
