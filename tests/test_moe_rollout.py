@@ -166,3 +166,12 @@ def test_sglang_backend_sends_the_checkpoint_names(tmp_path, family):
             for name in bucket:
                 if ".linear_q_down_proj." in name:
                     assert name.replace("linear_q_down_proj", "linear_kv_down_proj") in bucket
+
+
+def test_target_char_reward_is_the_share_of_the_target_character():
+    from tripod.engine.rewards import get_reward_fn
+
+    fn = get_reward_fn("target_char")
+    assert fn("7a77", "7") == 0.75 and fn("", "7") == 0.0 and fn("abc", "7") == 0.0
+    with pytest.raises(ValueError, match="one character"):
+        fn("77", "77")
