@@ -115,6 +115,8 @@ def arch_from_hf(path_or_dict: str | os.PathLike | dict) -> ModelArch:
         raise ValueError(f"config.json num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
     head_dim = mla.qk_rope_head_dim if mla is not None else cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if "type" in rope and "rope_type" not in rope:  # the pre-transformers-4.45 key (e.g. DeepSeek-V3's config.json)
+        rope["rope_type"] = rope["type"]
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     qkv_bias = family.qkv_bias(cfg)
     if cfg.get("mlp_bias"):

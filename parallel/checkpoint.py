@@ -15,6 +15,7 @@ whose size is tp*pp): `convert_hf_to_checkpoint` and `export_checkpoint_to_hf`.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from typing import Any
@@ -128,7 +129,9 @@ def save_model_checkpoint(model: torch.nn.Module, path: str | os.PathLike, arch:
         write_hf_config(arch, os.path.join(path, HF_SUBDIR), dtype, tokenizer_dir)
         meta = {
             "format_version": FORMAT_VERSION, "family": arch.family, "num_layers": arch.num_layers,
-            "vocab_size": arch.vocab_size, "saved_layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
+            "vocab_size": arch.vocab_size,
+            "saved_layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+                             **({"ep": layout.ep, "etp": layout.etp} if arch.moe else {})},
             "saved_padded_vocab_size": padded_vocab_size(arch.vocab_size, layout.tp),
             "value_head": bool(getattr(gpt, "tripod_value_head", False)),
             "dtype": str(dtype).removeprefix("torch."), **(extra_metadata or {}),
@@ -180,32 +183,42 @@ def load_model_checkpoint(model: torch.nn.Module, path: str | os.PathLike, layou
     return meta
 
 
-def _layout_for(tp: int, pp: int, name: str):
+def min_world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
+    """The smallest world that holds a TP x PP layout with EP x ETP expert groups: tp * pp * dp with the least dp
+    such that ep * etp divides tp * dp (megatron's expert groups live inside one pipeline stage)."""
+    experts = ep * (tp if etp is None else etp)
+    return tp * pp * (experts // math.gcd(tp, experts))
+
+
+def _layout_for(tp: int, pp: int, name: str, ep: int = 1, etp: int | None = None):
     from tripod.parallel.layout import ParallelLayout
 
-    return ParallelLayout(tp=tp, pp=pp, name=name)
+    return ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, name=name)
 
 
-def convert_hf_to_checkpoint(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int, pp: int) -> None:
-    """HF model dir -> tripod checkpoint sharded TP x PP (DP = world / (tp*pp)). Collective over the world."""
+def convert_hf_to_checkpoint(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int, pp: int,
+                             ep: int = 1, etp: int | None = None) -> None:
+    """HF model dir -> tripod checkpoint sharded TP x PP (x EP x ETP for experts; DP = world / (tp*pp)).
+    Collective over the world (`min_world_size` ranks suffice)."""
     from tripod.parallel.model import build_gpt_model
 
     arch = arch_from_hf(hf_dir)
     family_of(arch)
-    layout = _layout_for(tp, pp, "convert")
+    layout = _layout_for(tp, pp, "convert", ep, etp)
     model = build_gpt_model(arch, layout)
     load_hf_weights(model, hf_dir, arch, layout)
     save_model_checkpoint(model, out_dir, arch, layout, tokenizer_dir=hf_dir)
 
 
 def export_checkpoint_to_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike, tp: int = 1, pp: int = 1,
-                            dtype: torch.dtype | None = None) -> None:
-    """Tripod checkpoint -> HF model dir (safetensors + config.json + tokenizer files), loaded at TP x PP."""
+                            dtype: torch.dtype | None = None, ep: int = 1, etp: int | None = None) -> None:
+    """Tripod checkpoint -> HF model dir (safetensors + config.json + tokenizer files), loaded at TP x PP (x EP x
+    ETP); routed experts are written under HF's per-expert names."""
     from tripod.parallel.model import build_gpt_model
 
     arch = checkpoint_arch(ckpt_dir)
     check_exportable(ckpt_dir)
-    layout = _layout_for(tp, pp, "export")
+    layout = _layout_for(tp, pp, "export", ep, etp)
     model = build_gpt_model(arch, layout)
     load_model_checkpoint(model, ckpt_dir, layout)
     save_hf_checkpoint(model, arch, layout, hf_dir, tokenizer_dir=os.path.join(os.fspath(ckpt_dir), HF_SUBDIR),
@@ -215,4 +228,4 @@ def export_checkpoint_to_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLi
 
 __all__ = ["save_model_checkpoint", "load_model_checkpoint", "read_checkpoint_metadata", "checkpoint_arch",
            "check_checkpoint_destination", "check_exportable",
-           "convert_hf_to_checkpoint", "export_checkpoint_to_hf", "METADATA_FILE", "TOKENIZER_FILES"]
+           "convert_hf_to_checkpoint", "export_checkpoint_to_hf", "min_world_size", "METADATA_FILE", "TOKENIZER_FILES"]

@@ -17,7 +17,8 @@ routing with load balancing off and the expert bias frozen) and their decoder bl
 `FamilySpec.block_spec`; config overrides (moe_router_load_balancing_type, moe_aux_loss_coeff,
 moe_router_bias_update_rate, ...) replace those fields. Experts are split over the layout's expert groups
 (expert_model_parallel_size = layout.ep, expert_tensor_parallel_size = layout.etp). megatron refuses to train an
-MoE layer with tensor parallelism but without sequence parallelism, so MoE models at tp > 1 always run with it. Caveat: megatron's rotary embedding takes positions 0..s-1 and ignores
+MoE layer with tensor parallelism but without sequence parallelism, so MoE models at tp > 1 always run with it.
+Caveat: megatron's rotary embedding takes positions 0..s-1 and ignores
 `position_ids`; left-padded batches must be handled by the caller (e.g. right padding).
 """
 from __future__ import annotations
@@ -48,8 +49,16 @@ def transformer_config_from_arch(arch: ModelArch, layout: ParallelLayout, *,
     """megatron TransformerConfig for `arch` sharded by `layout`; `overrides` set any config field."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+    from tripod.parallel.families.spec import check_tp_size
+
     layout.validate_for(arch)
     family = get_family(arch.family)
+    if arch.mla is not None:
+        check_tp_size(arch, layout.tp)  # MLA's down projections split over TP as well
+    if arch.moe is not None and arch.moe.expert_ffn_hidden_size % layout.etp:
+        ffn = arch.moe.expert_ffn_hidden_size
+        raise ValueError(f"{layout.name} expert_tensor_parallel_size={layout.etp} does not divide "
+                         f"moe_intermediate_size={ffn}; use one of {[d for d in range(1, ffn + 1) if ffn % d == 0]}")
     if arch.moe is not None and layout.tp > 1:
         sequence_parallel = True  # megatron: MoE + TP trains only with SP (moe_layer.py)
     if sequence_parallel and layout.tp == 1:

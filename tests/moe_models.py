@@ -29,16 +29,24 @@ FAMILIES: dict[str, dict[str, Any]] = {
                         first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
                         qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True, num_nextn_predict_layers=0),
 }
+# DeepSeek-V2-Lite-like: no q_lora (q_proj), softmax routing without renormalisation, two shared experts
+DEEPSEEK_V2 = dict(num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                   n_shared_experts=2, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=24,
+                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, topk_method="greedy")
+
+# DeepSeek-V3's published RoPE: YaRN with mscale == mscale_all_dim (scaled softmax, unscaled cos/sin)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 1.0,
+        "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 10000.0}
 
 
 def hf_moe_model(family: str, seed: int, **overrides: Any):
-    """The random transformers model (fp32, eager attention and experts)."""
+    """The random transformers model (fp32, eager attention and experts) of a FAMILIES key or "deepseek_v2"."""
     import torch
     import transformers
 
     cls = {"qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
-           "deepseek_v3": transformers.DeepseekV3Config}[family]
-    config = cls(**{**COMMON, **FAMILIES[family], **overrides})
+           "deepseek_v3": transformers.DeepseekV3Config, "deepseek_v2": transformers.DeepseekV2Config}[family]
+    config = cls(**{**COMMON, **FAMILIES.get(family, DEEPSEEK_V2 if family == "deepseek_v2" else {}), **overrides})
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()

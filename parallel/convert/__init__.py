@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from tripod.parallel.arch import ModelArch
 from tripod.parallel.convert.common import (EMBEDDING, FINAL_NORM, LAYER_PREFIX, OUTPUT_LAYER, HFExpertViews,
-                                     check_hf_names, fuse_to_megatron, hf_names_for, hf_to_megatron_state, is_replicated,
+                                     check_hf_names, fuse_to_megatron, hf_names_for, hf_to_megatron_state,
+                                     is_replicated,
                                      megatron_names, megatron_to_hf_tensor, pad_vocab, padded_vocab_size,
                                      split_layer_name, unpad_vocab)
 from tripod.parallel.families import FamilySpec, get_family
@@ -207,8 +208,10 @@ def export_hf_weights(model: torch.nn.Module, arch: ModelArch, layout, *,
     routed experts under HF's per-expert names, the router's expert bias like any parameter).
 
     Every rank of the model's TP x PP grid must iterate it to the end (the collectives run in
-    lockstep). Tensors are yielded on TP rank 0 of PP stage 0 of each DP replica, or on every rank
-    with `to_all_ranks=True`; other ranks iterate and get nothing.
+    lockstep); with expert_model_parallel_size > 1 every rank of the layout (all DP replicas: the EP groups
+    span them). Tensors are yielded on TP rank 0 of PP stage 0 of each DP replica, or on every rank
+    with `to_all_ranks=True`; other ranks iterate and get nothing. A routed expert is gathered over its
+    expert-TP group and broadcast over its EP group, so every rank of its stage holds it before the PP move.
     """
     names = family_of(arch)
     if getattr(model_chunks(model)[0], "tripod_value_head", False):
@@ -319,7 +322,8 @@ def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArch, layout, out_dir:
 
     Every rank of DP replica 0 of the layout must call it (every rank when expert_model_parallel_size > 1);
     TP rank 0 of PP stage 0 of DP replica 0 writes.
-    `dtype` casts the weights (default: the model's dtype).
+    `dtype` casts the weights (default: the model's dtype), except rows held in fp32 (`Weight.fp32`: the
+    router's expert bias, which HF keeps in fp32 too).
     """
     from safetensors.torch import save_file
 
@@ -342,12 +346,14 @@ def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArch, layout, out_dir:
         save_file(shards[-1], os.path.join(out_dir, files[-1]), metadata={"format": "pt"})
         shards[-1], sizes[-1] = {}, 0
 
-    out_dtype = dtype
+    family = family_of(arch)
+    keep = {h for n, w in family.rows(arch).items() if w.fp32 for h in family.hf_names(arch, n)}
+    out_dtype = dtype or next(p for chunk in model_chunks(model) for p in chunk.parameters()).dtype
     for hf_name, tensor in export_hf_weights(model, arch, layout):
         if not writer:
             continue  # another DP replica's copy (expert parallelism makes every replica take part)
-        tensor = tensor.to(dtype) if dtype is not None else tensor
-        out_dtype = tensor.dtype
+        if dtype is not None and hf_name not in keep:
+            tensor = tensor.to(dtype)
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and sizes[-1] + nbytes > max_shard_bytes:
             flush()

@@ -138,6 +138,11 @@ def check_hf_names(arch: ModelArch, family: FamilySpec, present: Iterable[str], 
     expected = {h for m in megatron_names(arch, family) for h in family.hf_names(arch, m)}
     present = {n for n in present if not _IGNORED_HF.search(n)}
     present -= skipped_extra_layers(arch, family, present, source)
+    scales = sorted(n for n in present if n.endswith("_scale_inv"))
+    if scales:
+        raise ValueError(f"{source}: {len(scales)} FP8 block-scale tensor(s) ({scales[0]}, ...): an FP8-quantized "
+                         "checkpoint (e.g. DeepSeek-V3 as published); dequantize it to bf16 first (DeepSeek's "
+                         "fp8_cast_bf16.py) and drop quantization_config from config.json")
     if arch.tie_word_embeddings:  # a tied checkpoint may still carry the duplicate LM head
         present -= {h for w in family.weights(arch) if w.megatron == OUTPUT_LAYER for h in w.hf}
     missing, extra = expected - present, present - expected
@@ -224,5 +229,6 @@ def megatron_to_hf_tensor(arch: ModelArch, family: FamilySpec, name: str,
 
 __all__ = ["EMBEDDING", "FINAL_NORM", "OUTPUT_LAYER", "LAYER_PREFIX", "check_tp_size", "padded_vocab_size",
            "pad_vocab", "unpad_vocab", "split_layer_name", "layer_name", "megatron_names", "hf_names_for",
-           "check_hf_names", "HFExpertViews", "skipped_extra_layers", "fuse_to_megatron", "unfuse_to_hf", "is_replicated", "hf_to_megatron_state",
+           "check_hf_names", "HFExpertViews", "skipped_extra_layers", "fuse_to_megatron", "unfuse_to_hf",
+           "is_replicated", "hf_to_megatron_state",
            "megatron_to_hf_tensor"]

@@ -10,9 +10,16 @@ which megatron's local spec builds as column-parallel linears gathered after use
 HF applies RoPE to interleaved pairs (V3 rope_interleave=true; V2 always); megatron's MLA de-interleaves the same
 way. Routing (sigmoid + expert bias + groups for V3, softmax without renormalisation for V2) and its refusals
 are parallel/moe_arch.py's. Real V3 checkpoints carry multi-token-prediction layers (index >= num_hidden_layers):
-the reader skips them. Only plain RoPE is supported here: megatron's YaRN is a different implementation.
+the reader skips them.
+RoPE: plain, or YaRN as the published V3 config has it (mscale = mscale_all_dim, so HF's cos/sin scale is 1):
+megatron's plain per-layer rotary embedding gets HF's YaRN frequencies (parallel/model.py) and MLA's softmax
+scale takes HF's mscale(factor, mscale_all_dim)^2 through rotary_scaling_factor / mscale_all_dim; megatron's own
+YarnRotaryEmbedding is not used (its frequency ramp is separate code).
 """
 from __future__ import annotations
+
+import math
+from typing import Any
 
 from tripod.parallel.arch import ModelArch
 from tripod.parallel.families.llama import dense_gpt_weights
@@ -72,14 +79,42 @@ def check_supported(arch: ModelArch) -> None:
         raise ValueError("config.json rope_interleave=false (DeepSeek-V3) is not supported: megatron's MLA always "
                          "rotates interleaved RoPE pairs; use rope_interleave=true (the published checkpoints do)")
     rope_type = (arch.rope_parameters or {}).get("rope_type", "default")
-    if rope_type != "default":
-        raise ValueError(f"config.json rope_parameters.rope_type={rope_type!r} (DeepSeek MLA) is not supported yet: "
-                         "tripod matches megatron's MLA to HF with plain RoPE only; remove the rope scaling")
+    if rope_type not in ("default", "yarn"):
+        raise ValueError(f"config.json rope_parameters.rope_type={rope_type!r} (DeepSeek MLA) is not supported; "
+                         "tripod matches plain RoPE and YaRN")
+    if rope_type == "yarn":
+        _, attention_scaling = arch.rope_inv_freq()
+        if abs(attention_scaling - 1.0) > 1e-12:
+            raise ValueError(f"config.json rope_parameters (YaRN, DeepSeek MLA) scale cos/sin by {attention_scaling}"
+                             "; tripod supports YaRN with mscale == mscale_all_dim (as DeepSeek-V3 publishes it)")
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def softmax_scale(arch: ModelArch) -> float:
+    """MLA's attention softmax scale as HF DeepSeek computes it: 1/sqrt(qk_nope + qk_rope head dim), times
+    mscale(factor, mscale_all_dim)^2 under YaRN (megatron: MLASelfAttention.softmax_scale; a decoder needs it too)."""
+    scale = (arch.mla.qk_nope_head_dim + arch.mla.qk_rope_head_dim) ** -0.5
+    rope = arch.rope_parameters or {}
+    if rope.get("rope_type", "default") == "yarn" and rope.get("mscale_all_dim"):
+        scale *= _yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
+    return scale
+
+
+def megatron_fields(arch: ModelArch) -> dict[str, Any]:
+    fields = moe_megatron_fields(arch)
+    rope = arch.rope_parameters or {}
+    if rope.get("rope_type", "default") == "yarn":  # MLA's softmax scale x mscale(factor, mscale_all_dim)^2, as HF
+        fields.update(rotary_scaling_factor=float(rope["factor"]),
+                      mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0))
+    return fields
 
 
 SPEC = FamilySpec(name="deepseek", hf_model_types=("deepseek_v3", "deepseek_v2"), hf_layer_prefix="model.layers.",
                   weights=weights, check_supported=check_supported, qkv_bias=lambda cfg: False,
-                  block_spec=moe_block_spec, megatron_fields=moe_megatron_fields,
+                  block_spec=moe_block_spec, megatron_fields=megatron_fields,
                   extra_hf_layers="DeepSeek multi-token-prediction (MTP) layer, not used for training or rollout")
 
 from tripod.parallel.families import register_family  # noqa: E402

@@ -42,7 +42,7 @@ def routed_expert_weights(arch: ModelArch, *, shared_hf: str | None = None,
                    Split.REPLICATED, layers=Layers.MOE)]
     if moe.expert_bias:
         rows.append(Weight("mlp.router.expert_bias", ("mlp.gate.e_score_correction_bias",),
-                           lambda a: (_moe(a).num_experts,), Split.REPLICATED, layers=Layers.MOE))
+                           lambda a: (_moe(a).num_experts,), Split.REPLICATED, layers=Layers.MOE, fp32=True))
     rows += [
         Weight(EXPERT_FC1, ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
                lambda a: (2 * _moe(a).expert_ffn_hidden_size, a.hidden_size), Split.GATED_ROW, Fuse.CONCAT,
@@ -55,7 +55,8 @@ def routed_expert_weights(arch: ModelArch, *, shared_hf: str | None = None,
         if shared_hf is None:
             raise ValueError(f"{arch.family}: the config has a shared expert but the family names none")
         rows += [
-            Weight("mlp.shared_experts.linear_fc1.weight", (shared_hf + "gate_proj.weight", shared_hf + "up_proj.weight"),
+            Weight("mlp.shared_experts.linear_fc1.weight",
+                   (shared_hf + "gate_proj.weight", shared_hf + "up_proj.weight"),
                    lambda a: (2 * _moe(a).shared_expert_ffn_hidden_size, a.hidden_size), Split.GATED_ROW,
                    Fuse.CONCAT, layers=Layers.MOE),
             Weight("mlp.shared_experts.linear_fc2.weight", (shared_hf + "down_proj.weight",),

@@ -74,6 +74,8 @@ class Weight:
     it, in fusion order. `shape(arch)`: canonical full shape (unpadded vocab). `tp`: the TP split.
     `per_expert`: the row repeats per expert (names carry `{e}`; see the module docstring for EP).
     `layers`: which decoder layers carry a per-layer row (`Layers`).
+    `fp32`: held in fp32 whatever the parameter dtype, by megatron and HF (the router's expert bias): export
+    never casts it.
     """
 
     megatron: str
@@ -84,6 +86,7 @@ class Weight:
     per_layer: bool = True
     per_expert: bool = False
     layers: Layers = Layers.ALL
+    fp32: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,8 +100,8 @@ class FamilySpec:
     layer_spec(arch, use_te): the megatron transformer layer spec (one spec for every layer), or, for models whose
     layers differ (MoE / MLA), block_spec(arch, use_te, config, vp_stage): megatron's decoder block spec of this
     rank's layers. megatron_fields(arch): extra TransformerConfig fields (MoE routing, MLA dims, qk norm).
-    extra_hf_layers: a reason to skip HF tensors of layers >= num_hidden_layers on read (DeepSeek MTP). rollout_decoder: "module:Class" of the
-    decoder the embedded rollout engine runs on a generation shard of this family.
+    extra_hf_layers: a reason to skip HF tensors of layers >= num_hidden_layers on read (DeepSeek MTP).
+    rollout_decoder: "module:Class" of the decoder the embedded rollout engine runs on a generation shard.
     """
 
     name: str
@@ -331,6 +334,12 @@ def check_tp_size(arch: "ModelArch", tp_size: int) -> None:
         raise ValueError(f"tensor_model_parallel_size={tp_size} must divide num_attention_heads="
                          f"{arch.num_heads} and num_key_value_heads={arch.num_kv_heads}; use one of "
                          f"{[t for t in range(1, arch.num_kv_heads + 1) if arch.num_kv_heads % t == 0]}")
+    mla = getattr(arch, "mla", None)
+    if mla is not None:  # megatron's local MLA splits the down projections' outputs over TP too
+        for key, rows in (("q_lora_rank", mla.q_lora_rank or 0), ("kv_lora_rank+qk_rope_head_dim",
+                                                                  mla.kv_lora_rank + mla.qk_rope_head_dim)):
+            if rows % tp_size:
+                raise ValueError(f"tensor_model_parallel_size={tp_size} must divide {key}={rows} (MLA)")
 
 
 # ----------------------------------------------------------------------------- split geometry (the only copy)
