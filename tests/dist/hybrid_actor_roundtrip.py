@@ -35,6 +35,7 @@ def check_generation_shard(hf_dir, arch, hybrid, actor):
     from safetensors.torch import load_file
 
     from tripod.parallel.convert import family_of, hf_to_megatron
+    from tripod.parallel.families.spec import Split, pad_rows, padded_vocab_size, shard
 
     state = {}
     for f in sorted(glob.glob(f"{hf_dir}/*.safetensors")):
@@ -46,7 +47,10 @@ def check_generation_shard(hf_dir, arch, hybrid, actor):
     j = plan.rollout_tp_rank(me)
     assert set(gen) == set(canon), sorted(set(gen) ^ set(canon))[:6]
     for name, full in canon.items():
-        want = family.shard(arch, name, full, plan.rollout_tp, j)
+        rule = family.row(arch, name).tp
+        if rule is Split.VOCAB:  # the generation shard keeps the training TP's vocab padding (plan.py)
+            full = pad_rows(full, arch.vocab_size, padded_vocab_size(arch.vocab_size, plan.tp))
+        want = shard(rule, full, plan.rollout_tp, j)
         assert torch.equal(gen[name], want.to(gen[name].dtype)), f"rank {me}: generation shard {name} differs"
     if not hybrid.aliases_training_shard(actor.model):
         got = hybrid.gather.stats.bytes_received - before
