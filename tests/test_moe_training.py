@@ -37,7 +37,8 @@ def _args(setup: dict, run_dir: str, tp: int, pp: int, ep: int, world: int) -> l
         if tp > 1 else []  # megatron's MoE layer expects SP whenever TP > 1 (the recipes use it too)
     return args + sp + [f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={ep}",
                    f"actor_rollout_ref.actor.megatron.expert_tensor_parallel_size={1 if ep > 1 else 'null'}",
-                   f"critic.megatron.tensor_model_parallel_size={tp}", f"critic.megatron.pipeline_model_parallel_size={pp}"]
+                   f"critic.megatron.tensor_model_parallel_size={tp}",
+                   f"critic.megatron.pipeline_model_parallel_size={pp}"]
 
 
 @pytest.fixture(scope="module")
