@@ -89,7 +89,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     source = plan_model_config(cfg.actor_rollout_ref.model.path)
     arch = arch_from_hf(source)
     print(f"architecture: {source}")
-    plan = build_reshard_plan(arch, tp, pp, world // (tp * pp), cfg.actor_rollout_ref.rollout.tensor_model_parallel_size,
+    rollout_tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    plan = build_reshard_plan(arch, tp, pp, world // (tp * pp), rollout_tp,
                               bucket_bytes=int(args.bucket_mb * (1 << 20)), world_size=world,
                               vpp=m.virtual_pipeline_model_parallel_size or 1, ep=m.expert_model_parallel_size,
                               etp=m.expert_tensor_parallel_size,

@@ -39,8 +39,9 @@ answers 'torch.cuda.BFloat16Tensor', which is the mixed-precision path megatron 
 
 Without Transformer Engine (never on CPU; optional on GPU) megatron-core 0.16.1 also breaks MoE and MLA
 models. `apply_no_te_fixes()` (called by `apply_cpu_compat`, and on GPU whenever TE is absent) owns the three
-workarounds found by shared/probes/moe; each has a canary in tests/test_megatron_no_te.py that fails once
-megatron fixes the bug, so the workaround can be dropped:
+workarounds found by shared/probes/moe (each has a canary in tests/test_megatron_no_te.py that fails once
+megatron fixes the bug, so the workaround can be dropped) and a fourth, found by tests/test_moe_training.py and
+checked against transformers' own gradients by tests/dist/mla_tp_grad_worker.py:
 
   moe_te_gemm      transformer/moe/moe_utils.py:23-39 leaves `te_general_gemm` undefined when TE is missing
                    and :1192 reads it, so every MoE forward raises NameError. Defined as None (= "no TE").
@@ -50,6 +51,12 @@ megatron fixes the bug, so the workaround can be dropped:
   mla_core_attn    MLA passes k_channels/v_channels to its core attention (multi_latent_attention.py) but the
                    local DotProductAttention takes neither (TypeError). `mla_local_core_attention(spec)`
                    swaps in a subclass that drops them (MLA's config sets kv_channels = v_head_dim).
+  mla_rope_key_grad  with TP > 1 the local spec makes linear_kv_down_proj column-parallel; MLA all-gathers its output
+                   (multi_latent_attention.py:607, backward = split) and splits off the shared RoPE key k_pos_emb,
+                   which each TP rank uses for its OWN heads only. Each rank's k_pos_emb gradient is therefore a
+                   partial sum and the split keeps only the owner's: linear_kv_down_proj's RoPE rows and every
+                   earlier layer get wrong gradients (a TP2 PPO run drifted ~3%, 14x its bound; the forward is
+                   right). Fixed by all-reducing the k_pos_emb columns of the gathered gradient over TP.
 """
 from __future__ import annotations
 
@@ -303,7 +310,49 @@ def apply_no_te_fixes() -> bool:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     multi_latent_attention.HAVE_TE = False
+    _install_mla_rope_key_grad(multi_latent_attention)
     return True
+
+
+def _install_mla_rope_key_grad(mla) -> None:
+    """`mla_rope_key_grad` (module docstring): sum the RoPE-key columns of the gathered kv_down gradient over TP."""
+    if getattr(mla, "_tripod_rope_key_grad", False):
+        return
+    gather = mla.gather_from_tensor_model_parallel_region
+    original = mla.MLASelfAttention.get_query_key_value_tensors
+    state = threading.local()
+
+    def gather_kv(input_, group=None):
+        out = gather(input_, group=group)
+        tag = getattr(state, "kv_local", None)
+        if tag is not None and tag[0] is input_ and out.requires_grad:
+            rope, tp_group = tag[1], tag[2]
+
+            def sum_rope_key_grad(grad):
+                grad = grad.clone()
+                part = grad[..., -rope:].contiguous()
+                torch.distributed.all_reduce(part, group=tp_group)
+                grad[..., -rope:] = part
+                return grad
+
+            out.register_hook(sum_rope_key_grad)
+        return out
+
+    def get_query_key_value_tensors(self, *args, **kwargs):
+        if not hasattr(self, "_tripod_tag_kv"):
+            def tag(module, inputs, output):  # the local kv_down output that the gather will receive
+                state.kv_local = (output[0], self.config.qk_pos_emb_head_dim, self.tp_group)
+            self.linear_kv_down_proj.register_forward_hook(tag)
+            self._tripod_tag_kv = True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            state.kv_local = None
+
+    mla.gather_from_tensor_model_parallel_region = gather_kv
+    mla.MLASelfAttention.get_query_key_value_tensors = get_query_key_value_tensors
+    mla._tripod_rope_key_grad = True
+    mla._tripod_unfixed = (gather, original)  # for the canary (tests/dist/mla_tp_grad_worker.py without_fix)
 
 
 def _mla_local_core_attention_class():

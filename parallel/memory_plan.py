@@ -140,7 +140,7 @@ class MemoryPlan:
 
 
 def kv_cache_bytes(arch: ModelArch, rollout_tp: int, sequences: int, seq_len: int, dtype: torch.dtype) -> int:
-    """The embedded engine's KV cache of one generate call on one rank (engine/rollout/tp_decoder.py, moe_decoder.py)."""
+    """The embedded engine's KV cache of one generate call on one rank (rollout/tp_decoder.py, moe_decoder.py)."""
     es = torch.empty((), dtype=dtype).element_size()
     mla = getattr(arch, "mla", None)
     if mla is not None:  # the latent and the RoPE key, replicated over rollout TP

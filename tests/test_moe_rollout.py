@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from moe_models import COMMON, FAMILIES, make_tiny_moe_model
+from moe_models import COMMON, FAMILIES, YARN, make_tiny_moe_model
 
 
 def _arch(family: str, **kw):
@@ -25,8 +25,9 @@ def _arch(family: str, **kw):
     return arch_from_hf({**COMMON, **FAMILIES[family], "model_type": family, **kw})
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_embedded_moe_decoder_generates_like_transformers(tmp_path, family):
+@pytest.mark.parametrize("family,overrides", [(f, {}) for f in sorted(FAMILIES)] +
+                         [("deepseek_v3", {"rope_parameters": YARN})], ids=sorted(FAMILIES) + ["deepseek_v3_yarn"])
+def test_embedded_moe_decoder_generates_like_transformers(tmp_path, family, overrides):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -36,7 +37,7 @@ def test_embedded_moe_decoder_generates_like_transformers(tmp_path, family):
     from tripod.parallel.convert import family_of, hf_to_megatron
 
     torch.set_num_threads(1)
-    hf_dir = make_tiny_moe_model(tmp_path, family, seed=5)
+    hf_dir = make_tiny_moe_model(tmp_path, family, seed=5, **overrides)
     arch = arch_from_hf(hf_dir)
     canon = hf_to_megatron(arch, load_file(os.path.join(hf_dir, "model.safetensors")))
     engine = make_rollout_engine("embedded", arch, None, pad_token_id=0)
@@ -166,3 +167,12 @@ def test_sglang_backend_sends_the_checkpoint_names(tmp_path, family):
             for name in bucket:
                 if ".linear_q_down_proj." in name:
                     assert name.replace("linear_q_down_proj", "linear_kv_down_proj") in bucket
+
+
+def test_target_char_reward_is_the_share_of_the_target_character():
+    from tripod.engine.rewards import get_reward_fn
+
+    fn = get_reward_fn("target_char")
+    assert fn("7a77", "7") == 0.75 and fn("", "7") == 0.0 and fn("abc", "7") == 0.0
+    with pytest.raises(ValueError, match="one character"):
+        fn("77", "77")

@@ -1,7 +1,8 @@
 """MoE PPO across layouts: three greedy PPO steps of a tiny DeepSeek-V3-like model (MLA, sigmoid group-limited
 routing with an expert bias, a shared expert, a dense first layer; actor, critic and reference all MoE) train alike
-at (TP, PP, EP) = (1,1,1), (1,1,2) and (2,1,2) with expert TP 1, where the experts' gradients also reduce over an
-expert-data-parallel group of 2.
+at (TP, PP, EP) = (1,1,1), (1,1,2) and (2,1,2) with expert TP 1 and sequence parallel, where the experts' gradients
+also reduce over an expert-data-parallel group of 2. This test found megatron's MLA RoPE-key gradient bug at TP > 1
+(parallel/cpu_compat.py mla_rope_key_grad: the (2,1,2) run drifted 14x past its bound before the fix).
 
 Bounds: those of tests/trainer_runs.py (fp32 reduction order, SGD weight updates), unchanged. Routing adds one
 discontinuity: a token's top-k (or top group) flips only where two router scores lie within the layout's
@@ -27,14 +28,17 @@ OPT_STEPS = STEPS * 2
 MOE = ["actor_rollout_ref.actor.megatron.moe_router_load_balancing_type=aux_loss",
        "actor_rollout_ref.actor.megatron.moe_aux_loss_coeff=0.01",
        "actor_rollout_ref.actor.megatron.moe_router_bias_update_rate=0.001"]
-LAYOUTS = {"tp1pp1ep1": (1, 1, 1, 1), "tp1pp1ep2": (1, 1, 2, 2), "tp2pp1ep2etp1": (2, 1, 2, 4)}
+LAYOUTS = {"tp1pp1ep1": (1, 1, 1, 1), "tp1pp1ep2": (1, 1, 2, 2), "tp2pp1ep2etp1sp": (2, 1, 2, 4)}
 
 
 def _args(setup: dict, run_dir: str, tp: int, pp: int, ep: int, world: int) -> list[str]:
     args = tiny_overrides(setup, run_dir, world=world, tp=tp, pp=pp, steps=STEPS) + GREEDY + LINEAR_OPTIM + MOE
-    return args + [f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={ep}",
+    sp = ["actor_rollout_ref.actor.megatron.sequence_parallel=true", "critic.megatron.sequence_parallel=true"] \
+        if tp > 1 else []  # megatron's MoE layer expects SP whenever TP > 1 (the recipes use it too)
+    return args + sp + [f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={ep}",
                    f"actor_rollout_ref.actor.megatron.expert_tensor_parallel_size={1 if ep > 1 else 'null'}",
-                   f"critic.megatron.tensor_model_parallel_size={tp}", f"critic.megatron.pipeline_model_parallel_size={pp}"]
+                   f"critic.megatron.tensor_model_parallel_size={tp}",
+                   f"critic.megatron.pipeline_model_parallel_size={pp}"]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +74,7 @@ def _check(setup: dict, got: tuple[list[dict], dict], label: str) -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", ["tp1pp1ep2", "tp2pp1ep2etp1"])
+@pytest.mark.parametrize("name", ["tp1pp1ep2", "tp2pp1ep2etp1sp"])
 def test_moe_layout_trains_like_one_rank(setup, name):
     _check(setup, _run(setup, name), name)
     last = _run(setup, "tp1pp1ep1")[0][-1]
@@ -80,7 +84,7 @@ def test_moe_layout_trains_like_one_rank(setup, name):
 
 @pytest.mark.dist
 def test_planted_expert_dp_bug_fails_the_check(setup):
-    got = _run(setup, "tp2pp1ep2etp1", plant="expert_dp_grads")
+    got = _run(setup, "tp2pp1ep2etp1sp", plant="expert_dp_grads")
     with pytest.raises(OutOfBounds) as failure:
         _check(setup, got, "planted expert_dp_grads")
     print(f"planted expert_dp_grads: {failure.value}")

@@ -20,7 +20,8 @@ MLA (DeepSeek-V2/V3): q = up(norm(down(x))) (or a direct projection without q_lo
 c = norm(kv_down(x)[:kv_lora]) and the decoupled RoPE key k_rot = rope(kv_down(x)[kv_lora:]) shared by all heads.
 The KV cache stores the latent and k_rot (kv_lora + rope numbers per token per layer, replicated over TP, as HF
 and SGLang cache them); each step expands cached latents to this rank's heads with linear_kv_up_proj ([k_nope; v]
-per head). RoPE pairs interleaved dims (x0, x1), (x2, x3), ... (HF rope_interleave=True, megatron's MLA rope).
+per head). RoPE pairs interleaved dims (x0, x1), (x2, x3), ... (HF rope_interleave=True, megatron's MLA rope), with
+HF's frequencies and attention scaling (`ModelArch.rope_inv_freq`, YaRN included) and HF's softmax scale.
 The down projections may arrive split over TP (megatron's local spec makes them column-parallel): a partial
 output is all-gathered along its last dim.
 """
@@ -68,14 +69,14 @@ class MoEDecoder(TPDecoder):
     def __init__(self, arch: ModelArch, tp_group: Any, tp_size: int, tp_rank: int) -> None:
         super().__init__(arch, tp_group, tp_size, tp_rank)
         self.moe, self.mla = moe_of(arch), mla_of(arch)
-        if self.mla is not None:
-            rope_type = (arch.rope_parameters or {}).get("rope_type", "default")
-            if rope_type != "default":
-                raise ValueError(f"rope_parameters.rope_type={rope_type!r}: the MLA rollout decoder implements plain "
-                                 "RoPE only (as tripod's megatron MLA config does)")
-            d = self.mla.qk_rope_head_dim
-            self.inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-            self.rope_scaling = 1.0
+        self.softmax_scale = None
+        if self.mla is not None:  # RoPE (incl. YaRN) over the qk_rope_head_dim dims: ModelArch.head_dim is that
+            from tripod.parallel.families.deepseek import softmax_scale
+
+            if arch.head_dim != self.mla.qk_rope_head_dim:
+                raise ValueError(f"ModelArch.head_dim={arch.head_dim} must be qk_rope_head_dim="
+                                 f"{self.mla.qk_rope_head_dim} for an MLA model (parallel/arch.py)")
+            self.softmax_scale = softmax_scale(arch)  # HF's: 1/sqrt(nope + rope dims), x YaRN mscale^2
 
     # ---- KV cache -------------------------------------------------------------------------------
     def allocate_cache(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> KVCache:
@@ -118,7 +119,7 @@ class MoEDecoder(TPDecoder):
         k_nope, v = kv.view(N, end, heads, nope + vd).transpose(1, 2).split([nope, vd], dim=-1)
         k = torch.cat([k_nope, cache.values[i][:, :, :end].expand(-1, heads, -1, -1)], dim=-1)
         out = F.scaled_dot_product_attention(torch.cat([q_nope, q_rot], dim=-1), k, v, attn_mask=mask,
-                                             scale=(nope + rope) ** -0.5)
+                                             scale=self.softmax_scale)
         out = out.transpose(1, 2).reshape(N, S, heads * vd)
         return self.all_reduce(F.linear(out, w[p + "linear_proj.weight"]))
 

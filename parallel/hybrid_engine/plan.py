@@ -280,6 +280,9 @@ class ReshardPlan:
             f"rollout TP groups {self.rollout_tp_groups}",
             "rank  rollout_tp_rank  buckets_sent  recv_MiB  ideal_recv_MiB  naive_recv_MiB  peak_extra_MiB",
         ]
+        if self.expert_specs:
+            lines.insert(-1, "(recv_MiB includes the experts' point-to-point part; ideal/naive are HybridFlow's "
+                             "formulas over the whole model)")
         for r in range(self.world_size):
             lines.append(f"{r:>4}  {self.rollout_tp_rank(r):>15}  {len(self.buckets[r]):>12}  "
                          f"{self.bytes_received(r, fast=True) / mb:>8.2f}  {self.bytes_received_ideal() / mb:>14.2f}  "

@@ -9,8 +9,8 @@ Routed experts (MoE) travel point to point instead (`exchange_experts`, the rule
 experts.py): in round s of a ring schedule every rank sends one flat buffer to rank + s and receives one from
 rank - s, each only when the plan has segments for that pair; both sides enumerate the same segments.
 
-`naive_full_gather` is the baseline (dense models): every rank gathers the whole model (all TP slices, all PP stages), then takes
-its rollout TP slice from it (what "all-gather full tensors on every rank" costs).
+`naive_full_gather` is the baseline (dense models): every rank gathers the whole model (all TP slices, all PP
+stages), then takes its rollout TP slice from it (what "all-gather full tensors on every rank" costs).
 
 Both take the training shard as `{global megatron name: this rank's TP slice}` and return the generation shard as
 `{global megatron name: rollout TP slice}` (see parallel/hybrid_engine/plan.py for the layout).

@@ -2,7 +2,8 @@
 
 argv: HF_DIR ROLLOUT_TP [TP PP EP ETP] (default 2 2 1 -; an MoE actor with expert parallelism: e.g. 2 1 2 1).
 Checks: the generation shard equals the HF checkpoint's rollout-TP slice exactly and the transport received what the
-plan counts (MoE: experts arrive point to point); greedy rollout from the resharded actor == transformers' generate; the rollout's
+plan counts (MoE: experts arrive point to point); greedy rollout from the resharded actor == transformers'
+generate; the rollout's
 log-probs == the actor's recomputed log-probs (1e-5); training shards bit-identical after the round trip; a
 training step after the round trip gives the same loss and grad norm as the same step without it.
 """
@@ -35,6 +36,7 @@ def check_generation_shard(hf_dir, arch, hybrid, actor):
     from safetensors.torch import load_file
 
     from tripod.parallel.convert import family_of, hf_to_megatron
+    from tripod.parallel.families.spec import Split, pad_rows, padded_vocab_size, shard
 
     state = {}
     for f in sorted(glob.glob(f"{hf_dir}/*.safetensors")):
@@ -46,7 +48,10 @@ def check_generation_shard(hf_dir, arch, hybrid, actor):
     j = plan.rollout_tp_rank(me)
     assert set(gen) == set(canon), sorted(set(gen) ^ set(canon))[:6]
     for name, full in canon.items():
-        want = family.shard(arch, name, full, plan.rollout_tp, j)
+        rule = family.row(arch, name).tp
+        if rule is Split.VOCAB:  # the generation shard keeps the training TP's vocab padding (plan.py)
+            full = pad_rows(full, arch.vocab_size, padded_vocab_size(arch.vocab_size, plan.tp))
+        want = shard(rule, full, plan.rollout_tp, j)
         assert torch.equal(gen[name], want.to(gen[name].dtype)), f"rank {me}: generation shard {name} differs"
     if not hybrid.aliases_training_shard(actor.model):
         got = hybrid.gather.stats.bytes_received - before
@@ -103,7 +108,8 @@ def main():
     for k in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl"):
         assert abs(with_trip[k] - without[k]) <= 1e-6, (k, with_trip[k], without[k])
     if dist.get_rank() == 0:
-        print(f"OK rollout_tp={tg} layout={tp},{pp},{ep},{etp} pg_loss={with_trip['actor/pg_loss']:.6f} grad_norm={with_trip['actor/grad_norm']:.6f}",
+        print(f"OK rollout_tp={tg} layout={tp},{pp},{ep},{etp} pg_loss={with_trip['actor/pg_loss']:.6f} "
+              f"grad_norm={with_trip['actor/grad_norm']:.6f}",
               flush=True)
 
 
