@@ -121,16 +121,16 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
     arc, algo = cfg.actor_rollout_ref, cfg.algorithm
     device = "cuda" if cfg.trainer.device == "cuda" else "cpu"
 
-    def model(name, m, trainable, value_head=False, offloaded=False):
+    def model(name, m, trainable, value_head=False, offloaded=False, optimizer="adam"):
         tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
         dp = world_size // (tp * pp)
-        prec = resolve_precision(m, dp, trainable)
+        prec = resolve_precision(m, dp, trainable, optimizer)
         return ModelMemory(name, tp, pp, dp, prec.param_dtype, trainable, prec.use_distributed_optimizer,
                            offloaded, value_head).compute(critic_arch if value_head and critic_arch else arch)
 
-    models = [model("actor", arc.actor.megatron, True)]
+    models = [model("actor", arc.actor.megatron, True, optimizer=arc.actor.optim.optimizer)]
     if algo.adv_estimator == "gae":
-        models.append(model("critic", cfg.critic.megatron, True, value_head=True))
+        models.append(model("critic", cfg.critic.megatron, True, value_head=True, optimizer=cfg.critic.optim.optimizer))
     if algo.use_kl_in_reward or arc.actor.use_kl_loss:
         models.append(model("reference", arc.ref.megatron, False, offloaded=arc.ref.offload and device == "cuda"))
     r = arc.rollout
