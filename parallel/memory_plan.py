@@ -46,6 +46,32 @@ def stage_numel(arch: ModelArch, tp: int, pp: int, *, value_head: bool = False) 
     return per_stage
 
 
+def activation_bytes(arch: ModelArch, tp: int, pp: int, micro_batch: int, seq: int, dtype: torch.dtype, *,
+                     recompute: str | None = None, value_head: bool = False) -> int:
+    """Bytes autograd saves for the backward of one micro-batch (`micro_batch` rows x `seq` tokens) on one rank of
+    the largest pipeline stage: megatron's local (non-TE) layer spec, no dropout, as scripts/bench_memory.py counts
+    them (torch.autograd.graph.saved_tensors_hooks). Per layer, with T = micro_batch * seq tokens, a = heads / tp,
+    d = head_dim, f = ffn / tp, in the activation dtype:
+        each RMSNorm (torch's): its input, x * rstd and its output (the next linear's input) 3*T*h, rstd T;
+        attention: q, k and v expanded to a heads 3*T*a*d, the probabilities micro_batch*a*seq^2, the context (the
+        out-projection's input) T*a*d; RoPE's cos/sin for q and k 4*seq*d (fp32) and the causal mask seq^2 (bool);
+        SwiGLU: fc1's output (gate|up) 2*T*f, silu(gate), the product and fc2's input 3*T*f.
+    recompute=full keeps each layer's input (T*h) plus one layer's set while it is recomputed; selective recomputes
+    core attention, which then keeps only its q, k, v inputs (T*a*d + 2*T*kv*d) instead of the expanded q, k, v
+    and the probabilities. Plus the token ids (int64), the final norm, and the head's input T*h (tripod's chunked
+    log-prob kernel never materialises the full logits)."""
+    es = torch.empty((), dtype=dtype).element_size()
+    t, h, a, d, f = micro_batch * seq, arch.hidden_size, arch.num_heads // tp, arch.head_dim, arch.ffn_hidden_size // tp
+    kv = max(arch.num_kv_heads // tp, 1)
+    attention = 3 * t * a * d + micro_batch * a * seq * seq
+    if recompute == "selective":
+        attention = t * a * d + 2 * t * kv * d
+    layer = (6 * t * h + 2 * t + attention + t * a * d + 5 * t * f) * es + 4 * seq * d * 4 + seq * seq
+    layers = -(-arch.num_layers // pp)
+    stack = layers * t * h * es + layer if recompute == "full" else layers * layer
+    return stack + (3 * t * h + t + t * h) * es + t * 8
+
+
 @dataclass
 class ModelMemory:
     name: str
@@ -57,6 +83,7 @@ class ModelMemory:
     distributed_optimizer: bool = False
     offloaded: bool = False  # reference params kept in host memory between uses
     value_head: bool = False
+    recompute: str | None = None  # megatron recompute_granularity (activations)
     numel: int = 0
     rows: dict[str, int] = field(default_factory=dict)
 
@@ -126,7 +153,8 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
         dp = world_size // (tp * pp)
         prec = resolve_precision(m, dp, trainable, optimizer)
         return ModelMemory(name, tp, pp, dp, prec.param_dtype, trainable, prec.use_distributed_optimizer,
-                           offloaded, value_head).compute(critic_arch if value_head and critic_arch else arch)
+                           offloaded, value_head, recompute=prec.recompute_granularity
+                           ).compute(critic_arch if value_head and critic_arch else arch)
 
     models = [model("actor", arc.actor.megatron, True, optimizer=arc.actor.optim.optimizer)]
     if algo.adv_estimator == "gae":
