@@ -109,10 +109,18 @@ class MemoryPlan:
     generation_shard: int  # 0 when it aliases the actor's parameters (see generation_shard_aliased)
     kv_cache: int
     generation_shard_aliased: bool = False
+    activations: dict[str, int] = field(default_factory=dict)  # per trainable model: one micro-batch's saved bytes
+    runtime: int = 0  # the process itself (Python, torch, megatron, transformers), measured: runtime_rss()
 
     def device_total(self) -> int:
         """Bytes on the compute device at the rollout peak (offloaded params excluded)."""
         return sum(m.total for m in self.models if not m.offloaded) + self.generation_shard + self.kv_cache
+
+    def host_peak(self) -> int:
+        """CPU runs: the process's peak RSS. Every model's tensors live in host memory for the whole step; on top of
+        them either the rollout (generation shard + KV cache) or one training micro-batch's activations."""
+        transient = max([self.generation_shard + self.kv_cache, *self.activations.values()])
+        return self.runtime + sum(m.total for m in self.models) + transient
 
     def describe(self) -> str:
         mib = 1 << 20
@@ -128,7 +136,23 @@ class MemoryPlan:
         lines.append(f"generation shard {self.generation_shard / mib:.1f} MiB{alias}, "
                      f"KV cache {self.kv_cache / mib:.1f} MiB")
         lines.append(f"per rank on the compute device at the rollout peak: {self.device_total() / mib:.1f} MiB")
+        if self.activations:
+            lines.append("activations of one training micro-batch (longest sequences): " + ", ".join(
+                f"{name} {b / mib:.1f} MiB" for name, b in self.activations.items()))
+        if self.runtime:
+            lines.append(f"on CPU, peak RSS per rank: {self.host_peak() / mib:.0f} MiB (process {self.runtime / mib:.0f}"
+                         f" MiB + models + the larger of rollout and one micro-batch's activations)")
         return "\n".join(lines)
+
+
+def runtime_rss() -> int:
+    """This process's resident bytes once the modules every rank imports are loaded: what a rank holds before its
+    first tensor (interpreter, torch, megatron-core, transformers); measured, as it depends on the installation."""
+    import megatron.core.models.gpt  # noqa: F401
+    import transformers  # noqa: F401
+
+    from tripod.parallel.hybrid_engine.memory import proc_status_kib
+    return proc_status_kib("VmRSS") * 1024
 
 
 def kv_cache_bytes(arch: ModelArch, rollout_tp: int, sequences: int, seq_len: int, dtype: torch.dtype) -> int:
@@ -156,6 +180,11 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
                            offloaded, value_head, recompute=prec.recompute_granularity
                            ).compute(critic_arch if value_head and critic_arch else arch)
 
+    seq = cfg.data.max_prompt_length + arc.rollout.response_length
+
+    def micro_rows(c) -> int:  # rows of one training micro-batch of the longest sequences
+        return max(c.ppo_max_token_len_per_gpu // seq, 1) if c.use_dynamic_bsz else c.ppo_micro_batch_size_per_gpu
+
     models = [model("actor", arc.actor.megatron, True, optimizer=arc.actor.optim.optimizer)]
     if algo.adv_estimator == "gae":
         models.append(model("critic", cfg.critic.megatron, True, value_head=True, optimizer=cfg.critic.optim.optimizer))
@@ -168,6 +197,11 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
     actor = models[0]
     # parallel/hybrid_engine/engine.py: same TP, no PP, same dtype -> the engine reads the parameters themselves
     aliased = actor.pp == 1 and actor.tp == r.tensor_model_parallel_size and actor.param_dtype == gdt
+    activations = {m.name: activation_bytes(critic_arch if m.value_head and critic_arch else arch, m.tp, m.pp,
+                                            micro_rows(c), seq, m.param_dtype, recompute=m.recompute,
+                                            value_head=m.value_head)
+                   for m, c in zip(models, (arc.actor, cfg.critic)) if m.trainable}
     return MemoryPlan(models, 0 if aliased else generation_shard_bytes(arch, r.tensor_model_parallel_size, gdt),
                       kv_cache_bytes(arch, r.tensor_model_parallel_size, sequences,
-                                     cfg.data.max_prompt_length + r.response_length, gdt), aliased)
+                                     cfg.data.max_prompt_length + r.response_length, gdt), aliased,
+                      activations=activations, runtime=runtime_rss() if device == "cpu" else 0)

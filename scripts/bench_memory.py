@@ -247,6 +247,10 @@ def run_config(overrides: list[str], label: str) -> dict:
     total_plan = sum(p for _, p, _ in rows)
     total_meas = sum(m for _, _, m in rows)
     rows.append(("sum of the rows", total_plan, total_meas))
+    # the whole process: the plan's own estimate (parallel/memory_plan.py MemoryPlan.host_peak) at the measured shapes
+    plan.kv_cache = kv_plan
+    plan.activations = {name.split()[0]: planned for name, planned, _ in rows if " activations " in name}
+    rows.append(("peak RSS (VmHWM) of the process", plan.host_peak(), got["peak_rss"]))
     return {"label": label, "rows": rows, "peak_rss": got["peak_rss"], "rss": got["rss"], "stages": got["stages"]}
 
 
@@ -315,8 +319,10 @@ def main() -> int:
         if args.demo:
             base = demo_setup(tmp, args.demo)
             off = [f"{k}.megatron.use_distributed_optimizer=false" for k in ("actor_rollout_ref.actor", "critic")]
-            for label, extra in (("135M fp32 plain optimizer", off),
-                                 ("135M fp32 distopt + ref offload", ["actor_rollout_ref.ref.offload=true"])):
+            micro8 = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"]  # the recipe before issue 11
+            for label, extra in (("135M fp32 plain optimizer, micro-batch 8", off + micro8),
+                                 ("135M fp32 distopt, micro-batch 8", micro8),
+                                 ("135M fp32 distopt + ref offload, recipe", ["actor_rollout_ref.ref.offload=true"])):
                 results.append(run_config(base + extra, label))
                 print(table(results[-1:]), flush=True)
     print(table(results))
