@@ -51,25 +51,29 @@ def activation_bytes(arch: ModelArch, tp: int, pp: int, micro_batch: int, seq: i
     """Bytes autograd saves for the backward of one micro-batch (`micro_batch` rows x `seq` tokens) on one rank of
     the largest pipeline stage: megatron's local (non-TE) layer spec, no dropout, as scripts/bench_memory.py counts
     them (torch.autograd.graph.saved_tensors_hooks). Per layer, with T = micro_batch * seq tokens, a = heads / tp,
-    d = head_dim, f = ffn / tp, in the activation dtype:
-        each RMSNorm (torch's): its input, x * rstd and its output (the next linear's input) 3*T*h, rstd T;
-        attention: q, k and v expanded to a heads 3*T*a*d, the probabilities micro_batch*a*seq^2, the context (the
-        out-projection's input) T*a*d; RoPE's cos/sin for q and k 4*seq*d (fp32) and the causal mask seq^2 (bool);
-        SwiGLU: fc1's output (gate|up) 2*T*f, silu(gate), the product and fc2's input 3*T*f.
-    recompute=full keeps each layer's input (T*h) plus one layer's set while it is recomputed; selective recomputes
+    d = head_dim, f = ffn / tp, e = bytes of the activation dtype:
+        each RMSNorm (torch's, computed in fp32): its input and x * rstd in fp32 2*T*h*4, rstd T*4, its output (the
+        next linear's input) T*h*e;
+        attention: q, k and v expanded to a heads 3*T*a*d*e, the softmax output in fp32 P*4 (P = micro_batch*a*seq^2;
+        megatron's attention_softmax_in_fp32) plus its cast P*e for a 16-bit matmul, the context (the out-projection's
+        input) T*a*d*e; RoPE's cos/sin for q and k 4*seq*d*e and the causal mask seq^2 (bool);
+        SwiGLU: fc1's output (gate|up) 2*T*f*e, silu(gate), the product and fc2's input 3*T*f*e.
+    recompute=full keeps each layer's input (T*h*e) plus one layer's set while it is recomputed; selective recomputes
     core attention, which then keeps only its q, k, v inputs (T*a*d + 2*T*kv*d) instead of the expanded q, k, v
-    and the probabilities. Plus the token ids (int64), the final norm, and the head's input T*h (tripod's chunked
+    and the probabilities. Plus the token ids (int64), the final norm, and the head's input T*h*e (tripod's chunked
     log-prob kernel never materialises the full logits)."""
-    es = torch.empty((), dtype=dtype).element_size()
+    e = torch.empty((), dtype=dtype).element_size()
     t, h, a, d, f = micro_batch * seq, arch.hidden_size, arch.num_heads // tp, arch.head_dim, arch.ffn_hidden_size // tp
     kv = max(arch.num_kv_heads // tp, 1)
-    attention = 3 * t * a * d + micro_batch * a * seq * seq
+    norm = 2 * t * h * 4 + t * 4 + t * h * e
+    probs = micro_batch * a * seq * seq
+    attention = 3 * t * a * d * e + probs * 4 + (probs * e if e < 4 else 0)
     if recompute == "selective":
-        attention = t * a * d + 2 * t * kv * d
-    layer = (6 * t * h + 2 * t + attention + t * a * d + 5 * t * f) * es + 4 * seq * d * 4 + seq * seq
+        attention = (t * a * d + 2 * t * kv * d) * e
+    layer = 2 * norm + attention + t * a * d * e + 5 * t * f * e + 4 * seq * d * e + seq * seq
     layers = -(-arch.num_layers // pp)
-    stack = layers * t * h * es + layer if recompute == "full" else layers * layer
-    return stack + (3 * t * h + t + t * h) * es + t * 8
+    stack = layers * t * h * e + layer if recompute == "full" else layers * layer
+    return stack + norm + t * h * e + t * 8
 
 
 @dataclass
