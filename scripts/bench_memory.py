@@ -291,7 +291,8 @@ def demo_setup(tmp: str, model: str) -> list[str]:
                 out.append(f"{prefix}{k}={json.dumps(v) if isinstance(v, list) else v}")
     walk(flat)
     return out + [f"actor_rollout_ref.model.path={model}", f"data.train_files={path}", "data.val_files=[]",
-                  "trainer.val_before_train=false", "trainer.logger=[jsonl]", "trainer.total_training_steps=1",
+                  "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.logger=[jsonl]",
+                  "trainer.total_training_steps=1",
                   f"trainer.default_local_dir={os.path.join(tmp, 'run')}"]
 
 
@@ -301,6 +302,7 @@ def main() -> int:
     p.add_argument("--demo", metavar="MODEL_DIR", help="the demo's SmolLM2-135M at DP=2 fp32: today's settings vs "
                                                         "distributed optimizer + reference offload (heavy: flock)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--only", metavar="TEXT", help="--demo: only the configurations whose label contains TEXT")
     p.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"), help="--tiny: only these parameter dtypes")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -323,6 +325,8 @@ def main() -> int:
             for label, extra in (("135M fp32 plain optimizer, micro-batch 8", off + micro8),
                                  ("135M fp32 distopt, micro-batch 8", micro8),
                                  ("135M fp32 distopt + ref offload, recipe", ["actor_rollout_ref.ref.offload=true"])):
+                if args.only and args.only not in label:
+                    continue
                 results.append(run_config(base + extra, label))
                 print(table(results[-1:]), flush=True)
     print(table(results))

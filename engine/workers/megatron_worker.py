@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tripod.engine.config import LR_DECAY_STYLES, OptimConfig
-from tripod.engine.device import current_device, to_device
+from tripod.engine.device import current_device, to_device, trim_host_heap
 from tripod.engine.precision import PrecisionSettings
 from tripod.engine.workers.batch import PPOBatch, split_rows
 from tripod.parallel.arch import ModelArch
@@ -118,6 +118,7 @@ class MegatronWorker:
                                f"{self.device} (engine/device.py)")
         if self.offload:
             self._move_params(torch.device("cpu"))
+        trim_host_heap(self.device)  # the HF load's transients
 
     def _move_params(self, device: torch.device) -> None:
         for p in (p for chunk in self.chunks for p in chunk.parameters()):
@@ -182,6 +183,7 @@ class MegatronWorker:
             return out, lambda output: loss_fn(output, mb)
 
         if not forward_only:
+            trim_host_heap(dev)  # earlier stages' garbage, before this pass's activations
             with self.layout.activate():
                 for chunk in self.model:
                     chunk.zero_grad_buffer()
