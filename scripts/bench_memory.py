@@ -104,40 +104,10 @@ class StageRSS:
         self._thread.join()
 
 
-class SavedActivations:
-    """Bytes autograd keeps for backward (torch.autograd.graph.saved_tensors_hooks), live at once, peak: each saved
-    tensor's storage counted once while any saved reference to it lives; parameters and DDP buffers excluded."""
-
-    def __init__(self, exclude: set[int]) -> None:
-        self.exclude, self.live, self.total, self.peak = exclude, {}, 0, 0
-
-    def _release(self, ptr: int) -> None:
-        entry = self.live[ptr]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.total -= entry[0]
-            del self.live[ptr]
-
-    def pack(self, t):
-        import weakref
-
-        ptr = _storage_ptr(t)
-        if ptr in self.exclude or ptr == 0:
-            return t
-        if ptr not in self.live:
-            self.live[ptr] = [t.untyped_storage().nbytes(), 0]
-            self.total += self.live[ptr][0]
-            self.peak = max(self.peak, self.total)
-        self.live[ptr][1] += 1
-        weakref.finalize(t, self._release, ptr)
-        return t
-
-
-def _measure_activations(trainer, measured: dict) -> None:
+def _measure_activations(trainer, measured: dict, stages: "StageRSS") -> None:
     """Wrap the training pipeline runs: per model, the peak saved-activation bytes and the micro-batch shape."""
-    import torch
-
     from tripod.parallel import pipeline
+    from tripod.parallel.hybrid_engine.memory import SavedTensorBytes
 
     original = pipeline.run_pipeline
     names = {id(w.model[0]): name for name, w in (("actor", trainer.actor), ("critic", trainer.critic))
@@ -151,8 +121,7 @@ def _measure_activations(trainer, measured: dict) -> None:
         w = trainer.actor if name == "actor" else trainer.critic
         exclude = {_storage_ptr(p) for p in w.module.parameters()} | {
             _storage_ptr(t) for b in _ddp_buffers(w) for t in (b.param_data, b.grad_data) if t is not None}
-        saved = SavedActivations(exclude)
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        with SavedTensorBytes(exclude) as saved, stages(f"{name} forward+backward"):
             out = original(chunks, layout, microbatches, forward_step, forward_only=forward_only,
                            seq_length=seq_length, micro_batch_size=micro_batch_size)
         prev = measured.get(name, {"activations": 0})
@@ -161,6 +130,11 @@ def _measure_activations(trainer, measured: dict) -> None:
         return out
 
     pipeline.run_pipeline = run_pipeline
+
+
+def _staged(stages: "StageRSS", name: str, fn):
+    with stages(name):
+        return fn()
 
 
 def _run_config(config_yaml: str, result_path: str) -> None:
@@ -195,7 +169,11 @@ def _run_config(config_yaml: str, result_path: str) -> None:
 
     sync.engine.generate = generate
     activations: dict[str, dict] = {}
-    _measure_activations(trainer, activations)
+    _measure_activations(trainer, activations, stages)
+    for worker in (trainer.actor, trainer.critic):  # the optimizer step as its own stage
+        if worker is not None:
+            step = worker.step
+            worker.step = lambda step=step, name=worker.name: _staged(stages, f"{name} optimizer step", step)
     from tripod.engine.logging import tracker
     timer_call = tracker.Timer.__call__
     tracker.Timer.__call__ = lambda self, name: stages(name, timer_call(self, name))

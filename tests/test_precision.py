@@ -58,6 +58,17 @@ def test_bf16_and_distributed_optimizer_against_fp32(tmp_path):
     for key in ("pg_loss", "vf_loss", "actor_grad_norm", "critic_grad_norm"):
         assert bf16[key] == pytest.approx(fp32[key], rel=bound), key
 
+    # the memory plan's activations (parallel/memory_plan.py) against the bytes autograd really saved for one
+    # micro-batch of 2 rows; the formula counts every saved tensor, so only tiny ones (RoPE tables shared between
+    # layers, the pipeline's bookkeeping) differ: 5%
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.memory_plan import activation_bytes
+
+    arch = arch_from_hf(hf_dir)
+    for run, dtype in ((fp32, torch.float32), (bf16, torch.bfloat16)):
+        planned = activation_bytes(arch, 1, 1, 2, run["seq"], dtype)
+        assert planned == pytest.approx(run["saved_bytes"], rel=0.05), (str(dtype), planned, run["saved_bytes"])
+
 
 # ---- trainer runs: the distributed optimizer across layouts, and resuming its checkpoint at another layout -----
 COMPARED = ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm", "critic/score/mean",
