@@ -143,6 +143,9 @@ class MegatronWorker:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         model, prec = chunks[0], self.precision
+        if prec.use_distributed_optimizer:
+            from tripod.parallel.gloo_collectives import install_inplace_gloo_collectives
+            install_inplace_gloo_collectives()  # gloo's reduce-scatter / all-gather would copy the whole buffer
         with self.layout.activate():
             ddp = [DistributedDataParallel(  # gradients reduced (and, for bf16 params, accumulated) in fp32
                 config=chunk.config, module=chunk, pg_collection=self.layout.pg_collection,
