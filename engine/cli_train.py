@@ -101,7 +101,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     critic_arch = arch_from_hf(plan_model_config(cfg.critic.model.path, "critic.model.path")) \
         if cfg.algorithm.adv_estimator == "gae" and cfg.critic.model.path else None
-    print("\nmemory per rank (parallel/memory_plan.py; activations not included):")
+    print("\nmemory per rank (parallel/memory_plan.py):")
     print(plan_from_config(cfg, world, arch, critic_arch).describe())
     return 0
 

@@ -168,8 +168,9 @@ class MegatronConfig:
     weights (and Adam states) and reduces gradients in fp32 (engine/precision.py)."""
     use_distributed_optimizer: Optional[bool] = None
     """Shard fp32 main weights and Adam states over DP (megatron's DistributedOptimizer, ZeRO-1).
-    null = auto, which is off for now: its checkpoints do not resume exactly yet (tests/test_precision.py). Adam only.
-    Training models only (the reference has no optimizer). Megatron-LM: --use-distributed-optimizer."""
+    null = auto: on when the model's data-parallel size is > 1 and its optim.optimizer is adam (megatron's
+    DistributedOptimizer supports Adam only); true needs adam. Its checkpoints resume at any layout. Training models
+    only (the reference has no optimizer). Megatron-LM: --use-distributed-optimizer."""
     recompute_granularity: Optional[str] = None
     """Activation recomputation: null (off) | full (whole layers, see recompute_num_layers) | selective (core
     attention only). Training models only."""

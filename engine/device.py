@@ -102,6 +102,24 @@ def check_devices_enabled() -> bool:
     return os.environ.get(CHECK_ENV) == "1"
 
 
+def trim_host_heap(device: torch.device) -> None:
+    """On a CPU device, hand the heap pages freed by earlier stages back to the OS (glibc malloc_trim). torch's CPU
+    allocator is plain malloc: a stage's freed tensors below glibc's (dynamic, up to 32 MiB) mmap threshold stay in
+    the heap as resident holes that the next stage's large tensors (fresh mmaps) cannot reuse, so the peak RSS would
+    carry every earlier stage's garbage. Called between stages (MegatronWorker), never in a hot loop; a no-op on CUDA
+    (its caching allocator reuses its own blocks) and off glibc."""
+    if device.type != "cpu":
+        return
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def to_device(tensors: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """Every tensor value of `tensors` on `device` (non-blocking; others untouched)."""
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}

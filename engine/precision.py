@@ -6,8 +6,9 @@ Owns the names tripod accepts (`megatron.param_dtype`, `use_distributed_optimize
     param_dtype=bf16|fp16   TransformerConfig(bf16/fp16=True, params_dtype) -> megatron's optimizer keeps fp32 main
                             weights and Adam states (Float16OptimizerWithFloat16Params, or DistributedOptimizer), DDP
                             reduces gradients in fp32 (`grad_reduce_in_fp32=True`), fp16 adds a dynamic loss scaler.
-    use_distributed_optimizer   true shards the optimizer over DP; null = auto, off for now (its checkpoints do not
-                            resume exactly yet: tests/test_precision.py); Adam only (megatron's restriction).
+    use_distributed_optimizer   true shards the optimizer over DP; null = auto: on when DP > 1 and the optimizer is
+                            Adam (megatron's DistributedOptimizer supports Adam only; at DP = 1 there is nothing to
+                            shard). Its checkpoints resume at any layout (tests/test_precision.py).
     recompute_granularity   TransformerConfig.recompute_granularity / recompute_method / recompute_num_layers.
     optimizer_offload       OptimizerConfig(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0): megatron's
                             HybridDeviceOptimizer, which uses CUDA streams; needs CUDA and the distributed optimizer.
@@ -62,11 +63,15 @@ class PrecisionSettings:
         return out
 
 
-def resolve_precision(m, dp: int, trainable: bool) -> PrecisionSettings:
-    """`m`: a MegatronConfig (or anything with its attributes); `dp`: this model's data-parallel size."""
-    # null = auto, which is OFF for now: a checkpoint of megatron's DistributedOptimizer (torch Adam on this path)
-    # does not resume exactly yet (tests/test_precision.py, xfail), and exact resume is the default promise
-    dist_opt = bool(m.use_distributed_optimizer)
+def distributed_optimizer_on(setting: Optional[bool], dp: int, optimizer: str) -> bool:
+    """`use_distributed_optimizer` resolved: an explicit true/false wins; null = on when dp > 1 with Adam."""
+    return bool(setting) if setting is not None else (dp > 1 and optimizer == "adam")
+
+
+def resolve_precision(m, dp: int, trainable: bool, optimizer: str = "adam") -> PrecisionSettings:
+    """`m`: a MegatronConfig (or anything with its attributes); `dp`: this model's data-parallel size; `optimizer`:
+    its optim.optimizer (the distributed optimizer's auto setting needs Adam)."""
+    dist_opt = distributed_optimizer_on(m.use_distributed_optimizer, dp, optimizer)
     if not trainable:
         return PrecisionSettings(param_dtype=dtype_of(m.param_dtype))
     return PrecisionSettings(param_dtype=dtype_of(m.param_dtype), use_distributed_optimizer=bool(dist_opt),
@@ -117,7 +122,7 @@ def precision_problems(cfg, world_size: int, models: list[tuple[str, Any, bool]]
                          "runs on CUDA streams; on CPU the optimizer states already live in host memory); set it "
                          "to false")
             tp_pp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
-            dist_opt = m.use_distributed_optimizer
+            dist_opt = m.use_distributed_optimizer is not False  # null = auto: on at DP > 1 with Adam
             if not dist_opt or world_size // max(tp_pp, 1) <= 1:
                 e.append(f"{key}.optimizer_offload=true needs the distributed optimizer (megatron offloads its "
                          f"shards); set {key}.use_distributed_optimizer=true")

@@ -40,11 +40,11 @@ def _layout(m, name: str, arch) -> ParallelLayout:
                           ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size, name=name, arch=arch)
 
 
-def _model_options(m, layout: ParallelLayout, key: str, arch, trainable: bool = True) -> dict:
+def _model_options(m, layout: ParallelLayout, key: str, arch, trainable: bool = True, optimizer: str = "adam") -> dict:
     """Worker keyword arguments from the `{key}.megatron` config section: precision, sequence parallel, virtual
     stages, the MoE router's load balancing."""
     return dict(sequence_parallel=m.sequence_parallel, virtual_pipeline_size=m.virtual_pipeline_model_parallel_size,
-                precision=resolve_precision(m, layout.dp, trainable),
+                precision=resolve_precision(m, layout.dp, trainable, optimizer),
                 config_overrides=moe_config_overrides(m, arch, key))
 
 
@@ -87,7 +87,7 @@ class PPOTrainer:
                                   optim=actor_cfg.optim, grad_clip=actor_cfg.grad_clip,
                                   total_steps=max(self.total_steps - cfg.trainer.critic_warmup, 1) * updates(actor_cfg),
                                   **_model_options(actor_cfg.megatron, actor_layout, "actor_rollout_ref.actor",
-                                                   self.arch))
+                                                   self.arch, True, actor_cfg.optim.optimizer))
         ref_layout = _layout(arc.ref.megatron, "reference", self.arch)
         self.ref = (PolicyWorker("reference", self.arch, ref_layout, path, trainable=False, seed=arc.ref.megatron.seed,
                                  offload=arc.ref.offload,
@@ -98,7 +98,8 @@ class PPOTrainer:
         self.critic = (CriticWorker("critic", self.arch, critic_layout, cfg.critic.model.path, value_head=True,
                                     seed=cfg.critic.megatron.seed, optim=cfg.critic.optim,
                                     grad_clip=cfg.critic.grad_clip, total_steps=self.total_steps * updates(cfg.critic),
-                                    **_model_options(cfg.critic.megatron, critic_layout, "critic", self.arch))
+                                    **_model_options(cfg.critic.megatron, critic_layout, "critic", self.arch, True,
+                                                     cfg.critic.optim.optimizer))
                        if self.use_critic else None)
 
         rollout = arc.rollout

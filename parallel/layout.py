@@ -242,7 +242,7 @@ class ParallelLayout:
                 tp=g["tp"], pp=g["pp"], mp=g["mp"], embd=g["embd"], pos_embd=g["pos_embd"],
                 cp=g["self"], tp_cp=g["tp"], hcp=None, ep=g["ep"], expt_tp=g["expt_tp"], tp_ep=g["tp_ep"],
                 tp_ep_pp=g["tp_ep_pp"], tp_dp_cp=g["tp_dp"], dp=g["dp"], dp_cp=g["dp"], expt_dp=g["expt_dp"],
-                intra_dp_cp=g["dp"], intra_expt_dp=g["expt_dp"], intra_dist_opt=g["dp"],
+                intra_dp_cp=g["dp"], intra_expt_dp=g["expt_dp"], intra_dist_opt=g["intra_dist_opt"],
             )
         return self._pg_collection
 
@@ -337,4 +337,8 @@ def rank_groups(ranks: Sequence[int], tp: int, pp: int, dp: int, ep: int = 1,
         "tp_ep_pp": [[ex(a, b, c, k) for k in range(pp) for b in range(ep) for a in range(etp)]
                      for c in range(edp)],
         "expt_dp": [[ex(a, b, c, k) for c in range(edp)] for k in range(pp) for b in range(ep) for a in range(etp)],
+        # one distributed-optimizer instance spans every rank of the layout: its grad norm (and zero count) sums
+        # the shards of all TP x PP x DP ranks (megatron's intra_dist_opt group with one instance)
+        "intra_dist_opt": [[ex(a, b, c, k) for c in range(edp) for k in range(pp) for b in range(ep)
+                            for a in range(etp)]],
     }

@@ -65,6 +65,36 @@ def stage_numel_split(arch: ModelArch, tp: int, pp: int, *, value_head: bool = F
     return [(d, x // ep) for d, x in zip(per_stage, experts)]
 
 
+def activation_bytes(arch: ModelArch, tp: int, pp: int, micro_batch: int, seq: int, dtype: torch.dtype, *,
+                     recompute: str | None = None, value_head: bool = False) -> int:
+    """Bytes autograd saves for the backward of one micro-batch (`micro_batch` rows x `seq` tokens) on one rank of
+    the largest pipeline stage: megatron's local (non-TE) layer spec, no dropout, as scripts/bench_memory.py counts
+    them (torch.autograd.graph.saved_tensors_hooks). Per layer, with T = micro_batch * seq tokens, a = heads / tp,
+    d = head_dim, f = ffn / tp, e = bytes of the activation dtype:
+        each RMSNorm (torch's, computed in fp32): its input and x * rstd in fp32 2*T*h*4, rstd T*4, its output (the
+        next linear's input) T*h*e;
+        attention: q, k and v expanded to a heads 3*T*a*d*e, the softmax output in fp32 P*4 (P = micro_batch*a*seq^2;
+        megatron's attention_softmax_in_fp32) plus its cast P*e for a 16-bit matmul, the context (the out-projection's
+        input) T*a*d*e; RoPE's cos/sin for q and k 4*seq*d*e and the causal mask seq^2 (bool);
+        SwiGLU: fc1's output (gate|up) 2*T*f*e, silu(gate), the product and fc2's input 3*T*f*e.
+    recompute=full keeps each layer's input (T*h*e) plus one layer's set while it is recomputed; selective recomputes
+    core attention, which then keeps only its q, k, v inputs (T*a*d + 2*T*kv*d) instead of the expanded q, k, v
+    and the probabilities. Plus the token ids (int64), the final norm, and the head's input T*h*e (tripod's chunked
+    log-prob kernel never materialises the full logits)."""
+    e = torch.empty((), dtype=dtype).element_size()
+    t, h, a, d, f = micro_batch * seq, arch.hidden_size, arch.num_heads // tp, arch.head_dim, arch.ffn_hidden_size // tp
+    kv = max(arch.num_kv_heads // tp, 1)
+    norm = 2 * t * h * 4 + t * 4 + t * h * e
+    probs = micro_batch * a * seq * seq
+    attention = 3 * t * a * d * e + probs * 4 + (probs * e if e < 4 else 0)
+    if recompute == "selective":
+        attention = (t * a * d + 2 * t * kv * d) * e
+    layer = 2 * norm + attention + t * a * d * e + 5 * t * f * e + 4 * seq * d * e + seq * seq
+    layers = -(-arch.num_layers // pp)
+    stack = layers * t * h * e + layer if recompute == "full" else layers * layer
+    return stack + norm + t * h * e + t * 8
+
+
 @dataclass
 class ModelMemory:
     name: str
@@ -78,6 +108,7 @@ class ModelMemory:
     value_head: bool = False
     ep: int = 1
     etp: int | None = None  # None: tp
+    recompute: str | None = None  # megatron recompute_granularity (activations)
     numel: int = 0
     expert_numel: int = 0  # of which routed experts
     rows: dict[str, int] = field(default_factory=dict)
@@ -117,10 +148,18 @@ class MemoryPlan:
     generation_shard: int  # 0 when it aliases the actor's parameters (see generation_shard_aliased)
     kv_cache: int
     generation_shard_aliased: bool = False
+    activations: dict[str, int] = field(default_factory=dict)  # per trainable model: one micro-batch's saved bytes
+    runtime: int = 0  # the process itself (Python, torch, megatron, transformers), measured: runtime_rss()
 
     def device_total(self) -> int:
         """Bytes on the compute device at the rollout peak (offloaded params excluded)."""
         return sum(m.total for m in self.models if not m.offloaded) + self.generation_shard + self.kv_cache
+
+    def host_peak(self) -> int:
+        """CPU runs: the process's peak RSS. Every model's tensors live in host memory for the whole step; on top of
+        them either the rollout (generation shard + KV cache) or one training micro-batch's activations."""
+        transient = max([self.generation_shard + self.kv_cache, *self.activations.values()])
+        return self.runtime + sum(m.total for m in self.models) + transient
 
     def describe(self) -> str:
         mib = 1 << 20
@@ -136,7 +175,23 @@ class MemoryPlan:
         lines.append(f"generation shard {self.generation_shard / mib:.1f} MiB{alias}, "
                      f"KV cache {self.kv_cache / mib:.1f} MiB")
         lines.append(f"per rank on the compute device at the rollout peak: {self.device_total() / mib:.1f} MiB")
+        if self.activations:
+            lines.append("activations of one training micro-batch (longest sequences): " + ", ".join(
+                f"{name} {b / mib:.1f} MiB" for name, b in self.activations.items()))
+        if self.runtime:
+            lines.append(f"on CPU, peak RSS per rank: {self.host_peak() / mib:.0f} MiB (process {self.runtime / mib:.0f}"
+                         f" MiB + models + the larger of rollout and one micro-batch's activations)")
         return "\n".join(lines)
+
+
+def runtime_rss() -> int:
+    """This process's resident bytes once the modules every rank imports are loaded: what a rank holds before its
+    first tensor (interpreter, torch, megatron-core, transformers); measured, as it depends on the installation."""
+    import megatron.core.models.gpt  # noqa: F401
+    import transformers  # noqa: F401
+
+    from tripod.parallel.hybrid_engine.memory import proc_status_kib
+    return proc_status_kib("VmRSS") * 1024
 
 
 def kv_cache_bytes(arch: ModelArch, rollout_tp: int, sequences: int, seq_len: int, dtype: torch.dtype) -> int:
@@ -160,17 +215,23 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
     arc, algo = cfg.actor_rollout_ref, cfg.algorithm
     device = "cuda" if cfg.trainer.device == "cuda" else "cpu"
 
-    def model(name, m, trainable, value_head=False, offloaded=False):
+    def model(name, m, trainable, value_head=False, offloaded=False, optimizer="adam"):
         tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
         dp = world_size // (tp * pp)
-        prec = resolve_precision(m, dp, trainable)
+        prec = resolve_precision(m, dp, trainable, optimizer)
         return ModelMemory(name, tp, pp, dp, prec.param_dtype, trainable, prec.use_distributed_optimizer,
-                           offloaded, value_head, m.expert_model_parallel_size,
-                           m.expert_tensor_parallel_size).compute(critic_arch if value_head and critic_arch else arch)
+                           offloaded, value_head, m.expert_model_parallel_size, m.expert_tensor_parallel_size,
+                           recompute=prec.recompute_granularity
+                           ).compute(critic_arch if value_head and critic_arch else arch)
 
-    models = [model("actor", arc.actor.megatron, True)]
+    seq = cfg.data.max_prompt_length + arc.rollout.response_length
+
+    def micro_rows(c) -> int:  # rows of one training micro-batch of the longest sequences
+        return max(c.ppo_max_token_len_per_gpu // seq, 1) if c.use_dynamic_bsz else c.ppo_micro_batch_size_per_gpu
+
+    models = [model("actor", arc.actor.megatron, True, optimizer=arc.actor.optim.optimizer)]
     if algo.adv_estimator == "gae":
-        models.append(model("critic", cfg.critic.megatron, True, value_head=True))
+        models.append(model("critic", cfg.critic.megatron, True, value_head=True, optimizer=cfg.critic.optim.optimizer))
     if algo.use_kl_in_reward or arc.actor.use_kl_loss:
         models.append(model("reference", arc.ref.megatron, False, offloaded=arc.ref.offload and device == "cuda"))
     r = arc.rollout
@@ -181,6 +242,11 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
     # parallel/hybrid_engine/engine.py: same TP, no PP, same dtype -> the engine reads the parameters themselves
     aliased = actor.pp == 1 and actor.tp == r.tensor_model_parallel_size and actor.param_dtype == gdt and \
         (actor.expert_numel == 0 or (actor.ep == 1 and actor.etp in (None, actor.tp)))
+    activations = {m.name: activation_bytes(critic_arch if m.value_head and critic_arch else arch, m.tp, m.pp,
+                                            micro_rows(c), seq, m.param_dtype, recompute=m.recompute,
+                                            value_head=m.value_head)
+                   for m, c in zip(models, (arc.actor, cfg.critic)) if m.trainable}
     return MemoryPlan(models, 0 if aliased else generation_shard_bytes(arch, r.tensor_model_parallel_size, gdt),
                       kv_cache_bytes(arch, r.tensor_model_parallel_size, sequences,
-                                     cfg.data.max_prompt_length + r.response_length, gdt), aliased)
+                                     cfg.data.max_prompt_length + r.response_length, gdt), aliased,
+                      activations=activations, runtime=runtime_rss() if device == "cpu" else 0)

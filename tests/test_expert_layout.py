@@ -18,7 +18,9 @@ def _megatron_groups(world, tp, pp, ep, etp):
     return {"tp": dense.get_ranks("tp"), "dp": dense.get_ranks("dp"), "pp": dense.get_ranks("pp"),
             "mp": dense.get_ranks("tp-pp"), "tp_dp": dense.get_ranks("tp-dp"),
             "expt_tp": expert.get_ranks("tp"), "ep": expert.get_ranks("ep"), "tp_ep": expert.get_ranks("tp-ep"),
-            "tp_ep_pp": expert.get_ranks("tp-ep-pp"), "expt_dp": expert.get_ranks("dp")}
+            "tp_ep_pp": expert.get_ranks("tp-ep-pp"), "expt_dp": expert.get_ranks("dp"),
+            # one distributed-optimizer instance: megatron concatenates every tp-ep-pp group into one
+            "intra_dist_opt": [[r for g in expert.get_ranks("tp-ep-pp") for r in g]]}
 
 
 def _canon(groups):

@@ -95,6 +95,19 @@ def _skip_torch_adam_step(inner) -> None:
     inner._set_main_param_and_optimizer_states = set_states
 
 
+def _unshare_adam_steps(optimizer) -> None:
+    """Give every parameter its own Adam step tensor again. Without apex/TE (torch Adam, the CPU path) megatron's
+    DistributedOptimizer.load_state_dict puts ONE `step` tensor into every parameter's state, and torch keeps it
+    uncopied ("step is not casted"); torch's Adam then does `step += 1` in place once per parameter, so after a
+    resume the k-th parameter of a step saw step + k and its bias corrections were wrong (the resumed run drifted
+    from the uninterrupted one from its first step on)."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_opt = getattr(inner, "optimizer", None)
+        for state in (torch_opt.state.values() if torch_opt is not None else ()):
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
 def _load_optimizer(worker, path: str) -> None:
     from megatron.core import dist_checkpointing
 
@@ -109,6 +122,7 @@ def _load_optimizer(worker, path: str) -> None:
         model_sd = sharded_model_state(worker.chunks)
         sharded = worker.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=_OPTIM_METADATA)
         worker.optimizer.load_state_dict(dist_checkpointing.load(sharded, path))
+        _unshare_adam_steps(worker.optimizer)
 
 
 class CheckpointManager:
@@ -186,3 +200,4 @@ class CheckpointManager:
         if dist.get_rank() == 0:
             print(f"tripod: resumed from {path} at step {int(state['step'])}", flush=True)
         return int(state["step"])
+

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tripod.engine.config import LR_DECAY_STYLES, OptimConfig
-from tripod.engine.device import current_device, to_device
+from tripod.engine.device import current_device, to_device, trim_host_heap
 from tripod.engine.precision import PrecisionSettings
 from tripod.engine.workers.batch import PPOBatch, split_rows
 from tripod.parallel.arch import ModelArch
@@ -147,6 +147,7 @@ class MegatronWorker:
                                f"{self.device} (engine/device.py)")
         if self.offload:
             self._move_params(torch.device("cpu"))
+        trim_host_heap(self.device)  # the HF load's transients
 
     def _move_params(self, device: torch.device) -> None:
         for p in (p for chunk in self.chunks for p in chunk.parameters()):
@@ -171,6 +172,9 @@ class MegatronWorker:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         model, prec = chunks[0], self.precision
+        if prec.use_distributed_optimizer:
+            from tripod.parallel.gloo_collectives import install_inplace_gloo_collectives
+            install_inplace_gloo_collectives()  # gloo's reduce-scatter / all-gather would copy the whole buffer
         with self.layout.activate():
             ddp = [DistributedDataParallel(  # gradients reduced (and, for bf16 params, accumulated) in fp32
                 config=chunk.config, module=chunk, pg_collection=self.layout.pg_collection,
@@ -237,6 +241,7 @@ class MegatronWorker:
             return out, lambda output: loss_fn(output, mb)
 
         if not forward_only:
+            trim_host_heap(dev)  # earlier stages' garbage, before this pass's activations
             from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
             get_moe_layer_wise_logging_tracker().clear()  # moe_aux_loss() then reads this run's routers only

@@ -33,6 +33,45 @@ def _release_free_heap() -> None:
         pass
 
 
+class SavedTensorBytes:
+    """`with SavedTensorBytes(exclude) as s: loss.backward()...` then `s.peak`: the most bytes autograd held for
+    backward at once (torch.autograd.graph.saved_tensors_hooks), each saved storage counted once while any saved
+    reference to it lives. `exclude`: storage pointers not to count (parameters, DDP buffers). What
+    parallel/memory_plan.py's activation_bytes predicts."""
+
+    def __init__(self, exclude: set[int] = frozenset()) -> None:
+        self.exclude, self.live, self.total, self.peak = set(exclude), {}, 0, 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _release(self, ptr: int) -> None:
+        entry = self.live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.total -= entry[0]
+            del self.live[ptr]
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        import weakref
+
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.exclude or ptr == 0:
+            return t
+        if ptr not in self.live:
+            self.live[ptr] = [t.untyped_storage().nbytes(), 0]
+            self.total += self.live[ptr][0]
+            self.peak = max(self.peak, self.total)
+        self.live[ptr][1] += 1
+        weakref.finalize(t, self._release, ptr)
+        return t
+
+    def __enter__(self) -> "SavedTensorBytes":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
 @dataclass
 class PeakMemory:
     baseline_bytes: int = 0

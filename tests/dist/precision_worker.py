@@ -37,7 +37,13 @@ def run(hf_dir, arch, layout, batch, dtype, dist_opt):
                       clip_ratio_high=0.2)
     ccfg = CriticConfig(ppo_mini_batch_size=batch.size // 2, ppo_micro_batch_size_per_gpu=2, ppo_epochs=1,
                         use_dynamic_bsz=False)
-    a = actor.update(batch, acfg, 1.0, 1)
+    from tripod.parallel.hybrid_engine.memory import SavedTensorBytes
+
+    exclude = {p.untyped_storage().data_ptr() for p in actor.module.parameters()} | {
+        t.untyped_storage().data_ptr() for chunk in actor.model for b in chunk.buffers
+        for t in (b.param_data, b.grad_data) if t is not None}
+    with SavedTensorBytes(exclude) as saved:  # the activations of one micro-batch of 2 rows, at the peak
+        a = actor.update(batch, acfg, 1.0, 1)
     c = critic.update(batch, ccfg, 1)
     logp1, _ = actor.compute_log_probs(batch, 2, 1.0)
     values1 = critic.compute_values(batch, 2)
@@ -47,7 +53,8 @@ def run(hf_dir, arch, layout, batch, dtype, dist_opt):
     main_dtype = str(inner.optimizer.param_groups[0]["params"][0].dtype)  # what Adam updates: the main weights
     return dict(main_dtype=main_dtype, logp0=logp0.tolist(), logp1=logp1.tolist(), values0=values0.tolist(), values1=values1.tolist(),
                 pg_loss=a["actor/pg_loss"], actor_grad_norm=a["actor/grad_norm"], vf_loss=c["critic/vf_loss"],
-                critic_grad_norm=c["critic/grad_norm"], optimizer=opt,
+                critic_grad_norm=c["critic/grad_norm"], optimizer=opt, saved_bytes=saved.peak,
+                seq=batch["input_ids"].shape[1],
                 param_dtype=str(next(actor.module.parameters()).dtype))
 
 

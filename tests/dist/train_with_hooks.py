@@ -6,6 +6,9 @@ here, never by the engine), to prove that the cross-layout equivalence check fai
       lm_head_tp_split   the LM head's vocab-parallel split rule is flipped (TP rank r loads rank tp-1-r's rows)
       pp_stage_grads     the first pipeline stage's gradients are dropped before every optimizer step
       expert_dp_grads    routed-expert gradients are summed over expert-DP instead of averaged (x edp)
+      adam_step_shared   a resumed distributed optimizer keeps megatron's one shared Adam `step` tensor (the bug
+                         engine/checkpoints/manager.py's _unshare_adam_steps fixes)
+      adam_exp_avg_sq_on_load   a resumed optimizer's exp_avg_sq is zeroed after loading
 """
 import os
 import sys
@@ -55,8 +58,29 @@ def _sum_expert_dp_grads() -> None:
     MegatronWorker.step = step
 
 
+def _share_adam_step() -> None:
+    from tripod.engine.checkpoints import manager
+
+    manager._unshare_adam_steps = lambda optimizer: None
+
+
+def _zero_exp_avg_sq_on_load() -> None:
+    from tripod.engine.checkpoints import manager
+
+    original = manager._load_optimizer
+
+    def load(worker, path):
+        original(worker, path)
+        for inner in getattr(worker.optimizer, "chained_optimizers", [worker.optimizer]):
+            for state in inner.optimizer.state.values():
+                state["exp_avg_sq"].zero_()
+
+    manager._load_optimizer = load
+
+
 PLANTS = {"lm_head_tp_split": _flip_lm_head_split, "pp_stage_grads": _drop_first_stage_grads,
-          "expert_dp_grads": _sum_expert_dp_grads}
+          "expert_dp_grads": _sum_expert_dp_grads, "adam_step_shared": _share_adam_step,
+          "adam_exp_avg_sq_on_load": _zero_exp_avg_sq_on_load}
 _plant = os.environ.get("TRIPOD_TEST_PLANT")
 if _plant:
     PLANTS[_plant]()
