@@ -222,6 +222,12 @@ class PPOModelConfig:
     verl: use_dynamic_bsz."""
     ppo_max_token_len_per_gpu: int = 16384
     """Token budget of one micro-batch with use_dynamic_bsz (prompt + response tokens). verl: same name."""
+    share_prompt_prefix: bool = True
+    """Run a prompt shared by several rows of a micro-batch (GRPO's n samples) through the model once: its rows are
+    packed into one sequence with a block attention mask and per-slot RoPE positions (engine/workers/packing.py).
+    Same results up to float rounding, less compute and activation memory. The actor's setting also applies to the
+    reference. Used where the attention takes an arbitrary mask (megatron's local spec; not with Transformer
+    Engine)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and LR schedule of this model."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)

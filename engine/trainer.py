@@ -82,16 +82,19 @@ class PPOTrainer:
         actor_layout = _layout(actor_cfg.megatron, "actor", self.arch)
         self.actor = PolicyWorker("actor", self.arch, actor_layout, path, seed=actor_cfg.megatron.seed,
                                   optim=actor_cfg.optim, grad_clip=actor_cfg.grad_clip,
+                                  share_prompt_prefix=actor_cfg.share_prompt_prefix,
                                   total_steps=max(self.total_steps - cfg.trainer.critic_warmup, 1) * updates(actor_cfg),
                                   **_model_options(actor_cfg.megatron, actor_layout))
         ref_layout = _layout(arc.ref.megatron, "reference", self.arch)
         self.ref = (PolicyWorker("reference", self.arch, ref_layout, path, trainable=False, seed=arc.ref.megatron.seed,
-                                 offload=arc.ref.offload, **_model_options(arc.ref.megatron, ref_layout, False))
+                                 offload=arc.ref.offload, share_prompt_prefix=actor_cfg.share_prompt_prefix,
+                                 **_model_options(arc.ref.megatron, ref_layout, False))
                     if self.use_ref else None)
         critic_layout = _layout(cfg.critic.megatron, "critic", self.arch)
         self.critic = (CriticWorker("critic", self.arch, critic_layout, cfg.critic.model.path, value_head=True,
                                     seed=cfg.critic.megatron.seed, optim=cfg.critic.optim,
                                     grad_clip=cfg.critic.grad_clip, total_steps=self.total_steps * updates(cfg.critic),
+                                    share_prompt_prefix=cfg.critic.share_prompt_prefix,
                                     **_model_options(cfg.critic.megatron, critic_layout))
                        if self.use_critic else None)
 
