@@ -1,10 +1,10 @@
 """The embedded rollout engine: batched KV-cached generation from the resharded generation shard.
 
-Every rank of the rollout TP group runs `generate` together. Prompts are left-padded into one batch
-(n copies of each), prefilled in one forward pass, then decoded one token per step; finished rows
-(stop token or max_new_tokens) are dropped from the batch and the loop ends when none is left.
-Sampling runs on every rank with the same seeded generator and rank 0's tokens are broadcast, so the
-TP ranks always agree. Works in fp32 on CPU (tests, demo) and in bf16 on GPU.
+Every rank of the rollout TP group runs `generate` together. Prompts are left-padded into one batch and
+prefilled in one forward pass (each prompt once: its KV cache rows and last logits are then copied to its n
+samples), then decoded one token per step; finished rows (stop token or max_new_tokens) are dropped from the
+batch and the loop ends when none is left. Sampling runs on every rank with the same seeded generator and rank
+0's tokens are broadcast, so the TP ranks always agree. Works in fp32 on CPU (tests, demo) and in bf16 on GPU.
 """
 from __future__ import annotations
 
@@ -135,8 +135,8 @@ class EmbeddedRolloutEngine(RolloutEngine):
         if not self._weights_loaded:
             raise RuntimeError("EmbeddedRolloutEngine.generate: no weights loaded (after construction or "
                                "release_memory/resume_memory); call load_weights(generation_shard) first")
-        ids, prompt_mask = self._left_pad(prompts, params.n)
-        total, prompt_len = ids.shape
+        ids, prompt_mask = self._left_pad(prompts, 1)
+        prompt_len, total = ids.shape[1], len(prompts) * params.n
         stop_ids = torch.tensor(sorted(params.stop_ids(self.arch)), dtype=torch.long, device=self.device)
         generator = self._make_generator(params.seed)
 
@@ -145,17 +145,22 @@ class EmbeddedRolloutEngine(RolloutEngine):
         lengths = torch.zeros(total, dtype=torch.long)
         finish = [FINISH_LENGTH] * total
 
-        cache = KVCache.allocate(self.arch.num_layers, total, self.decoder.kv_heads,
+        # the prompt is prefilled once and its cache rows copied to its n samples (row i*n + j: sample j of prompt i)
+        cache = KVCache.allocate(self.arch.num_layers, len(prompts), self.decoder.kv_heads,
                                  prompt_len + params.max_new_tokens, self.arch.head_dim, self.dtype, self.device)
         self.kv_cache = cache
-        self.last_kv_cache_bytes = sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
         cache.valid[:, :prompt_len] = prompt_mask
         # position of a real token = number of real tokens before it (HF: cumsum(mask) - 1)
         positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
-        next_position = prompt_mask.sum(-1)
+        samples = torch.arange(len(prompts), device=self.device).repeat_interleave(params.n)
+        next_position = prompt_mask.sum(-1)[samples]
         rows = torch.arange(total)  # original row of each live batch entry
         try:
             logits = self.decoder.forward(ids, positions, cache)
+            if params.n > 1:
+                cache.keep_rows(samples)
+                logits = logits[samples]
+            self.last_kv_cache_bytes = sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
             for step in range(params.max_new_tokens):
                 tokens, logp = sample_next_token(logits, params, generator)
                 tokens, logp = tokens.contiguous(), logp.float().contiguous()
