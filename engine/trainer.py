@@ -199,7 +199,8 @@ class PPOTrainer:
         metrics.update(self.batch_metrics(batch, scores))
         metrics.update(timings)
         metrics.update(self.perf.metrics(batch, timings, arc.actor.ppo_epochs,
-                                         recomputed_old_log_probs="old_log_probs" in batch.tensors))
+                                         recomputed_old_log_probs="old_log_probs" in batch.tensors,
+                                         shared_prompts=self.actor.share_prompt_prefix and self.actor.can_pack))
         return metrics
 
     def checked_train_step(self, prompts: PromptBatch) -> dict[str, float]:
