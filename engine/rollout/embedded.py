@@ -8,6 +8,7 @@ batch and the loop ends when none is left. Sampling runs on every rank with the 
 """
 from __future__ import annotations
 
+import contextlib
 import secrets
 from typing import Any
 
@@ -20,6 +21,19 @@ from tripod.engine.rollout.sampling import sample_next_token
 from tripod.engine.rollout.tp_decoder import KVCache
 from tripod.parallel.arch import ModelArch
 from tripod.parallel.families import get_family
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    """torch's intra-op threads set to `n` for the block (n <= 0: unchanged)."""
+    before = torch.get_num_threads()
+    if n > 0 and n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def decoder_class(arch: ModelArch) -> type:
@@ -45,6 +59,7 @@ class EmbeddedRolloutEngine(RolloutEngine):
         self._released_shapes: dict[str, torch.Size] | None = None
         self.kv_cache: KVCache | None = None
         self._resumed = False
+        self.decode_threads = 0  # torch threads of the one-token decode steps (0: leave torch's setting)
 
     @staticmethod
     def _default_pad_id(arch: ModelArch) -> int:
@@ -181,7 +196,8 @@ class EmbeddedRolloutEngine(RolloutEngine):
                     cache.keep_rows(keep)
                     rows, tokens, next_position = rows[keep.cpu()], tokens[keep], next_position[keep]
                 cache.valid[:, cache.length] = True
-                logits = self.decoder.forward(tokens[:, None], next_position[:, None], cache)
+                with _torch_threads(self.decode_threads):
+                    logits = self.decoder.forward(tokens[:, None], next_position[:, None], cache)
                 next_position = next_position + 1
         finally:
             self.kv_cache = None
