@@ -355,6 +355,10 @@ class RolloutConfig:
     """Extra keyword arguments for the backend's engine, passed through as given: for sglang, any
     `sglang.Engine` / ServerArgs option (e.g. {attention_backend: fa3, cuda_graph_max_bs: 64}). The embedded
     engine takes none."""
+    decode_threads: int = 0
+    """torch threads of the embedded engine's one-token decode steps (prefill keeps all threads); 0: torch's
+    setting. Decode is ~1000 small ops per token; on a CPU shared with other work, 1 thread avoids the per-op
+    thread barrier that a descheduled second thread stalls (scripts/bench_generate.py measures it)."""
 
     def check(self, key: str = "actor_rollout_ref.rollout") -> list[str]:
         from tripod.engine.rollout import ROLLOUT_NAMES
@@ -372,6 +376,8 @@ class RolloutConfig:
         if self.log_prob_micro_batch_size_per_gpu is not None and self.log_prob_micro_batch_size_per_gpu < 1:
             e.append(f"{key}.log_prob_micro_batch_size_per_gpu={self.log_prob_micro_batch_size_per_gpu} must be >= 1 "
                      "(or null)")
+        if self.decode_threads < 0:
+            e.append(f"{key}.decode_threads={self.decode_threads} must be >= 0 (0: torch's thread setting)")
         return e
 
 

@@ -106,6 +106,8 @@ class PPOTrainer:
             else dict(model_path=path, mem_fraction_static=rollout.mem_fraction_static,
                       dtype=str(gen_dtype).removeprefix("torch."), **rollout.engine_kwargs)
         engine = make_rollout_engine(rollout.name, self.arch, self.hybrid.rollout_tp_group, **kwargs)
+        if rollout.name == "embedded":
+            engine.decode_threads = rollout.decode_threads
         self.weight_sync = WeightSync(self.hybrid, engine, self.actor.model)  # owns resume/load/generate/release
 
         self.run_dir = cfg.trainer.default_local_dir
