@@ -246,6 +246,12 @@ class PPOModelConfig:
     verl: use_dynamic_bsz."""
     ppo_max_token_len_per_gpu: int = 16384
     """Token budget of one micro-batch with use_dynamic_bsz (prompt + response tokens). verl: same name."""
+    share_prompt_prefix: bool = True
+    """Run a prompt shared by several rows of a micro-batch (GRPO's n samples) through the model once: its rows are
+    packed into one sequence with a block attention mask and per-slot RoPE positions (engine/workers/packing.py).
+    Same results up to float rounding, less compute and activation memory. The actor's setting also applies to the
+    reference. Used where the attention takes an arbitrary mask (megatron's local spec; not with Transformer
+    Engine)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and LR schedule of this model."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
@@ -373,6 +379,10 @@ class RolloutConfig:
     """Extra keyword arguments for the backend's engine, passed through as given: for sglang, any
     `sglang.Engine` / ServerArgs option (e.g. {attention_backend: fa3, cuda_graph_max_bs: 64}). The embedded
     engine takes none."""
+    decode_threads: int = 0
+    """torch threads of the embedded engine's one-token decode steps (prefill keeps all threads); 0: torch's
+    setting. Decode is ~1000 small ops per token; on a CPU shared with other work, 1 thread avoids the per-op
+    thread barrier that a descheduled second thread stalls (scripts/bench_generate.py measures it)."""
 
     def check(self, key: str = "actor_rollout_ref.rollout") -> list[str]:
         from tripod.engine.rollout import ROLLOUT_NAMES
@@ -390,6 +400,8 @@ class RolloutConfig:
         if self.log_prob_micro_batch_size_per_gpu is not None and self.log_prob_micro_batch_size_per_gpu < 1:
             e.append(f"{key}.log_prob_micro_batch_size_per_gpu={self.log_prob_micro_batch_size_per_gpu} must be >= 1 "
                      "(or null)")
+        if self.decode_threads < 0:
+            e.append(f"{key}.decode_threads={self.decode_threads} must be >= 0 (0: torch's thread setting)")
         return e
 
 

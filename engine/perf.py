@@ -63,17 +63,34 @@ class PerfCounter:
         """The LM head runs on response positions only (kernels.logprobs_from_hidden)."""
         return (6 if backward else 2) * self.arch.vocab_size * self.arch.hidden_size * response_tokens
 
+    @staticmethod
+    def model_tokens(batch, shared_prompts: bool) -> tuple[float, float]:
+        """(tokens the policy's forward runs, tokens the rollout runs): response tokens plus every prompt token, or
+        with shared prompts each prompt once (rows of one prompt share its `index`; engine/workers/packing.py and
+        the rollout's single prefill). Padding is not counted."""
+        response = float(batch["response_mask"].sum())
+        first = {}
+        for row, i in enumerate(batch["index"].tolist()):
+            first.setdefault(i, row)
+        unique_prompt = float(batch["prompt_lens"][list(first.values())].sum())
+        all_prompt = float(batch["prompt_lens"].sum())
+        return (unique_prompt if shared_prompts else all_prompt) + response, unique_prompt + response
+
     def metrics(self, batch, times: dict[str, float], ppo_epochs: int,
-                recomputed_old_log_probs: bool = True) -> dict[str, float]:
+                recomputed_old_log_probs: bool = True, shared_prompts: bool = False) -> dict[str, float]:
+        """perf/* of one step. total_num_tokens counts every row's prompt + response (the work a step stands for);
+        the FLOPs behind MFU count the tokens the model really ran (`model_tokens`)."""
         tokens = float(batch["attention_mask"].sum())
         response = float(batch["response_mask"].sum())
         seq = tokens / batch.size
+        run_tokens, gen_tokens = self.model_tokens(batch, shared_prompts)
         step_s = times.get("timing_s/step", 0.0) or 1e-9
         actor_s = times.get("timing_s/update_actor", 0.0) + times.get("timing_s/old_log_prob", 0.0)
         fwd = 1 if recomputed_old_log_probs else 0  # the old log-prob forward, skipped when exactly on-policy
-        actor_flops = (tokens * (ppo_epochs * self.flops_per_token(seq, True) + fwd * self.flops_per_token(seq, False))
+        actor_flops = (run_tokens * (ppo_epochs * self.flops_per_token(seq, True) + fwd * self.flops_per_token(seq, False))
                        + ppo_epochs * self.head_flops(response, True) + fwd * self.head_flops(response, False))
-        out = {"perf/total_num_tokens": tokens, "perf/throughput": tokens / step_s / self.world,
+        out = {"perf/total_num_tokens": tokens, "perf/model_tokens": run_tokens, "perf/gen_tokens": gen_tokens,
+               "perf/throughput": tokens / step_s / self.world,
                "perf/max_memory_allocated_gb": peak_memory_gb()}
         if actor_s > 0:
             out["perf/mfu/actor"] = actor_flops / actor_s / self.world / self.peak

@@ -85,12 +85,13 @@ class PPOTrainer:
         actor_layout = _layout(actor_cfg.megatron, "actor", self.arch)
         self.actor = PolicyWorker("actor", self.arch, actor_layout, path, seed=actor_cfg.megatron.seed,
                                   optim=actor_cfg.optim, grad_clip=actor_cfg.grad_clip,
+                                  share_prompt_prefix=actor_cfg.share_prompt_prefix,
                                   total_steps=max(self.total_steps - cfg.trainer.critic_warmup, 1) * updates(actor_cfg),
                                   **_model_options(actor_cfg.megatron, actor_layout, "actor_rollout_ref.actor",
                                                    self.arch, True, actor_cfg.optim.optimizer))
         ref_layout = _layout(arc.ref.megatron, "reference", self.arch)
         self.ref = (PolicyWorker("reference", self.arch, ref_layout, path, trainable=False, seed=arc.ref.megatron.seed,
-                                 offload=arc.ref.offload,
+                                 offload=arc.ref.offload, share_prompt_prefix=actor_cfg.share_prompt_prefix,
                                  **_model_options(arc.ref.megatron, ref_layout, "actor_rollout_ref.ref", self.arch,
                                                   False))
                     if self.use_ref else None)
@@ -98,6 +99,7 @@ class PPOTrainer:
         self.critic = (CriticWorker("critic", self.arch, critic_layout, cfg.critic.model.path, value_head=True,
                                     seed=cfg.critic.megatron.seed, optim=cfg.critic.optim,
                                     grad_clip=cfg.critic.grad_clip, total_steps=self.total_steps * updates(cfg.critic),
+                                    share_prompt_prefix=cfg.critic.share_prompt_prefix,
                                     **_model_options(cfg.critic.megatron, critic_layout, "critic", self.arch, True,
                                                      cfg.critic.optim.optimizer))
                        if self.use_critic else None)
@@ -110,6 +112,8 @@ class PPOTrainer:
             else dict(model_path=path, mem_fraction_static=rollout.mem_fraction_static,
                       dtype=str(gen_dtype).removeprefix("torch."), **rollout.engine_kwargs)
         engine = make_rollout_engine(rollout.name, self.arch, self.hybrid.rollout_tp_group, **kwargs)
+        if rollout.name == "embedded":
+            engine.decode_threads = rollout.decode_threads
         self.weight_sync = WeightSync(self.hybrid, engine, self.actor.model)  # owns resume/load/generate/release
 
         self.run_dir = cfg.trainer.default_local_dir
@@ -203,7 +207,8 @@ class PPOTrainer:
         metrics.update(self.batch_metrics(batch, scores))
         metrics.update(timings)
         metrics.update(self.perf.metrics(batch, timings, arc.actor.ppo_epochs,
-                                         recomputed_old_log_probs="old_log_probs" in batch.tensors))
+                                         recomputed_old_log_probs="old_log_probs" in batch.tensors,
+                                         shared_prompts=self.actor.share_prompt_prefix and self.actor.can_pack))
         return metrics
 
     def checked_train_step(self, prompts: PromptBatch) -> dict[str, float]:

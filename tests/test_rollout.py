@@ -97,6 +97,18 @@ def test_seed_n_samples_and_top_k_one(llama):
     assert torch.equal(zero_temp.response_ids, greedy.response_ids)
 
 
+def test_n_samples_share_one_prefill(llama):
+    """n samples of a prompt (one prefill, cache rows copied) == the prompt listed n times (n prefills): same tokens,
+    log-probs within fp32 rounding. Two prompts of different lengths, so a wrong row copy would mix them."""
+    arch, _, engine = llama
+    prompts = ref.random_prompts(arch.vocab_size, [3, 8], seed=11)
+    params = SamplingParams(max_new_tokens=7, temperature=1.2, n=3, seed=5)
+    shared = engine.generate(prompts, params)
+    listed = engine.generate([p for p in prompts for _ in range(3)], dataclasses.replace(params, n=1))
+    assert torch.equal(shared.response_ids, listed.response_ids)
+    assert torch.allclose(shared.log_probs, listed.log_probs, atol=1e-5)
+
+
 def test_eos_stop_and_max_new_tokens(llama):
     arch, model, engine = llama
     prompts = ref.random_prompts(arch.vocab_size, [3, 9, 6], seed=8)

@@ -19,12 +19,16 @@ STAGES = ("reshard", "gen", "reward", "old_log_prob", "ref", "values", "adv", "u
 
 
 def stage_flops(perf, tokens: float, response: float, rows: int, timings: dict[str, float],
-                ppo_epochs: int) -> dict[str, float]:
-    """Matmul FLOPs of each timed stage of one step (forward 2x, forward+backward 6x params per token)."""
+                ppo_epochs: int, model_tokens: float | None = None, gen_tokens: float | None = None) -> dict[str, float]:
+    """Matmul FLOPs of each timed stage of one step (forward 2x, forward+backward 6x params per token), over the
+    tokens the models really ran (`model_tokens`: a shared prompt once; `gen_tokens`: the rollout's prefill runs
+    each prompt once); both default to `tokens` (every row's prompt + response)."""
     seq = tokens / max(rows, 1)
-    fwd = tokens * perf.flops_per_token(seq, False)
-    fwd_bwd = tokens * perf.flops_per_token(seq, True)
-    out = {"gen": fwd + perf.head_flops(response, False),  # prefill + decode; the LM head on generated tokens
+    run = tokens if model_tokens is None else model_tokens
+    fwd = run * perf.flops_per_token(seq, False)
+    fwd_bwd = run * perf.flops_per_token(seq, True)
+    gen = (tokens if gen_tokens is None else gen_tokens) * perf.flops_per_token(seq, False)
+    out = {"gen": gen + perf.head_flops(response, False),  # prefill + decode; the LM head on generated tokens
            "old_log_prob": fwd + perf.head_flops(response, False),
            "ref": fwd + perf.head_flops(response, False),
            "values": fwd,
@@ -42,7 +46,9 @@ def step_record(index: int, warmup: bool, wall_s: float, metrics: dict[str, floa
             "step_s": timings.get("timing_s/step", wall_s),
             "stages_s": {k: timings[f"timing_s/{k}"] for k in STAGES if f"timing_s/{k}" in timings},
             "prompts": prompts, "samples": rows, "prompt_tokens": total - response, "response_tokens": response,
-            "flops": stage_flops(perf, total, response, rows, timings, ppo_epochs),
+            "model_tokens": int(round(metrics.get("perf/model_tokens", total))),
+            "flops": stage_flops(perf, total, response, rows, timings, ppo_epochs, metrics.get("perf/model_tokens"),
+                                 metrics.get("perf/gen_tokens")),
             "score_mean": float(metrics.get("critic/score/mean", 0.0))}
 
 

@@ -1,13 +1,14 @@
 """The embedded rollout engine: batched KV-cached generation from the resharded generation shard.
 
-Every rank of the rollout TP group runs `generate` together. Prompts are left-padded into one batch
-(n copies of each), prefilled in one forward pass, then decoded one token per step; finished rows
-(stop token or max_new_tokens) are dropped from the batch and the loop ends when none is left.
-Sampling runs on every rank with the same seeded generator and rank 0's tokens are broadcast, so the
-TP ranks always agree. Works in fp32 on CPU (tests, demo) and in bf16 on GPU.
+Every rank of the rollout TP group runs `generate` together. Prompts are left-padded into one batch and
+prefilled in one forward pass (each prompt once: its KV cache rows and last logits are then copied to its n
+samples), then decoded one token per step; finished rows (stop token or max_new_tokens) are dropped from the
+batch and the loop ends when none is left. Sampling runs on every rank with the same seeded generator and rank
+0's tokens are broadcast, so the TP ranks always agree. Works in fp32 on CPU (tests, demo) and in bf16 on GPU.
 """
 from __future__ import annotations
 
+import contextlib
 import secrets
 from typing import Any
 
@@ -24,6 +25,19 @@ from tripod.parallel.families import get_family
 
 DENSE_DECODER = "tripod.engine.rollout.tp_decoder:TPDecoder"
 MOE_DECODER = "tripod.engine.rollout.moe_decoder:MoEDecoder"
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    """torch's intra-op threads set to `n` for the block (n <= 0: unchanged)."""
+    before = torch.get_num_threads()
+    if n > 0 and n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def decoder_class(arch: ModelArch) -> type:
@@ -53,6 +67,7 @@ class EmbeddedRolloutEngine(RolloutEngine):
         self._released_shapes: dict[str, torch.Size] | None = None
         self.kv_cache: KVCache | None = None
         self._resumed = False
+        self.decode_threads = 0  # torch threads of the one-token decode steps (0: leave torch's setting)
 
     @staticmethod
     def _default_pad_id(arch: ModelArch) -> int:
@@ -143,8 +158,8 @@ class EmbeddedRolloutEngine(RolloutEngine):
         if not self._weights_loaded:
             raise RuntimeError("EmbeddedRolloutEngine.generate: no weights loaded (after construction or "
                                "release_memory/resume_memory); call load_weights(generation_shard) first")
-        ids, prompt_mask = self._left_pad(prompts, params.n)
-        total, prompt_len = ids.shape
+        ids, prompt_mask = self._left_pad(prompts, 1)
+        prompt_len, total = ids.shape[1], len(prompts) * params.n
         stop_ids = torch.tensor(sorted(params.stop_ids(self.arch)), dtype=torch.long, device=self.device)
         generator = self._make_generator(params.seed)
 
@@ -153,16 +168,21 @@ class EmbeddedRolloutEngine(RolloutEngine):
         lengths = torch.zeros(total, dtype=torch.long)
         finish = [FINISH_LENGTH] * total
 
-        cache = self.decoder.allocate_cache(total, prompt_len + params.max_new_tokens, self.dtype, self.device)
+        # the prompt is prefilled once and its cache rows copied to its n samples (row i*n + j: sample j of prompt i)
+        cache = self.decoder.allocate_cache(len(prompts), prompt_len + params.max_new_tokens, self.dtype, self.device)
         self.kv_cache = cache
-        self.last_kv_cache_bytes = sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
         cache.valid[:, :prompt_len] = prompt_mask
         # position of a real token = number of real tokens before it (HF: cumsum(mask) - 1)
         positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
-        next_position = prompt_mask.sum(-1)
+        samples = torch.arange(len(prompts), device=self.device).repeat_interleave(params.n)
+        next_position = prompt_mask.sum(-1)[samples]
         rows = torch.arange(total)  # original row of each live batch entry
         try:
             logits = self.decoder.forward(ids, positions, cache)
+            if params.n > 1:
+                cache.keep_rows(samples)
+                logits = logits[samples]
+            self.last_kv_cache_bytes = sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
             for step in range(params.max_new_tokens):
                 tokens, logp = sample_next_token(logits, params, generator)
                 tokens, logp = tokens.contiguous(), logp.float().contiguous()
@@ -183,7 +203,8 @@ class EmbeddedRolloutEngine(RolloutEngine):
                     cache.keep_rows(keep)
                     rows, tokens, next_position = rows[keep.cpu()], tokens[keep], next_position[keep]
                 cache.valid[:, cache.length] = True
-                logits = self.decoder.forward(tokens[:, None], next_position[:, None], cache)
+                with _torch_threads(self.decode_threads):
+                    logits = self.decoder.forward(tokens[:, None], next_position[:, None], cache)
                 next_position = next_position + 1
         finally:
             self.kv_cache = None

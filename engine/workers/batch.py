@@ -9,6 +9,7 @@ micro-batches is one `select`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -17,6 +18,7 @@ import torch
 class PPOBatch:
     tensors: dict[str, torch.Tensor]              # every entry has N rows
     meta: dict[str, list] = field(default_factory=dict)  # per-row python values (data_source, ground truth, ...)
+    packed: Any = None  # a micro-batch's shared-prompt layout (engine/workers/packing.py), set by the worker's run()
 
     @property
     def size(self) -> int:

@@ -9,6 +9,9 @@ and reference can have different TP/PP/DP sizes in the same world.
 Data flow: every rank holds the whole `PPOBatch`; a worker takes its DP rank's rows, cuts them into micro-batches,
 and `gather_rows()` brings per-row results back to every rank (broadcast from the last PP stage, all-gather over DP).
 
+Rows that share a prompt (GRPO's n samples) run it through the model once when `share_prompt_prefix` is on
+(engine/workers/packing.py); the heads read the outputs that predict each response token from either layout.
+
 Policy heads never materialise [tokens, vocab] logits: the output layer is bypassed (it returns the hidden state)
 and `tripod.kernels.logprobs_from_hidden` computes log-probs / entropy of the sampled tokens straight from the hidden state
 and the vocab-parallel LM-head weight.
@@ -25,6 +28,7 @@ from tripod.engine.config import LR_DECAY_STYLES, OptimConfig
 from tripod.engine.device import current_device, to_device, trim_host_heap
 from tripod.engine.precision import PrecisionSettings
 from tripod.engine.workers.batch import PPOBatch, split_rows
+from tripod.engine.workers.packing import pack_shared_prompts
 from tripod.parallel.arch import ModelArch
 
 
@@ -93,6 +97,43 @@ def moe_config_overrides(megatron_cfg, arch: ModelArch, key: str) -> dict:
     return out
 
 
+def _rope_with_slot_positions(model) -> bool:
+    """Let `model.rotary_pos_emb.tripod_positions` ([S] positions, or None for megatron's 0..S-1) choose the RoPE
+    position of each sequence slot: what a packed micro-batch needs. False (nothing installed) for models whose
+    rotary embedding is not megatron's plain RoPE."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rope = getattr(model, "rotary_pos_emb", None)
+    if type(rope) is not RotaryEmbedding or rope.rotary_interleaved or model.config.multi_latent_attention \
+            or model.config.context_parallel_size > 1:
+        return False
+    if hasattr(rope, "tripod_positions"):
+        return True
+    megatron_forward = rope.forward
+    rope.tripod_positions = None
+
+    def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
+        positions = rope.tripod_positions
+        if positions is None:
+            return megatron_forward(max_seq_len, offset, packed_seq, cp_group)
+        if positions.shape[0] != max_seq_len:
+            raise RuntimeError(f"packed RoPE positions cover {positions.shape[0]} slots, the model runs {max_seq_len}")
+        seq = positions.to(rope.inv_freq.device, rope.inv_freq.dtype)  # as get_freqs_non_repeated, per slot
+        if rope.seq_len_interpolation_factor is not None:
+            seq = seq * (1 / rope.seq_len_interpolation_factor)
+        freqs = torch.outer(seq, rope.inv_freq)
+        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+    rope.forward = forward
+    return True
+
+
+def _unwrap(model):
+    while not hasattr(model, "rotary_pos_emb") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def _cast_floating_params(model, dtype: torch.dtype) -> None:
     """Every parameter in `dtype`. megatron's CPU (local-spec) RMSNorm builds fp32 weights whatever params_dtype is,
     where TE's norm uses params_dtype; megatron's Float16 optimizer checkpoints assume all params are 16-bit."""
@@ -106,12 +147,13 @@ class MegatronWorker:
                  trainable: bool = True, optim: OptimConfig | None = None, grad_clip: float = 1.0,
                  total_steps: int = 1, seed: int = 1234, precision: PrecisionSettings | None = None,
                  offload: bool = False, sequence_parallel: bool = False, virtual_pipeline_size: int | None = None,
-                 config_overrides: dict | None = None):
+                 config_overrides: dict | None = None, share_prompt_prefix: bool = True):
         """`optim`, `grad_clip` and `total_steps` (optimizer steps of the whole run, for the LR schedule) matter
         only when `trainable`. `config_overrides`: extra TransformerConfig fields (the MoE router's, from
-        `moe_config_overrides`)."""
+        `moe_config_overrides`). `share_prompt_prefix`: run a prompt shared by several rows once per micro-batch
+        (where the attention takes an arbitrary mask: megatron's local spec, i.e. without Transformer Engine)."""
         from tripod.parallel.convert import load_hf_weights
-        from tripod.parallel.model import build_model_chunks
+        from tripod.parallel.model import _transformer_engine_available, build_model_chunks
 
         self.name, self.arch, self.layout = name, arch, layout
         self.value_head, self.trainable = value_head, trainable
@@ -131,6 +173,13 @@ class MegatronWorker:
         if not value_head and layout.is_last_stage:
             _bypass_output_layer(model, layout.tp_group)
         self.module = model
+        # a packed prompt counts once, not once per row: that would change what the router's load-balancing loss and
+        # expert-bias update see (both are statistics over the micro-batch's tokens), so those runs do not pack
+        router_stats = (config_overrides or {}).get("moe_router_load_balancing_type", "none") != "none" or \
+            (config_overrides or {}).get("moe_router_bias_update_rate", 0.0) > 0
+        self.can_pack = not _transformer_engine_available() and not router_stats and \
+            all(_rope_with_slot_positions(c) for c in self.chunks)
+        self.share_prompt_prefix = share_prompt_prefix
         self.model, self.optimizer, self.lr_scheduler = list(self.chunks), None, None
         if trainable:
             optim = optim or OptimConfig()
@@ -227,17 +276,28 @@ class MegatronWorker:
         """
         from tripod.parallel.pipeline import run_pipeline
 
-        seq = max(mb["input_ids"].shape[1] for mb in microbatches)
+        dev = self.device
+        mbs = [PPOBatch(to_device(mb.tensors, dev), mb.meta) for mb in microbatches]
+        packs = [pack_shared_prompts(mb) if self.share_prompt_prefix and self.can_pack else None for mb in mbs]
+        if self.layout.pp > 1 and len({p.input_ids.shape[0] if p is not None else mb.size
+                                       for p, mb in zip(packs, mbs)}) > 1:
+            packs = [None] * len(mbs)  # pipeline stages exchange [S, rows, H]: every micro-batch needs the same rows
+        seq = max(p.seq if p is not None else mb["input_ids"].shape[1] for p, mb in zip(packs, mbs))
         if self.module.config.sequence_parallel:  # megatron splits the sequence evenly over TP
             seq = -(-seq // self.layout.tp) * self.layout.tp
-        dev = self.device
-        mbs = [PPOBatch(to_device(_pad_to(mb, seq).tensors, dev), mb.meta) for mb in microbatches]
-        mask = torch.ones(seq, seq, dtype=torch.bool, device=dev).triu(1)[None, None]  # right padding: causal
+        for i, (mb, p) in enumerate(zip(mbs, packs)):
+            mbs[i] = _pad_to(mb, seq) if p is None else mb
+            mbs[i].packed = p.padded_to(seq) if p is not None else None
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=dev).triu(1)[None, None]  # right padding: causal
 
         def forward_step(mb, model):
-            ids = mb["input_ids"]
+            packed = mb.packed
+            ids = packed.input_ids if packed is not None else mb["input_ids"]
+            rope = getattr(_unwrap(model), "rotary_pos_emb", None)
+            if rope is not None and hasattr(rope, "tripod_positions"):
+                rope.tripod_positions = packed.positions if packed is not None else None
             pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand_as(ids)
-            out = model(input_ids=ids, position_ids=pos, attention_mask=mask)
+            out = model(input_ids=ids, position_ids=pos, attention_mask=packed.mask if packed is not None else causal)
             return out, lambda output: loss_fn(output, mb)
 
         if not forward_only:
@@ -249,8 +309,9 @@ class MegatronWorker:
                 for chunk in self.model:
                     chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
+        rows = mbs[0].packed.input_ids.shape[0] if mbs[0].packed is not None else mbs[0].size
         return run_pipeline(self.model, self.layout, mbs, forward_step, forward_only=forward_only, seq_length=seq,
-                            micro_batch_size=mbs[0]["input_ids"].shape[0])
+                            micro_batch_size=rows)
 
     def step(self) -> float:
         """Optimizer step after `run(..., forward_only=False)`, then one LR-scheduler step; returns the grad norm."""
@@ -268,13 +329,21 @@ class MegatronWorker:
         return float(self.optimizer.param_groups[0]["lr"])
 
     # ---- heads ---------------------------------------------------------------------------------
+    @staticmethod
+    def response_outputs(output: torch.Tensor, mb: PPOBatch) -> torch.Tensor:
+        """[N, R, ...] rows of the model output [b, s, ...] that predict each response token (packed or not)."""
+        flat = output.reshape(output.shape[0] * output.shape[1], *output.shape[2:])
+        if mb.packed is not None:
+            return flat[mb.packed.gather]
+        rows = torch.arange(mb.size, device=output.device)[:, None] * output.shape[1]
+        return flat[rows + mb.response_positions()]
+
     def token_logprobs(self, output: torch.Tensor, mb: PPOBatch, temperature: float,
                        with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropy) of the response tokens from the last stage's hidden states [b, s, h]."""
         from tripod.kernels import logprobs_from_hidden
 
-        pos = mb.response_positions()
-        hidden = output.gather(1, pos[..., None].expand(-1, -1, output.shape[-1]))
+        hidden = self.response_outputs(output, mb)
         m = self.module  # the weight GPTModel's output layer would use (tied: the embedding, or its last-stage copy)
         weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else m.output_layer.weight
         return logprobs_from_hidden(hidden, weight, mb["responses"], temperature=temperature,
@@ -284,8 +353,7 @@ class MegatronWorker:
 
     def token_values(self, output: torch.Tensor, mb: PPOBatch) -> torch.Tensor:
         """Critic values [b, R] at the positions that predict each response token."""
-        values = output.squeeze(-1).float()
-        return values.gather(1, mb.response_positions())
+        return self.response_outputs(output, mb).squeeze(-1).float()
 
     # ---- moving per-row results ------------------------------------------------------------------
     def gather_rows(self, local: torch.Tensor | None, shape_tail: tuple[int, ...], n_rows: int,
