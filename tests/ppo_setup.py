@@ -4,22 +4,8 @@ from __future__ import annotations
 
 import os
 
+from tripod.engine.data.char_tokenizer import char_tokenizer
 from utils import make_tiny_hf_model
-
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
-
-
-def char_tokenizer():
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<pad>", pad_token="<pad>", bos_token="<bos>",
-                                   eos_token="<eos>", chat_template=CHAT_TEMPLATE)
 
 
 def make_ppo_setup(tmp_path, *, family: str = "qwen2", n_train: int = 32, n_val: int = 8, **model_overrides) -> dict:
