@@ -22,7 +22,7 @@ test: $(STAMP)
 # SLURM launch tests on a real single-node slurmctld + slurmd (root installs slurm-wlm if missing; ~5 min)
 test-launch: $(STAMP)
 	bash scripts/slurm_local.sh start
-	$(BIN)/python -m pytest -q -m slurm tests/test_slurm.py
+	$(BIN)/python -m pytest -q -m slurm tests/multiprocess/test_slurm.py
 
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py

@@ -1,16 +1,18 @@
-"""tripod: a Megatron-based 3D-parallel (TP x PP x DP) engine for PPO-style RLHF."""
-from setuptools import find_packages, setup
+"""tripod: a Megatron-based 3D-parallel (TP x PP x DP) engine for PPO-style RLHF.
 
-ROOMS = ("engine", "parallel", "kernels")
+The package lives in src/tripod (src layout): an editable install is then one plain `.pth` line naming src/, which
+pyright, mypy, jedi and ruff read like any site-packages directory, and nothing but `tripod` becomes importable.
+The product brief's rooms stay visible at the repository root as symlinks (engine/, parallel/, kernels/).
+"""
+from setuptools import find_packages, setup
 
 setup(
     name="tripod",
     version="0.1.0",
     description="Megatron-based 3D-parallel PPO/RLHF engine with a zero-redundancy hybrid engine",
     python_requires=">=3.11",
-    # The rooms sit at the repository root and install as tripod.engine / tripod.parallel / tripod.kernels.
-    packages=["tripod"] + [f"tripod.{p}" for p in find_packages(include=[r + s for r in ROOMS for s in ("", ".*")])],
-    package_dir={"tripod": "tripod", **{f"tripod.{room}": room for room in ROOMS}},
+    package_dir={"": "src"},
+    packages=find_packages("src", include=["tripod", "tripod.*"]),
     # torch is pinned by requirements.txt (CPU wheel) and must not be pulled here as a bare dependency.
     install_requires=[
         "megatron-core==0.16.1",

@@ -20,7 +20,7 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
+sys.path.insert(0, REPO)  # the test suite's helpers (tests.helpers) live in the checkout, not in the package
 
 MiB = 1 << 20
 
@@ -245,7 +245,7 @@ def table(results: list[dict]) -> str:
 
 
 def tiny_setup(tmp: str) -> list[str]:
-    from ppo_setup import make_ppo_setup, tiny_overrides
+    from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
     setup = make_ppo_setup(tmp)
     return tiny_overrides(setup, os.path.join(tmp, "run"), world=2, steps=1) + [
         "trainer.logger=[jsonl]", "trainer.val_before_train=false", "data.val_files=[]"]

@@ -38,7 +38,6 @@ def run(cmd: list[str]) -> None:
 def write_data() -> None:
     """One-digit + and - problems (non-negative answers) as chat prompts that carry the worked example. The 64
     validation problems are distinct and none of them occurs in the training set (held-out problems)."""
-    sys.path.insert(0, REPO)
     from tripod.engine.data import make_arithmetic_splits, write_prompt_parquet
 
     splits = make_arithmetic_splits(2048, 64, seed=0, train_format_score=0.1, min_digits=1, max_digits=1,

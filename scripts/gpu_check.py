@@ -26,7 +26,7 @@ import time
 import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [REPO, os.path.join(REPO, "tests"), os.path.join(REPO, "scripts")]
+sys.path[:0] = [REPO, os.path.join(REPO, "scripts")]  # tests.helpers and the sibling scripts live in the checkout
 
 
 def _env(extra: dict | None = None) -> dict:
@@ -105,7 +105,7 @@ def step_kernels(dry: bool) -> dict:
 
 
 def step_ppo(dry: bool, workdir: str) -> dict:
-    from ppo_setup import make_ppo_setup, tiny_overrides
+    from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
     size = {} if dry else dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
                                num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
     setup = make_ppo_setup(workdir, **size)

@@ -9,7 +9,6 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # works from a bare checkout
 
 from tripod.engine.data.arithmetic import INSTRUCTION, OPERATORS, make_arithmetic_splits
 from tripod.engine.data.dataset import write_prompt_parquet

@@ -14,7 +14,6 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # works from a bare checkout
 
 from tripod.engine.data.char_tokenizer import char_tokenizer  # noqa: E402
 

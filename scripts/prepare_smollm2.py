@@ -135,13 +135,7 @@ def describe(out: Path) -> dict:
     """The facts the demo needs (config, chat template, EOS ids), read back from the saved dir."""
     from transformers import AutoTokenizer
 
-    try:
-        from tripod.parallel.arch import arch_from_hf
-    except ModuleNotFoundError:
-        # Run as a plain script without the editable install. Added late on purpose: with the repo root on
-        # sys.path, transformers' probe for the hub package `kernels` imports tripod's `kernels` instead.
-        sys.path.append(str(REPO_ROOT))
-        from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.arch import arch_from_hf
 
     arch = arch_from_hf(out)
     tokenizer = AutoTokenizer.from_pretrained(out)

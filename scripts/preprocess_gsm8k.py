@@ -16,7 +16,6 @@ import re
 import sys
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # works from a bare checkout
 
 from tripod.engine.data.dataset import write_prompt_parquet
 

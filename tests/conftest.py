@@ -1,12 +1,7 @@
-"""pytest setup shared by all tripod tests: puts tests/ on sys.path (for `from utils import ...`),
-keeps the shared 2-core CPU quiet (one torch thread per test process), and runs Triton in its interpreter on CPU."""
+"""pytest setup shared by all tripod tests: keeps the shared 2-core CPU quiet (one torch thread per test process),
+and runs Triton in its interpreter on CPU."""
 import os
-import sys
-from pathlib import Path
 
-_TESTS_DIR = str(Path(__file__).resolve().parent)
-if _TESTS_DIR not in sys.path:
-    sys.path.insert(0, _TESTS_DIR)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 

@@ -1,0 +1,15 @@
+"""tripod: a Megatron-based 3D-parallel (TP x PP x DP) engine for PPO-style RLHF.
+
+The rooms are `tripod.engine` (training loop, workers, rollout, rewards, CLI), `tripod.parallel` (layouts, model
+building, conversion, the hybrid engine) and `tripod.kernels` (fused ops with plain-torch twins). They live here, in
+src/tripod, and the repository root shows them as symlinks (engine/, parallel/, kernels/); only `tripod` is
+importable once installed, so Hugging Face's hub package `kernels` can sit beside it.
+"""
+__version__ = "0.1.0"
+
+from pathlib import Path as _Path
+
+SRC_DIR = _Path(__file__).resolve().parent.parent
+"""The directory that holds the `tripod` package (src/ in a checkout): what a second interpreter puts on sys.path."""
+CHECKOUT = SRC_DIR.parent
+"""The source checkout of an editable install: recipes/, scripts/ and .git live here, not in the package."""

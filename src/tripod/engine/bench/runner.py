@@ -1,0 +1,99 @@
+"""The measured side of `tripod bench`, run on every rank: `PPOTrainer.train_step` exactly as `tripod train` runs
+it (no checkpoints, no validation), one raw record per step written by rank 0 for `tripod.engine.bench.summary`.
+
+A record holds the step's wall time, the trainer's own stage timers (`timing_s/*`), the tokens it processed and
+the matmul FLOPs of each stage by the dense-transformer count of `tripod.engine.throughput.PerfCounter`, so MFU and tokens/s
+are computed afterwards from numbers that are all in the file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+# timing_s/<key> written by PPOTrainer.train_step, in step order; "other" is the step minus their sum
+STAGES = ("reshard", "gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
+
+
+def stage_flops(perf, tokens: float, response: float, rows: int, timings: dict[str, float],
+                ppo_epochs: int, model_tokens: float | None = None, gen_tokens: float | None = None) -> dict[str, float]:
+    """Matmul FLOPs of each timed stage of one step (forward 2x, forward+backward 6x params per token), over the
+    tokens the models really ran (`model_tokens`: a shared prompt once; `gen_tokens`: the rollout's prefill runs
+    each prompt once); both default to `tokens` (every row's prompt + response)."""
+    seq = tokens / max(rows, 1)
+    run = tokens if model_tokens is None else model_tokens
+    fwd = run * perf.flops_per_token(seq, False)
+    fwd_bwd = run * perf.flops_per_token(seq, True)
+    gen = (tokens if gen_tokens is None else gen_tokens) * perf.flops_per_token(seq, False)
+    out = {"gen": gen + perf.head_flops(response, False),  # prefill + decode; the LM head on generated tokens
+           "old_log_prob": fwd + perf.head_flops(response, False),
+           "ref": fwd + perf.head_flops(response, False),
+           "values": fwd,
+           "update_actor": ppo_epochs * (fwd_bwd + perf.head_flops(response, True)),
+           "update_critic": ppo_epochs * fwd_bwd}
+    return {k: v for k, v in out.items() if f"timing_s/{k}" in timings}
+
+
+def step_record(index: int, warmup: bool, wall_s: float, metrics: dict[str, float], rows: int, prompts: int,
+                perf, ppo_epochs: int) -> dict:
+    timings = {k: float(v) for k, v in metrics.items() if k.startswith("timing_s/")}
+    total = int(round(metrics["perf/total_num_tokens"]))
+    response = int(round(metrics["response_length/mean"] * rows))
+    return {"index": index, "warmup": warmup, "wall_s": wall_s,
+            "step_s": timings.get("timing_s/step", wall_s),
+            "stages_s": {k: timings[f"timing_s/{k}"] for k in STAGES if f"timing_s/{k}" in timings},
+            "prompts": prompts, "samples": rows, "prompt_tokens": total - response, "response_tokens": response,
+            "model_tokens": int(round(metrics.get("perf/model_tokens", total))),
+            "flops": stage_flops(perf, total, response, rows, timings, ppo_epochs, metrics.get("perf/model_tokens"),
+                                 metrics.get("perf/gen_tokens")),
+            "score_mean": float(metrics.get("critic/score/mean", 0.0))}
+
+
+def bench_on_rank(config_yaml: str, steps: int, warmup: int, raw_path: str) -> None:
+    """Build the trainer from the resolved recipe, run warmup + steps train steps, write the raw records."""
+    from omegaconf import OmegaConf
+
+    from tripod.engine.config import TripodConfig
+    from tripod.engine.throughput import count_params, peak_memory_gb
+    from tripod.engine.trainer import PPOTrainer
+
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TripodConfig), OmegaConf.create(config_yaml)))
+    t0 = time.perf_counter()
+    trainer = PPOTrainer(cfg)
+    setup_s = time.perf_counter() - t0
+    n = cfg.actor_rollout_ref.rollout.n
+    records = []
+    try:
+        for i in range(warmup + steps):
+            prompts = next(iter(trainer.loader))  # what fit() does
+            dist.barrier()
+            t0 = time.perf_counter()
+            metrics = trainer.train_step(prompts)
+            wall = time.perf_counter() - t0
+            trainer.step += 1
+            records.append(step_record(i, i < warmup, wall, metrics, len(prompts.input_ids) * n,
+                                       len(prompts.input_ids), trainer.perf, cfg.actor_rollout_ref.actor.ppo_epochs))
+            if trainer.rank == 0:
+                r = records[-1]
+                print(f"tripod bench: step {i + 1}/{warmup + steps}{' (warmup)' if r['warmup'] else ''} "
+                      f"{r['step_s']:.2f} s  " + "  ".join(f"{k}={v:.2f}" for k, v in r["stages_s"].items()),
+                      flush=True)
+    finally:
+        if trainer.rewards is not None:
+            trainer.rewards.close()
+    ranks: list = [None] * trainer.world
+    dist.all_gather_object(ranks, {"rank": trainer.rank, "peak_memory_gb": peak_memory_gb(),
+                                   "threads": torch.get_num_threads(), "peak_flops": trainer.perf.peak})
+    if trainer.rank == 0:
+        arch = trainer.arch
+        raw = {"records": records, "ranks": ranks, "world_size": trainer.world, "setup_s": setup_s,
+               "on_policy_old_log_probs_skipped": all("old_log_prob" not in r["stages_s"] for r in records),
+               "model": {"path": cfg.actor_rollout_ref.model.path, "family": arch.family,
+                         "layer_params": count_params(arch), "num_layers": arch.num_layers,
+                         "hidden_size": arch.hidden_size, "vocab_size": arch.vocab_size}}
+        os.makedirs(os.path.dirname(os.path.abspath(raw_path)), exist_ok=True)
+        with open(raw_path, "w") as f:
+            json.dump(raw, f, indent=1)

@@ -1,0 +1,312 @@
+"""The PPO trainer: one explicit step, top to bottom, every stage timed.
+
+    rollout (hybrid engine: reshard -> generate -> back) -> rewards -> old log-probs (actor) -> reference log-probs
+    -> values (critic) -> KL in reward -> advantages -> critic update -> actor update -> log / checkpoint
+
+Every rank runs this same code; each model runs on its own parallel layout (parallel/layout.py) and the batch is
+replicated on every rank (workers take their DP rows). Critic-free estimators (grpo, rloo, reinforce++) skip the
+critic entirely; the reference model is only built when a KL term needs it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from tripod.engine.algorithms import apply_kl_penalty, build_kl_controller, compute_advantage, masked_mean
+from tripod.engine.checkpoints import CheckpointManager
+from tripod.engine.config import TripodConfig, save_resolved_config
+from tripod.engine.config_validation import CRITIC_ESTIMATORS
+from tripod.engine.data import PromptBatch, PromptDataLoader, PromptDataset
+from tripod.engine.device import DeviceGuard, check_devices_enabled, current_device
+from tripod.engine.divergence_guard import DivergenceGuard
+from tripod.engine.logging import Timer, Tracker
+from tripod.engine.throughput import PerfCounter
+from tripod.engine.precision import resolve_precision, rollout_dtype
+from tripod.engine.rewards import RewardPool
+from tripod.engine.rollout import SamplingParams, make_rollout_engine
+from tripod.engine.rollout.weight_sync import WeightSync
+from tripod.engine.workers.batch import PPOBatch, build_ppo_batch
+from tripod.engine.workers.megatron_worker import moe_config_overrides
+from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
+from tripod.parallel.arch import arch_from_hf
+from tripod.parallel.hybrid_engine.engine import HybridEngine
+from tripod.parallel.layout import ParallelLayout
+
+
+def _layout(m, name: str, arch) -> ParallelLayout:
+    return ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                          ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size, name=name, arch=arch)
+
+
+def _model_options(m, layout: ParallelLayout, key: str, arch, trainable: bool = True, optimizer: str = "adam") -> dict:
+    """Worker keyword arguments from the `{key}.megatron` config section: precision, sequence parallel, virtual
+    stages, the MoE router's load balancing."""
+    return dict(sequence_parallel=m.sequence_parallel, virtual_pipeline_size=m.virtual_pipeline_model_parallel_size,
+                precision=resolve_precision(m, layout.dp, trainable, optimizer),
+                config_overrides=moe_config_overrides(m, arch, key))
+
+
+class PPOTrainer:
+    def __init__(self, cfg: TripodConfig):
+        from transformers import AutoTokenizer
+
+        self.cfg, self.rank, self.world = cfg, dist.get_rank(), dist.get_world_size()
+        self.device = current_device()  # chosen once per rank by engine/device.py (trainer.device, LOCAL_RANK)
+        arc, actor_cfg = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor
+        path = arc.model.path
+        self.arch = arch_from_hf(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+        # data and rewards first: bad data stops the run before any model is built
+        ds_args = dict(tokenizer=self.tokenizer, prompt_key=cfg.data.prompt_key,
+                       max_prompt_length=cfg.data.max_prompt_length,
+                       filter_overlong_prompts=cfg.data.filter_overlong_prompts,
+                       apply_chat_template=cfg.data.apply_chat_template, reward_fn_key=cfg.data.reward_fn_key)
+        self.train_set = PromptDataset(cfg.data.train_files, **ds_args)
+        self.val_set = PromptDataset(cfg.data.val_files, **ds_args) if cfg.data.val_files else None
+        self.loader = PromptDataLoader(self.train_set, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
+        sources = self.train_set.data_sources | (self.val_set.data_sources if self.val_set else set())
+        self.rewards = RewardPool(cfg.reward_model.num_workers, cfg.reward_model.timeout_s,
+                                  cfg.reward_model.use_ray, data_sources=sources) if self.rank == 0 else None
+
+        algo = cfg.algorithm
+        self.use_critic = algo.adv_estimator in CRITIC_ESTIMATORS
+        self.use_ref = algo.use_kl_in_reward or actor_cfg.use_kl_loss
+        self.kl_ctrl = build_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl,
+                                           algo.kl_ctrl.horizon, warmup_steps=algo.kl_ctrl.warmup_steps)
+
+        self.total_steps = cfg.trainer.total_training_steps or len(self.loader) * cfg.trainer.total_epochs
+        # optimizer steps of the run, for the LR schedules: one per mini-batch per PPO epoch of every step that
+        # updates the model (the actor sits out the critic warm-up)
+        updates = lambda m: m.ppo_epochs * (cfg.data.train_batch_size // m.ppo_mini_batch_size)  # noqa: E731
+        actor_layout = _layout(actor_cfg.megatron, "actor", self.arch)
+        self.actor = PolicyWorker("actor", self.arch, actor_layout, path, seed=actor_cfg.megatron.seed,
+                                  optim=actor_cfg.optim, grad_clip=actor_cfg.grad_clip,
+                                  share_prompt_prefix=actor_cfg.share_prompt_prefix,
+                                  total_steps=max(self.total_steps - cfg.trainer.critic_warmup, 1) * updates(actor_cfg),
+                                  **_model_options(actor_cfg.megatron, actor_layout, "actor_rollout_ref.actor",
+                                                   self.arch, True, actor_cfg.optim.optimizer))
+        ref_layout = _layout(arc.ref.megatron, "reference", self.arch)
+        self.ref = (PolicyWorker("reference", self.arch, ref_layout, path, trainable=False, seed=arc.ref.megatron.seed,
+                                 offload=arc.ref.offload, share_prompt_prefix=actor_cfg.share_prompt_prefix,
+                                 **_model_options(arc.ref.megatron, ref_layout, "actor_rollout_ref.ref", self.arch,
+                                                  False))
+                    if self.use_ref else None)
+        critic_layout = _layout(cfg.critic.megatron, "critic", self.arch)
+        self.critic = (CriticWorker("critic", self.arch, critic_layout, cfg.critic.model.path, value_head=True,
+                                    seed=cfg.critic.megatron.seed, optim=cfg.critic.optim,
+                                    grad_clip=cfg.critic.grad_clip, total_steps=self.total_steps * updates(cfg.critic),
+                                    share_prompt_prefix=cfg.critic.share_prompt_prefix,
+                                    **_model_options(cfg.critic.megatron, critic_layout, "critic", self.arch, True,
+                                                     cfg.critic.optim.optimizer))
+                       if self.use_critic else None)
+
+        rollout = arc.rollout
+        gen_dtype = rollout_dtype(rollout.dtype, self.device)
+        self.hybrid = HybridEngine(self.arch, actor_layout, rollout.tensor_model_parallel_size, dtype=gen_dtype,
+                                   vpp=actor_cfg.megatron.virtual_pipeline_model_parallel_size)
+        kwargs = dict(pad_token_id=self.pad_id, dtype=gen_dtype, device=self.device) if rollout.name == "embedded" \
+            else dict(model_path=path, mem_fraction_static=rollout.mem_fraction_static,
+                      dtype=str(gen_dtype).removeprefix("torch."), **rollout.engine_kwargs)
+        engine = make_rollout_engine(rollout.name, self.arch, self.hybrid.rollout_tp_group, **kwargs)
+        if rollout.name == "embedded":
+            engine.decode_threads = rollout.decode_threads
+        self.weight_sync = WeightSync(self.hybrid, engine, self.actor.model)  # owns resume/load/generate/release
+
+        self.run_dir = cfg.trainer.default_local_dir
+        self.ckpt = CheckpointManager(os.path.join(self.run_dir, "checkpoints"), self)
+        self.perf = PerfCounter(self.arch, self.world)
+        self.guard = DivergenceGuard(self)
+        self.step = 0
+
+    # ---- rollout -----------------------------------------------------------------------------
+    def sampling_params(self, validate: bool, step: int) -> SamplingParams:
+        """The rollout's `SamplingParams` for a training step (`validate=False`) or for validation."""
+        r = self.cfg.actor_rollout_ref.rollout
+        kw = r.val_kwargs if validate else r
+        greedy = not kw.do_sample or kw.temperature == 0
+        return SamplingParams(max_new_tokens=r.response_length, temperature=0.0 if greedy else kw.temperature,
+                              top_p=kw.top_p, top_k=kw.top_k, n=kw.n, greedy=greedy,
+                              seed=self.cfg.trainer.seed * 1_000_003 + step * 7919 + self.hybrid.rollout_dp_rank)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, timer: Timer | None = None) -> list[list[int]]:
+        """Reshard the actor into the rollout engine, generate this replica's share, share results with all ranks."""
+        timer = timer or Timer()
+        replicas = self.hybrid.rollout_dp_size
+        bounds = [len(prompts) * i // replicas for i in range(replicas + 1)]
+        mine = self.hybrid.rollout_dp_rank
+        out = self.weight_sync.generate(prompts[bounds[mine]:bounds[mine + 1]], params, timer)
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, (mine, out.responses()))
+        by_replica = dict(gathered)
+        return [resp for i in range(replicas) for resp in by_replica[i]]
+
+    def score(self, batch: PromptBatch, responses: list[list[int]], n: int) -> tuple[list[float], dict]:
+        payload = [None, None]
+        if self.rank == 0:
+            texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+            rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731  prompt-major like the rollout
+            payload = list(self.rewards.score(texts, rep(batch.ground_truths), rep(batch.data_sources),
+                                              rep(batch.extra_infos) if batch.extra_infos else None))
+        dist.broadcast_object_list(payload, src=0)
+        return payload[0], payload[1]
+
+    # ---- one PPO step ----------------------------------------------------------------------------
+    def train_step(self, prompts: PromptBatch) -> dict[str, float]:
+        cfg, timer = self.cfg, Timer()
+        arc, algo = cfg.actor_rollout_ref, cfg.algorithm
+        n, temperature = arc.rollout.n, arc.rollout.temperature
+        with timer("step"):
+            responses = self.generate(prompts.input_ids, self.sampling_params(False, self.step), timer)
+            rep_prompts = [p for p in prompts.input_ids for _ in range(n)]
+            batch = build_ppo_batch(rep_prompts, responses, arc.rollout.response_length, self.pad_id,
+                                    [i for i in prompts.indices for _ in range(n)]).to(self.device)
+            mask = batch["response_mask"]
+            with timer("reward"):
+                scores, reward_metrics = self.score(prompts, responses, n)
+                token_rewards = torch.zeros_like(mask)
+                last = (mask.sum(-1).long() - 1).clamp(min=0)
+                token_rewards[torch.arange(batch.size, device=self.device), last] = torch.tensor(
+                    scores, dtype=torch.float32, device=self.device)
+            micro = arc.rollout.log_prob_micro_batch_size_per_gpu or batch.size
+            if not self.on_policy_update(batch.size):  # else the update takes them from its own forward
+                with timer("old_log_prob"):
+                    batch["old_log_probs"], _ = self.actor.compute_log_probs(batch, micro, temperature)
+            if self.ref is not None:
+                with timer("ref"):
+                    batch["ref_log_probs"], _ = self.ref.compute_log_probs(
+                        batch, arc.ref.log_prob_micro_batch_size_per_gpu or batch.size, temperature)
+            if self.critic is not None:
+                with timer("values"):
+                    batch["values"] = self.critic.compute_values(
+                        batch, cfg.critic.ppo_micro_batch_size_per_gpu or batch.size)
+            metrics = dict(reward_metrics)
+            with timer("adv"):
+                if algo.use_kl_in_reward:
+                    token_rewards, kl = apply_kl_penalty(token_rewards, batch["old_log_probs"], batch["ref_log_probs"],
+                                                         mask, self.kl_ctrl.value, algo.kl_penalty)
+                    metrics.update({"actor/reward_kl_penalty": float(kl), "actor/reward_kl_penalty_coeff":
+                                    self.kl_ctrl.value})
+                    self.kl_ctrl.update(float(kl), n_steps=cfg.data.train_batch_size)
+                batch["token_rewards"] = token_rewards
+                adv, ret = compute_advantage(algo.adv_estimator, token_rewards, mask, values=batch.tensors.get("values"),
+                                             index=batch["index"], gamma=algo.gamma, lam=algo.lam,
+                                             **({"norm_by_std": algo.norm_adv_by_std_in_grpo}
+                                                if algo.adv_estimator == "grpo" else {}))
+                batch["advantages"], batch["returns"] = adv, ret
+            if self.critic is not None:
+                with timer("update_critic"):
+                    metrics.update(self.critic.update(batch, cfg.critic, n))
+            if self.step >= cfg.trainer.critic_warmup:
+                with timer("update_actor"):
+                    metrics.update(self.actor.update(batch, arc.actor, temperature, n))
+        timings = timer.metrics()
+        metrics.update(self.batch_metrics(batch, scores))
+        metrics.update(timings)
+        metrics.update(self.perf.metrics(batch, timings, arc.actor.ppo_epochs,
+                                         recomputed_old_log_probs="old_log_probs" in batch.tensors,
+                                         shared_prompts=self.actor.share_prompt_prefix and self.actor.can_pack))
+        return metrics
+
+    def checked_train_step(self, prompts: PromptBatch) -> dict[str, float]:
+        """`train_step`, under engine.device.DeviceGuard when TRIPOD_CHECK_DEVICES=1 (fails on a stray tensor)."""
+        if not check_devices_enabled():
+            return self.train_step(prompts)
+        with DeviceGuard(self.device) as guard:
+            metrics = self.train_step(prompts)
+        if guard.violations:
+            raise RuntimeError(f"step {self.step}: tensors off the chosen device {self.device}: {guard.report()}")
+        if self.rank == 0:
+            print(f"DEVICE_CHECK step={self.step} device={self.device} ops_off_device=0", flush=True)
+        return metrics
+
+    def on_policy_update(self, rows: int) -> bool:
+        """True when the actor update is exactly on-policy: one epoch of one mini-batch, with the weights that
+        generated the rollout. Then the old log-probs equal the update's own forward (detached), so recomputing
+        them is skipped (the ratio is exactly 1, the gradient unchanged). The KL-in-reward needs them earlier."""
+        a = self.cfg.actor_rollout_ref.actor
+        return (a.ppo_epochs == 1 and a.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n >= rows
+                and not self.cfg.algorithm.use_kl_in_reward and self.step >= self.cfg.trainer.critic_warmup)
+
+    def batch_metrics(self, batch: PPOBatch, scores: list[float]) -> dict[str, float]:
+        mask = batch["response_mask"]
+        lengths = mask.sum(-1)
+        out = {"critic/score/mean": float(sum(scores) / len(scores)), "critic/score/max": float(max(scores)),
+               "critic/score/min": float(min(scores)),
+               "critic/advantages/mean": float(masked_mean(batch["advantages"], mask)),
+               "critic/returns/mean": float(masked_mean(batch["returns"], mask)),
+               "response_length/mean": float(lengths.mean()),
+               "response_length/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
+               "prompt_length/mean": float(batch["prompt_lens"].float().mean())}
+        if "values" in batch.tensors:
+            v, r = batch["values"], batch["returns"]
+            out["critic/values/mean"] = float(masked_mean(v, mask))
+            var_r = masked_mean((r - masked_mean(r, mask)) ** 2, mask)
+            resid = r - v
+            var_res = masked_mean((resid - masked_mean(resid, mask)) ** 2, mask)
+            out["critic/vf_explained_var"] = float(1 - var_res / (var_r + 1e-8))
+        return out
+
+    # ---- validation -----------------------------------------------------------------------------
+    def validate(self) -> dict[str, float]:
+        """Greedy (val_kwargs) generation over the validation set in batches of data.val_batch_size prompts."""
+        if self.val_set is None:
+            return {}
+        params = self.sampling_params(True, -1)
+        size = self.cfg.data.val_batch_size or len(self.val_set)
+        scores: list[float] = []
+        by_source: dict[str, list[float]] = {}
+        for start in range(0, len(self.val_set), size):
+            prompts = self.val_set.batch(list(range(start, min(start + size, len(self.val_set)))))
+            batch_scores, _ = self.score(prompts, self.generate(prompts.input_ids, params), params.n)
+            scores += batch_scores
+            rep_sources = [s for s in prompts.data_sources for _ in range(params.n)]
+            for s, x in zip(rep_sources, batch_scores):
+                by_source.setdefault(s, []).append(x)
+        out = {"val/reward_mean": sum(scores) / len(scores)}
+        out.update({f"val/{s}/reward_mean": sum(v) / len(v) for s, v in by_source.items()})
+        return out
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        cfg = self.cfg
+        self.step = start_step = self.ckpt.resume(cfg.trainer.resume)
+        self.guard.restore(self.ckpt.loaded)
+        if self.rank == 0:
+            save_resolved_config(cfg, self.run_dir)
+        tracker = Tracker(self.run_dir, cfg.trainer.logger, resume_step=self.step if self.step else None,
+                          total_steps=self.total_steps) if self.rank == 0 else None
+        last_val: dict[str, float] = {}
+        if self.step == 0 and cfg.trainer.val_before_train and self.val_set is not None:
+            last_val = self.validate()
+            if tracker:
+                tracker.log(last_val, 0)
+        while self.step < self.total_steps:
+            batch = next(iter(self.loader))
+            metrics = self.guard.run_step(self.checked_train_step, batch)
+            self.step += 1
+            done = self.step >= self.total_steps
+            if not self.guard.accept(self.step, metrics):  # rolled back: self.step is the last good checkpoint's
+                continue
+            if self.val_set is not None and ((cfg.trainer.test_freq > 0 and self.step % cfg.trainer.test_freq == 0)
+                                             or done):
+                last_val = self.validate()
+                if not self.guard.accept(self.step, last_val):  # validation reward collapsed
+                    continue
+                metrics.update(last_val)
+            metrics["training/epoch"] = self.loader.epoch
+            metrics["training/start_step"] = start_step  # where this process began: 0, or the resumed step
+            if tracker:
+                tracker.log(metrics, self.step)
+            if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or done:
+                saved = self.ckpt.save(self.step)
+                if self.rank == 0:
+                    self.guard.mark_good(saved)
+        if tracker:
+            tracker.close()
+        if self.rewards is not None:
+            self.rewards.close()
+        return last_val

@@ -1,0 +1,111 @@
+"""Shared-prompt packing: the rows of a micro-batch that share a prompt run that prompt through the model once.
+
+GRPO / RLOO batches hold n responses per prompt. Causal attention makes the prompt's hidden states independent
+of what follows it, so the n copies of the prompt in n rows compute the same thing n times (for SmolLM2 GRPO,
+8 prompts x 4 samples: ~80% of the tokens are prompt). Packing lays each group of rows with the same prompt out as
+one model row
+
+    [pad ... pad | prompt (P tokens) | response 1 (R slots) | response 2 | ... | response k]
+
+with an explicit attention mask (each response block sees the group's real prompt tokens and itself, causally; pad
+keys are never visible) and RoPE positions per slot (prompt slot s -> s, slot t of every response block ->
+P_max + t). Attention with RoPE depends only on position differences, so every token sees exactly the keys and
+relative positions it sees in its own unpacked row (whose positions are a constant shift of these): the log-probs,
+values and gradients are the unpacked ones up to float rounding (the prompt's gradient is the sum over its
+responses, summed in another order). tests/multiprocess/test_packing.py checks that against the unpacked model.
+
+`PackedRows.gather` maps every original row's response token t to the flat index (packed row * S + slot) of the
+output that predicts it, so the heads (log-probs from the hidden state, values) read the same positions as before.
+Works with megatron's local (non-Transformer-Engine) attention, which applies an arbitrary mask; the worker turns
+it off elsewhere (see MegatronWorker.can_pack).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tripod.engine.workers.batch import PPOBatch
+
+
+@dataclass
+class PackedRows:
+    input_ids: torch.Tensor   # [G, S] token ids (pad slots hold the pad id)
+    mask: torch.Tensor        # [G, 1, S, S] bool, True = masked (megatron's convention)
+    positions: torch.Tensor   # [S] RoPE position of each slot, the same for every packed row
+    gather: torch.Tensor      # [N, R] flat index (packed row * S + slot) of the output predicting response token t
+
+    @property
+    def seq(self) -> int:
+        return self.input_ids.shape[1]
+
+    def padded_to(self, seq: int) -> "PackedRows":
+        """The same packing with S grown to `seq` (extra slots: pad ids, masked as keys, at positions S...)."""
+        g, s = self.input_ids.shape
+        if s == seq:
+            return self
+        extra = seq - s
+        ids = torch.nn.functional.pad(self.input_ids, (0, extra))
+        mask = torch.ones(g, 1, seq, seq, dtype=torch.bool, device=self.mask.device)
+        mask[:, :, :s, :s] = self.mask
+        mask[:, :, torch.arange(s, seq), torch.arange(s, seq)] = False  # a pad query sees itself (no empty row)
+        positions = torch.cat([self.positions, torch.arange(s, seq, device=self.positions.device)])
+        rows = self.gather // s
+        return PackedRows(ids, mask, positions, rows * seq + self.gather % s)
+
+
+def prompt_groups(mb: PPOBatch) -> list[list[int]]:
+    """Rows grouped by identical prompt (same length and tokens), groups in order of first appearance."""
+    ids, lens = mb["input_ids"], mb["prompt_lens"].tolist()
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(lens):
+        groups.setdefault(tuple(ids[i, :p].tolist()), []).append(i)
+    return list(groups.values())
+
+
+def pack_shared_prompts(mb: PPOBatch, pad_id: int = 0) -> PackedRows | None:
+    """The packed layout of `mb`, or None when no two rows share a prompt (nothing to save)."""
+    groups = prompt_groups(mb)
+    if len(groups) == mb.size:
+        return None
+    ids, lens, resp = mb["input_ids"], mb["prompt_lens"], mb["responses"]
+    dev = ids.device
+    resp_lens = mb["response_mask"].sum(-1).long()
+    r_all = resp.shape[1]
+    width = max(int(resp_lens.max()), 1)           # response slots per block: the longest response
+    p_max = int(lens.max())
+    k_max = max(len(g) for g in groups)
+    seq = p_max + k_max * width
+    n_groups = len(groups)
+
+    input_ids = torch.full((n_groups, seq), pad_id, dtype=ids.dtype, device=dev)
+    key_ok = torch.zeros(n_groups, seq, dtype=torch.bool, device=dev)     # real token in this slot
+    block = torch.full((seq,), -1, dtype=torch.long, device=dev)          # response block of a slot (-1: prompt)
+    block[p_max:] = torch.arange(k_max, device=dev).repeat_interleave(width)
+    t_in_block = torch.zeros(seq, dtype=torch.long, device=dev)
+    t_in_block[p_max:] = torch.arange(width, device=dev).repeat(k_max)
+    gather = torch.empty(mb.size, r_all, dtype=torch.long, device=dev)
+    t = torch.arange(r_all, device=dev)
+    for g, rows in enumerate(groups):
+        p = int(lens[rows[0]])
+        input_ids[g, p_max - p:p_max] = ids[rows[0], :p]
+        key_ok[g, p_max - p:p_max] = True
+        for j, i in enumerate(rows):
+            start = p_max + j * width
+            n_resp = int(resp_lens[i])
+            input_ids[g, start:start + n_resp] = resp[i, :n_resp]
+            key_ok[g, start:start + n_resp] = True
+            # token 0 is predicted by the last prompt slot, token t > 0 by slot t - 1 of the block; tokens past
+            # the block (padding of `responses`, masked in every loss) read the block's last slot
+            slot = torch.where(t == 0, torch.full_like(t, p_max - 1), start + (t - 1).clamp(max=width - 1))
+            gather[i] = g * seq + slot
+
+    q_block, k_block = block[:, None], block[None, :]
+    slots = torch.arange(seq, device=dev)
+    causal = slots[None, :] <= slots[:, None]
+    same_block = (q_block == k_block) & (q_block >= 0)
+    sees = (k_block < 0) | same_block                                     # prompt keys, or its own block
+    visible = causal[None] & sees[None] & key_ok[:, None, :]
+    visible |= torch.eye(seq, dtype=torch.bool, device=dev)[None]         # no query row is empty
+    positions = torch.where(block < 0, slots, p_max + t_in_block)
+    return PackedRows(input_ids, ~visible[:, None], positions, gather)

@@ -1,0 +1,142 @@
+"""Shared test helpers for tripod: tiny random HF checkpoints and torchrun (gloo) launches.
+
+Usable from pytest files (`from tests.helpers.common import make_tiny_hf_model, run_torchrun`; pytest.ini puts
+the repository root on sys.path) and from torchrun worker scripts in tests/multiprocess/workers/ (run_torchrun puts
+the repository root on PYTHONPATH), e.g. `from tests.helpers.common import dist_worker`.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+TESTS_DIR = Path(__file__).resolve().parent.parent
+REPO_ROOT = TESTS_DIR.parent
+DIST_DIR = TESTS_DIR / "multiprocess" / "workers"
+
+# Tiny shapes: heads=4 / kv=2 / layers=4 so that TP in {1, 2} and PP in {1, 2, 4} all divide.
+_TINY_COMMON: dict[str, Any] = dict(
+    vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """Environment for a launcher subprocess: one thread per rank, the checkout importable, warnings quiet."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHON=sys.executable, **extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for rendezvous and MASTER_PORT)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_tiny_hf_model(tmp_path: str | os.PathLike, family: str, *, seed: int = 0,
+                       subdir: str | None = None, **overrides: Any) -> str:
+    """Save a tiny random fp32 Llama or Qwen2 checkpoint with `save_pretrained`; return its directory.
+
+    `family` is "llama" or "qwen2" (Qwen2 always has QKV bias). `overrides` go into the HF config,
+    e.g. `tie_word_embeddings=True`, `num_hidden_layers=2`,
+    `rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 32}`.
+    Weights are drawn from N(0, 0.02) but biases and norm weights are randomised too, so no
+    parameter is at a trivial value. The same (family, seed, overrides) gives the same weights.
+    """
+    import torch
+    import transformers
+
+    configs = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
+    models = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}
+    if family not in configs:
+        raise ValueError(f"make_tiny_hf_model family={family!r}; use one of {sorted(configs)}")
+    kwargs = dict(_TINY_COMMON)
+    kwargs.update(overrides)
+    config = configs[family](**kwargs)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = models[family](config).to(torch.float32)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                elif name.endswith(".bias"):
+                    p.copy_(0.1 * torch.randn_like(p))
+                else:
+                    p.copy_(0.05 * torch.randn_like(p))
+    out = Path(tmp_path) / (subdir or f"{family}_seed{seed}")
+    model.save_pretrained(out, safe_serialization=True)
+    return str(out)
+
+
+def run_torchrun(script: str | os.PathLike, nproc: int, *args: Any, timeout: float = 300,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Launch `torchrun --standalone --nproc-per-node nproc script *args` and assert it succeeds.
+
+    `script` is a path or a file name inside tests/multiprocess/workers/. Returns the completed process (stdout
+    and stderr merged into `.stdout`) so callers can parse lines the workers printed. On failure
+    or timeout the AssertionError carries the tail of the output.
+    """
+    path = Path(script)
+    if not path.is_absolute() and not path.exists():
+        path = DIST_DIR / path
+    if not path.exists():
+        raise FileNotFoundError(f"run_torchrun script={script!r}: no such file (looked in {DIST_DIR})")
+    run_env = dict(os.environ)
+    run_env.update({
+        "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), run_env.get("PYTHONPATH", "")]),
+    })
+    run_env.update(env or {})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(path), *map(str, args)]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=run_env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        raise AssertionError(f"torchrun {path.name} x{nproc} timed out after {timeout}s:\n{out[-6000:]}")
+    if proc.returncode != 0:
+        first_failure = proc.stdout.find("] FAILED")
+        detail = proc.stdout[max(0, first_failure - 200):first_failure + 6000] if first_failure >= 0 else ""
+        raise AssertionError(f"torchrun {path.name} x{nproc} exited {proc.returncode}:\n{detail}\n"
+                             f"--- output tail ---\n{proc.stdout[-3000:]}")
+    return proc
+
+
+def dist_worker(main: Callable[[], None]) -> None:
+    """Run a torchrun worker's `main()` on gloo with tripod's CPU compat applied.
+
+    Sets one thread per process, initialises the default process group, and on any exception
+    prints the traceback with the rank and hard-exits (so torchrun tears the world down at once
+    instead of the other ranks hanging in a collective).
+    """
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        from datetime import timedelta
+        dist.init_process_group(backend="gloo", timeout=timedelta(minutes=3))
+        from tripod.parallel.cpu_compat import apply_cpu_compat
+        apply_cpu_compat()
+        main()
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        print(f"[rank{rank}] FAILED\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)

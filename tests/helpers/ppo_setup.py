@@ -1,0 +1,46 @@
+"""A complete tiny PPO setup made offline: a random Qwen2 checkpoint with a character-level tokenizer (chat
+template, EOS) saved beside it, and arithmetic prompt parquet files. Used by the trainer tests."""
+from __future__ import annotations
+
+import os
+
+from tripod.engine.data.char_tokenizer import char_tokenizer
+from tests.helpers.common import make_tiny_hf_model
+
+
+def make_ppo_setup(tmp_path, *, family: str = "qwen2", n_train: int = 32, n_val: int = 8, **model_overrides) -> dict:
+    """{'model': dir, 'train': parquet, 'val': parquet}; prompts are short arithmetic questions. `family`: llama /
+    qwen2 (tests/helpers/common.py) or an MoE family of tests/helpers/moe_models.py (qwen3_moe, qwen2_moe, deepseek_v3)."""
+    from tripod.engine.data import make_arithmetic_rows, write_prompt_parquet
+
+    overrides = dict(max_position_embeddings=256, vocab_size=128)
+    overrides.update(model_overrides)
+    if family in ("llama", "qwen2"):
+        model = make_tiny_hf_model(tmp_path, family, **overrides)
+    else:
+        from tests.helpers.moe_models import make_tiny_moe_model
+        model = make_tiny_moe_model(tmp_path, family, **overrides)
+    char_tokenizer().save_pretrained(model)
+    instruction = "Answer as #### N."
+    paths = {"model": model}
+    for split, count, seed in (("train", n_train, 0), ("val", n_val, 1)):
+        rows = make_arithmetic_rows(count, seed=seed, max_digits=1, instruction=instruction, split=split)
+        paths[split] = os.path.join(str(tmp_path), f"{split}.parquet")
+        write_prompt_parquet(rows, paths[split])
+    return paths
+
+
+def tiny_overrides(setup: dict, run_dir: str, world: int = 1, tp: int = 1, pp: int = 1, steps: int = 2) -> list[str]:
+    return [
+        f"data.train_files={setup['train']}", f"data.val_files={setup['val']}",
+        "data.max_prompt_length=64", "data.max_response_length=8", "data.train_batch_size=4", "data.shuffle=false",
+        f"actor_rollout_ref.model.path={setup['model']}",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.optim.lr=1e-3", "critic.optim.lr=1e-3",
+        f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
+        f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.temperature=1.0",
+        "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=k3",
+        f"trainer.total_training_steps={steps}", f"trainer.n_gpus_per_node={world}",
+        f"trainer.default_local_dir={run_dir}", "trainer.logger=[jsonl,tensorboard]", "trainer.resume=disable",
+    ]

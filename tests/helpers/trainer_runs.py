@@ -1,0 +1,156 @@
+"""Running `tripod train` from tests, and the cross-layout equivalence check with its arithmetic bounds.
+
+`train(args)` runs the real CLI in a subprocess (optionally through tests/multiprocess/workers/train_with_hooks.py, which can register
+a test reward or plant a bug); `assert_same_training(base, other)` compares two finished runs.
+
+Why the bounds are what they are (fp32 everywhere, u = 2**-24 is the unit roundoff):
+  * A layout changes only the order of fp32 reductions (TP splits a dot product into partial sums that are then
+    all-reduced, PP/DP/micro-batching split the token sums of the gradients; the CPU's BLAS kernel and thread count
+    change the order again). A sum of n terms computed in any order is within gamma_n = n*u/(1 - n*u) of the exact
+    sum, relative to the sum of the terms' magnitudes (Higham, Accuracy and Stability of Numerical Algorithms, 2nd
+    ed., Thm 3.1 / eq. 3.5). This holds for every summation order, so for every CPU, kernel and thread count.
+  * In the tiny runs no reduction is longer than N_RED = 256 terms (hidden 64, MLP 96, vocab padded to 128*TP <= 256,
+    attention over <= 70 positions, gradient sums over <= 2 rows x 70 tokens). A weight gradient is the end of a chain
+    of at most DEPTH = 80 dependent reductions (4 layers x 9 forward reductions: 2 RMSNorms, QKV, scores, softmax,
+    PV, out-projection, MLP in and out; + final norm, LM head, log-softmax, loss mean = 40; the backward pass mirrors
+    them). To first order the relative errors add along the chain: REL = DEPTH * N_RED * u = 1.2e-3. Activations are
+    RMS-normalised and the weights random, so each stage is well conditioned (no stage amplifies relative error by
+    much more than 1); REL is the bound for a quantity whose terms do not cancel, and REL * (sum of |terms|) for one
+    whose terms do (see METRIC_SCALE).
+  * Weights are compared with plain SGD (optim.optimizer=sgd, megatron's momentum 0.9): the total update U = w_T - w_0
+    is a fixed linear combination of the step gradients, so a relative gradient error e gives ||dU|| <= e * ||U|| to
+    first order (the gradients' dependence on earlier steps' weights is of order lr * ||Hessian|| * e, below e for a
+    stable step size). Adam is not linear: m/sqrt(v) turns a 1e-9 difference in a near-zero gradient into a step of
+    size lr, which is why it is not used for this comparison. Storing w_t in fp32 rounds every step by <= u*|w_t|,
+    in each run: + 2 * K * u * max|w| per element after K optimizer steps.
+  * Rollouts are greedy: the token sequences must be identical, so rewards and response lengths compare exactly. (An
+    argmax could flip only if two logits were within ~REL of each other; with 128 random logits per token and ~70
+    tokens per run that is a chance of order 1e-3 per run, not a systematic failure.)
+A bug in a split rule, a missing gradient, or a wrong DP/micro-batch scaling changes these quantities by O(1)
+relative; the planted-bug tests in tests/multiprocess/test_layout_equivalence.py show that the check fails on such bugs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers.common import DIST_DIR, REPO_ROOT
+
+TRIPOD = [sys.executable, "-m", "tripod"]
+HOOKED_TRIPOD = [sys.executable, str(DIST_DIR / "train_with_hooks.py")]
+
+U32 = 2.0 ** -24
+N_RED = 256
+DEPTH = 80
+REL = DEPTH * N_RED * U32  # 1.22e-3
+# Sum of |terms| per unit of the metric, where the metric's terms can cancel: pg_loss is a token mean of
+# advantage * ratio with whitened (unit-std) or [0, 1]-score advantages and ratios near 1; ppo_kl a token mean of
+# differences of log-probs, each at most log(vocab=128) ~ 4.9 in size; vf_loss a mean of squares (no cancellation,
+# but of differences value - return whose parts are O(1)). Grad norms are norms: no cancellation.
+METRIC_SCALE = {"actor/pg_loss": 1.0, "actor/ppo_kl": 5.0, "actor/kl_loss": 5.0, "actor/entropy": 0.0,
+                "critic/vf_loss": 1.0, "actor/grad_norm": 0.0, "critic/grad_norm": 0.0}
+EXACT = ("critic/score/mean", "response_length/mean")  # functions of the greedy token sequences only
+
+# Same arithmetic in every compared run: greedy rollouts, one response per prompt, 2 mini-batches of 2 prompts per
+# step with micro-batches of 1, plain SGD for the actor and the critic (see above). lr 2e-3 keeps every PPO ratio far
+# from the clip range (ppo_kl ~ 1e-2, pg_clipfrac = vf_clipfrac = 0, asserted), so no token sits at a branch of the
+# clipped losses where an O(u) difference could switch the gradient; weights still move >= 100x their fp32 rounding.
+GREEDY = ["actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.n=1",
+          "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+          "actor_rollout_ref.rollout.response_length=6"]
+LINEAR_OPTIM = ["actor_rollout_ref.actor.optim.optimizer=sgd", "critic.optim.optimizer=sgd",
+                "actor_rollout_ref.actor.optim.lr=2e-3", "critic.optim.lr=2e-3"]
+
+
+def env(threads: int = 1, **extra: str) -> dict[str, str]:
+    """Every run, at any world size, with the same thread count (engine/cli/__init__.py honours OMP_NUM_THREADS)."""
+    out = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore",
+               TOKENIZERS_PARALLELISM="false")
+    out["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
+    out.update(extra)
+    return out
+
+
+def train(args: list[str], timeout: float = 900, hooks: bool = False, run_env: dict | None = None,
+          **popen) -> subprocess.CompletedProcess:
+    """`tripod train recipes/defaults.yaml *args` (through train_with_hooks.py when `hooks`); stdout+stderr merged."""
+    cmd = (HOOKED_TRIPOD if hooks else TRIPOD) + ["train", "recipes/defaults.yaml", *args]
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=run_env or env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout, **popen)
+
+
+def metrics(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def export(ckpt: str, out: str) -> dict[str, torch.Tensor]:
+    proc = subprocess.run([*TRIPOD, "export", ckpt, out], cwd=REPO_ROOT, env=env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return load_file(os.path.join(out, "model.safetensors"))
+
+
+def final_actor_weights(run_dir: str, steps: int) -> dict[str, torch.Tensor]:
+    ckpt = os.path.join(run_dir, "checkpoints", f"global_step_{steps}", "actor")
+    return export(ckpt, run_dir + "_hf")
+
+
+class OutOfBounds(AssertionError):
+    """Quantities outside their bounds; `worst` is the largest |diff| / bound (inf for a must-be-identical one)."""
+
+    def __init__(self, label: str, violations: list[tuple[float, str]]):
+        violations = sorted(violations, reverse=True)
+        self.worst = violations[0][0]
+        shown = "\n  ".join(v for _, v in violations[:8])
+        super().__init__(f"{label}: {len(violations)} quantities out of bounds, worst |diff|/bound "
+                         f"{self.worst:.3g}:\n  {shown}")
+
+
+def metric_violations(want: list[dict], got: list[dict]) -> list[tuple[float, str]]:
+    assert [m["step"] for m in got] == [m["step"] for m in want], f"steps {[m['step'] for m in got]}"
+    out = []
+    for a, b in zip(want, got):
+        for k in EXACT:
+            if k in a and b[k] != a[k]:
+                out.append((float("inf"), f"step {a['step']} {k} = {b[k]}, baseline {a[k]} (must be identical)"))
+        for k, scale in METRIC_SCALE.items():
+            if k in a:
+                bound, diff = REL * (abs(a[k]) + scale), abs(b[k] - a[k])
+                if diff > bound:
+                    out.append((diff / bound, f"step {a['step']} {k} = {b[k]:.7g}, baseline {a[k]:.7g}, "
+                                              f"|diff| {diff:.3g} > bound {bound:.3g}"))
+    return out
+
+
+def weight_violations(w0: dict[str, torch.Tensor], base: dict[str, torch.Tensor], got: dict[str, torch.Tensor],
+                      opt_steps: int) -> list[tuple[float, str]]:
+    """Per tensor: ||U_got - U_base|| <= REL * ||U_base|| + sqrt(numel) * 2 * K * u * max|w| (U = w_T - w_0)."""
+    assert got.keys() == base.keys(), f"tensors {sorted(got.keys() ^ base.keys())}"
+    out, still = [], []
+    for name in base:
+        u_base, u_got = (base[name] - w0[name]).double(), (got[name] - w0[name]).double()
+        storage = u_base.numel() ** 0.5 * 2 * opt_steps * U32 * float(base[name].abs().max())
+        bound = REL * float(u_base.norm()) + storage
+        diff = float((u_got - u_base).norm())
+        if diff > bound:
+            out.append((diff / bound, f"{name} update differs by {diff:.3g} (||update|| {float(u_base.norm()):.3g}, "
+                                      f"bound {bound:.3g})"))
+        # 1-D tensors (norm weights, biases) get tiny gradients in 6 steps; the matrices carry the check
+        if u_base.dim() >= 2 and float(u_base.norm()) <= 10 * storage:
+            still.append(name)
+    assert not still, f"baseline tensors {still} did not move well above fp32 storage rounding: the check is vacuous"
+    return out
+
+
+def assert_same_training(w0: dict[str, torch.Tensor], base: tuple[list[dict], dict[str, torch.Tensor]],
+                         got: tuple[list[dict], dict[str, torch.Tensor]], opt_steps: int, label: str) -> None:
+    """Raise OutOfBounds listing every metric and weight update of `got` outside its bound around `base`."""
+    violations = metric_violations(base[0], got[0]) + weight_violations(w0, base[1], got[1], opt_steps)
+    if violations:
+        raise OutOfBounds(label, violations)

@@ -1,0 +1,1 @@
+"""Tests that start processes: torchrun / gloo worlds (worker scripts in workers/), the tripod CLI, SLURM."""

@@ -1,0 +1,158 @@
+"""`tripod bench`: the summary arithmetic on random records, the bench.json schema and token counts of a real run
+on a tiny model, and the on-policy skip of the old log-prob recompute (same gradient; a planted bug is caught).
+Timings are never asserted."""
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.ppo_setup import make_ppo_setup
+from tests.helpers.common import REPO_ROOT
+
+from tripod.engine.bench.summary import check_schema, compare, summarize
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _random_raw(rng, steps=5, warmup=2, world=2):
+    recs = []
+    for i in range(steps + warmup):
+        stages = {k: rng.uniform(0.1, 3.0) for k in ("reshard", "gen", "reward", "update_actor")}
+        recs.append({"index": i, "warmup": i < warmup, "step_s": sum(stages.values()) + rng.uniform(0.0, 0.5),
+                     "stages_s": stages, "prompts": 8, "samples": 32, "prompt_tokens": rng.randint(500, 900),
+                     "response_tokens": rng.randint(100, 512),
+                     "flops": {"gen": rng.uniform(1e9, 1e11), "update_actor": rng.uniform(1e11, 1e12)}})
+    ranks = [{"rank": r, "peak_memory_gb": rng.uniform(1, 6), "threads": 1, "peak_flops": rng.uniform(5e10, 1e11)}
+             for r in range(world)]
+    return {"records": recs, "ranks": ranks, "world_size": world}
+
+
+def test_summary_arithmetic_on_random_records():
+    rng = random.Random(1234)
+    raw = _random_raw(rng)
+    s = summarize(raw)
+    measured = [r for r in raw["records"] if not r["warmup"]]
+    total_s = sum(r["step_s"] for r in measured)
+    tokens = sum(r["prompt_tokens"] + r["response_tokens"] for r in measured)
+    assert s["steps"] == 5
+    assert s["tokens_per_s"] == pytest.approx(tokens / total_s, rel=1e-12)
+    assert s["tokens_per_s_per_device"] == pytest.approx(tokens / total_s / 2, rel=1e-12)
+    assert s["samples_per_s"] == pytest.approx(32 * 5 / total_s, rel=1e-12)
+    assert sum(v["share"] for v in s["stages"].values()) == pytest.approx(1.0, abs=1e-12)
+    other = sorted(r["step_s"] - sum(r["stages_s"].values()) for r in measured)
+    assert s["stages"]["other"]["median_s"] == pytest.approx(other[2], rel=1e-12)
+    assert s["stages"]["gen"]["min_s"] == min(r["stages_s"]["gen"] for r in measured)
+    ceiling = min(r["peak_flops"] for r in raw["ranks"])
+    gen_mfu = sum(r["flops"]["gen"] for r in measured) / sum(r["stages_s"]["gen"] for r in measured) / 2 / ceiling
+    assert s["mfu"]["gen"] == pytest.approx(gen_mfu, rel=1e-12)
+    assert s["decode_tokens_per_s"] == pytest.approx(
+        sum(r["response_tokens"] for r in measured) / sum(r["stages_s"]["gen"] for r in measured), rel=1e-12)
+    assert s["peak_memory_gb_max"] == max(r["peak_memory_gb"] for r in raw["ranks"])
+    peer = summarize(_random_raw(rng))
+    ratios = compare(s, peer)
+    assert ratios["throughput_ratio"] == pytest.approx(s["tokens_per_s"] / peer["tokens_per_s"], rel=1e-12)
+    with pytest.raises(ValueError, match="--steps"):
+        summarize({**raw, "records": [r for r in raw["records"] if r["warmup"]]})
+
+
+def test_bench_on_a_tiny_model_writes_schema_and_counts_tokens(tmp_path):
+    """A real `tripod bench` (GRPO, 2 measured steps) with the plain-HF peer: schema, token counts, outputs."""
+    setup = make_ppo_setup(tmp_path)
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "tripod", "bench", "recipes/bench/smollm2-135m-grpo.yaml",
+           f"actor_rollout_ref.model.path={setup['model']}", f"data.train_files={setup['train']}",
+           "data.max_prompt_length=64", "data.max_response_length=6", "data.train_batch_size=2",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+           "actor_rollout_ref.rollout.n=2", "--steps", "2", "--warmup", "1", "--out", str(out), "--baseline", "hf"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    doc = json.loads((out / "bench.json").read_text())
+    check_schema(doc)
+    assert [r["label"] for r in doc["runs"]] == ["tripod", "hf"]
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| tripod |" in (out / "bench.md").read_text() and "| tripod |" in proc.stdout
+
+    # prompt tokens: the tiny char tokenizer's own count of the first 2+1 prompts, times n, per step
+    from transformers import AutoTokenizer
+    import pyarrow.parquet as pq
+
+    tok = AutoTokenizer.from_pretrained(setup["model"])
+    rows = pq.read_table(setup["train"]).to_pylist()
+    texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows[:6]]
+    lens = [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
+    raw = json.loads((out / "runs" / "tripod" / "raw.json").read_text())
+    for rec, start in zip(raw["records"], (0, 2, 4)):
+        assert rec["prompt_tokens"] == 2 * sum(lens[start:start + 2])
+        assert 4 <= rec["response_tokens"] <= 4 * 6 and rec["samples"] == 4
+    for run in doc["runs"]:
+        s = run["summary"]
+        assert sum(v["share"] for v in s["stages"].values()) == pytest.approx(1.0, abs=1e-9)
+        assert s["samples_per_step"] == 4 and s["steps"] == 2
+    tripod = doc["runs"][0]
+    assert tripod["on_policy_old_log_probs_skipped"] is True
+    assert "old_log_prob" not in tripod["summary"]["stages"] and "update_actor" in tripod["summary"]["mfu"]
+    hf_raw = json.loads((out / "runs" / "hf" / "raw.json").read_text())
+    assert [r["prompt_tokens"] for r in hf_raw["records"]] == [r["prompt_tokens"] for r in raw["records"]]
+
+
+def _on_policy_child(model: str, train: str) -> None:
+    """In a 1-rank world: the same GRPO step with the skip, with the recompute forced, and with a planted bug."""
+    import torch
+
+    from tripod.engine.config import load_config
+    from tripod.engine.trainer import PPOTrainer
+
+    cfg = load_config(os.path.join(REPO_ROOT, "recipes/bench/smollm2-135m-grpo.yaml"), [
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", "data.max_prompt_length=64",
+        "data.max_response_length=6", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.optim.lr=1e-3", "trainer.logger=[]", "trainer.save_freq=-1",
+        "algorithm.adv_estimator=gae"])  # a random critic gives non-zero advantages; rewards here are all 0
+    runs = {}
+    for name in ("skip", "recompute", "planted"):
+        torch.manual_seed(0)
+        t = PPOTrainer(cfg)
+        if name != "skip":
+            t.on_policy_update = lambda rows: False
+        if name == "planted":  # old log-probs that are not the current policy's: the ratio is no longer 1
+            real = t.actor.compute_log_probs
+            t.actor.compute_log_probs = lambda *a, **k: (real(*a, **k)[0] + 0.5, None)
+        steps = []
+        for _ in range(2):
+            m = t.train_step(next(iter(t.loader)))
+            t.step += 1
+            steps.append({k: m[k] for k in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl",
+                                            "response_length/mean", "critic/score/mean")})
+            steps[-1]["old_recomputed"] = "timing_s/old_log_prob" in m
+        runs[name] = steps
+        t.rewards.close()
+    print("RESULT " + json.dumps(runs), flush=True)
+
+
+def test_on_policy_update_skips_the_recompute_with_the_same_gradient(tmp_path):
+    setup = make_ppo_setup(tmp_path)
+    code = ("import sys; sys.argv=['x']; from tripod.engine.cli import run_distributed; import test_bench as t; "
+            f"run_distributed(1, t._on_policy_child, {setup['model']!r}, {setup['train']!r})")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    runs = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    skip, rec, bug = runs["skip"], runs["recompute"], runs["planted"]
+    assert [s["old_recomputed"] for s in skip] == [False, False] and rec[0]["old_recomputed"]
+    for a, b in zip(skip, rec):
+        assert a["actor/ppo_kl"] == 0.0 and abs(b["actor/ppo_kl"]) < 1e-6
+        # same responses after the first update means the weights moved alike
+        assert a["response_length/mean"] == b["response_length/mean"] and a["critic/score/mean"] == b["critic/score/mean"]
+        assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-4, abs=1e-7)
+        assert a["actor/pg_loss"] == pytest.approx(b["actor/pg_loss"], rel=1e-4, abs=1e-7)
+    assert skip[0]["actor/grad_norm"] > 0
+    # the planted bug changes the ratio and so the gradient: this comparison would catch a wrong old log-prob
+    assert bug[0]["actor/grad_norm"] != pytest.approx(skip[0]["actor/grad_norm"], rel=1e-2)

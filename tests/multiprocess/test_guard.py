@@ -1,0 +1,98 @@
+"""Divergence guard: the trip rules on metric sequences, and a run whose reward turns NaN for one step rolls back
+to the last GOOD checkpoint, applies the remedies, recovers and finishes (or gives up after max_rollbacks)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tripod.engine.divergence_guard import GOOD, find_reasons
+from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
+from tests.helpers.common import REPO_ROOT, TESTS_DIR
+
+RULES = dict(max_kl=0.5, spike=10.0, min_history=3, best_val=None, val_ratio=0.5)
+
+
+def test_trip_rules():
+    hist = {"actor/grad_norm": [1.0, 1.2, 0.9]}
+    assert find_reasons({"actor/pg_loss": 0.1, "actor/grad_norm": 1.1}, history=hist, **RULES) == []
+    assert "non-finite actor/pg_loss" in find_reasons({"actor/pg_loss": float("nan")}, history={}, **RULES)[0]
+    assert "non-finite critic/grad_norm" in find_reasons({"critic/grad_norm": float("inf")}, history={}, **RULES)[0]
+    assert "max_kl" in find_reasons({"actor/ppo_kl": 0.6}, history={}, **RULES)[0]
+    assert "running median" in find_reasons({"actor/grad_norm": 10.5}, history=hist, **RULES)[0]
+    # the spike check arms only after min_history accepted steps
+    assert find_reasons({"actor/grad_norm": 50.0}, history={"actor/grad_norm": [1.0, 1.0]}, **RULES) == []
+    rules = dict(RULES, best_val=0.6)
+    assert "val/reward_mean" in find_reasons({"val/reward_mean": 0.2}, history={}, **rules)[0]
+    assert find_reasons({"val/reward_mean": 0.4}, history={}, **rules) == []
+    assert find_reasons({"timing_s/step": float("nan")}, history={}, **RULES) == []  # not a training signal
+
+
+def _poisoned_setup(tmp_path):
+    from tripod.engine.data import make_arithmetic_rows, write_prompt_parquet
+
+    setup = make_ppo_setup(tmp_path)
+    rows = make_arithmetic_rows(16, seed=0, max_digits=1, instruction="Answer as #### N.")
+    for row in rows:
+        row["data_source"] = "poisoned_arithmetic"
+    setup["train"] = str(tmp_path / "poisoned.parquet")
+    write_prompt_parquet(rows, setup["train"])
+    return setup
+
+
+def _run(setup, run_dir, extra, poison_step, per_step=8):
+    args = tiny_overrides(setup, run_dir, steps=3) + [
+        "data.val_files=[]", "trainer.val_before_train=false", "trainer.save_freq=1",
+        "trainer.divergence_guard.enabled=true", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               POISON_FROM=str(per_step * (poison_step - 1)), POISON_TO=str(per_step * poison_step),
+               PYTHONPATH=os.pathsep.join([str(TESTS_DIR), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                           str(TESTS_DIR / "dist" / "guard_poisoned_reward.py"), *args], cwd=REPO_ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+
+
+@pytest.mark.dist
+def test_nan_reward_rolls_back_recovers_and_finishes(tmp_path):
+    """Rewards of step 2 are NaN (4 prompts x n=2 = 8 scorer calls per step): step 2 trips, the run reloads
+    global_step_1, halves the lr, clips at 0.1, raises kl_coef by 0.002, replays step 2 cleanly and finishes."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    setup = _poisoned_setup(tmp_path)
+    run_dir = str(tmp_path / "run")
+    proc = _run(setup, run_dir, [], poison_step=2)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("guard:")]
+    assert len(lines) == 1 and "step 2 tripped (non-finite" in lines[0] and "rolled back to global_step_1" in lines[0]
+    assert "clip_ratio 0.2->0.1" in lines[0] and "kl_coef 0.001->0.003" in lines[0]
+    assert "actor lr 0.001->0.0005" in lines[0], lines[0]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["guard/rollbacks"] for m in metrics] == [0.0, 1.0, 1.0]
+    assert [m["guard/tripped"] for m in metrics] == [0.0, 1.0, 0.0]
+    assert metrics[2]["guard/lr_scale"] == 0.5 and metrics[2]["guard/clip_ratio"] == 0.1
+    for m in metrics:
+        assert all(math.isfinite(m[k]) for k in ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm"))
+    ckpts = os.path.join(run_dir, "checkpoints")
+    for step in (1, 2, 3):
+        assert os.path.exists(os.path.join(ckpts, f"global_step_{step}", GOOD)), step
+    dcp_to_torch_save(os.path.join(ckpts, "global_step_3", "actor", "model"), str(tmp_path / "final.pt"))
+    weights = {k: v for k, v in torch.load(str(tmp_path / "final.pt"), weights_only=False).items()
+               if isinstance(v, torch.Tensor)}
+    assert weights and all(torch.isfinite(v).all() for v in weights.values())
+
+
+@pytest.mark.dist
+def test_guard_gives_up_after_max_rollbacks(tmp_path):
+    setup = _poisoned_setup(tmp_path)
+    run_dir = str(tmp_path / "run")
+    proc = _run(setup, run_dir, ["trainer.divergence_guard.max_rollbacks=0"], poison_step=2)
+    assert proc.returncode != 0
+    err = [l for l in proc.stdout.splitlines() if l.startswith("tripod train: error:")]
+    assert len(err) == 1 and "step 2 diverged (non-finite" in err[0] and "max_rollbacks" in err[0], proc.stdout[-3000:]
+    assert os.path.exists(os.path.join(run_dir, "checkpoints", "global_step_1", GOOD))
+    assert not os.path.exists(os.path.join(run_dir, "checkpoints", "global_step_2"))

@@ -1,0 +1,123 @@
+"""The PPO trainer end to end on a tiny model: exact resume after SIGKILL, fail-fast inputs.
+(Cross-layout equivalence of training runs: tests/multiprocess/test_layout_equivalence.py.)"""
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
+from tests.helpers.trainer_runs import GREEDY, TRIPOD, env, export, metrics, train
+from tests.helpers.common import REPO_ROOT
+
+COMPARED = ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm", "actor/ppo_kl",
+            "critic/score/mean", "response_length/mean", "actor/lr", "critic/lr")
+
+
+def _train(args, timeout=900, **popen):
+    return train(args, timeout=timeout, **popen)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("tp,pp,world", [(1, 1, 1), (2, 2, 4)], ids=["tp1pp1", "tp2pp2"])
+def test_resume_after_sigkill_is_exact(tmp_path, tp, pp, world):
+    """Killed between the step-2 and step-3 checkpoints, then `trainer.resume=auto`: the resumed process must start at
+    step 2 (its log line and the `training/start_step` metric), leave steps 0-2 as the killed process logged them
+    (a no-op resume would recompute and rewrite them, with other timings), and end bit-identical to an uninterrupted
+    run."""
+    setup = make_ppo_setup(tmp_path)
+    # a decaying LR schedule: a resume that did not restore the scheduler would train step 3 at a different LR
+    schedule = ["actor_rollout_ref.actor.optim.lr_warmup_steps=2", "actor_rollout_ref.actor.optim.lr_decay_style=cosine",
+                "actor_rollout_ref.actor.optim.min_lr_ratio=0.1", "critic.optim.lr_decay_style=linear"]
+    common = GREEDY[1:] + ["actor_rollout_ref.rollout.do_sample=true", "trainer.save_freq=1"] + schedule
+    ref_dir, cut_dir = str(tmp_path / "uninterrupted"), str(tmp_path / "killed")
+    layout = dict(world=world, tp=tp, pp=pp, steps=3)
+    proc = _train(tiny_overrides(setup, ref_dir, **layout) + common)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+
+    args = tiny_overrides(setup, cut_dir, **layout) + common
+    job = subprocess.Popen([*TRIPOD, "train", "recipes/defaults.yaml", *args], cwd=REPO_ROOT, env=env(),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    marker = os.path.join(cut_dir, "checkpoints", "global_step_2", "COMPLETE")
+    deadline = time.time() + 900
+    while not os.path.exists(marker) and job.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(job.pid, signal.SIGKILL)  # between the checkpoints of step 2 and step 3
+    job.wait()
+    assert os.path.exists(marker), "the run never completed its step-2 checkpoint"
+    assert not os.path.exists(os.path.join(cut_dir, "checkpoints", "global_step_3"))
+    with open(os.path.join(cut_dir, "metrics.jsonl")) as f:  # (a step-3 line may be cut short by the kill)
+        before = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= 2]
+    assert [json.loads(line)["step"] for line in before] == [0, 1, 2]
+    # debris a crash can leave: a half-written save and a directory without its COMPLETE marker
+    os.makedirs(os.path.join(cut_dir, "checkpoints", "tmp_global_step_3", "actor"))
+    os.makedirs(os.path.join(cut_dir, "checkpoints", "global_step_99", "actor"))
+
+    resume_args = [a for a in args if not a.startswith("trainer.resume=")] + ["trainer.resume=auto"]
+    proc = _train(resume_args)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    saved = os.path.join(cut_dir, "checkpoints", "global_step_2")
+    assert f"tripod: resumed from {saved} at step 2" in proc.stdout, proc.stdout[-3000:]
+    with open(os.path.join(cut_dir, "metrics.jsonl")) as f:
+        after = f.readlines()
+    assert after[:3] == before, "the resumed process rewrote the steps the killed one had logged"
+    want, got = metrics(ref_dir), metrics(cut_dir)
+    assert [m["step"] for m in got] == [0, 1, 2, 3]
+    # 4 prompts / mini-batch 2 = 2 optimizer steps per PPO step, 6 in all; the logged LR is that of each step's
+    # last update (optimizer steps 1, 3, 5): warm-up 0 -> 1e-3 over 2 steps, then cosine to 1e-4 (closed form)
+    cosine = lambda k: 1e-4 + (1e-3 - 1e-4) * 0.5 * (1 + math.cos(math.pi * (k - 2) / (6 - 2)))  # noqa: E731
+    assert [m["actor/lr"] for m in want[1:]] == pytest.approx([0.5e-3, cosine(3), cosine(5)], rel=1e-9)
+    assert [m["critic/lr"] for m in want[1:]] == pytest.approx([1e-3 * (1 - k / 6) for k in (1, 3, 5)], rel=1e-9)
+    assert [m.get("training/start_step") for m in got] == [None, 0, 0, 2]  # step 0 is validation only
+    for a, b in zip(want, got):
+        for k in COMPARED:
+            if k in a:
+                assert b[k] == pytest.approx(a[k], abs=1e-6), (a["step"], k)
+    w_ref = export(os.path.join(ref_dir, "checkpoints", "global_step_3", "actor"), str(tmp_path / "hf_ref"))
+    w_cut = export(os.path.join(cut_dir, "checkpoints", "global_step_3", "actor"), str(tmp_path / "hf_cut"))
+    for name in w_ref:
+        assert torch.equal(w_ref[name], w_cut[name]), name
+
+
+def _write_rows(path, rows):
+    from tripod.engine.data import write_prompt_parquet
+    write_prompt_parquet(rows, path)
+
+
+@pytest.mark.parametrize("case", ["missing_column", "empty_file", "too_long", "unknown_source", "bad_batch",
+                                  "rollout_tp"])
+def test_bad_config_and_data_stop_at_start(tmp_path, case):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    setup = make_ppo_setup(tmp_path)
+    args = tiny_overrides(setup, str(tmp_path / "run"))
+    expect = {"missing_column": "reward_model", "empty_file": "empty", "too_long": "max_prompt_length",
+              "unknown_source": "no reward function for data source", "bad_batch": "ppo_mini_batch_size",
+              "rollout_tp": "tensor_model_parallel_size"}[case]
+    bad = str(tmp_path / "bad.parquet")
+    if case == "missing_column":
+        pq.write_table(pa.table({"prompt": ["What is 1+1?"], "data_source": ["arithmetic"]}), bad)
+    elif case == "empty_file":
+        pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "data_source": pa.array([], pa.string()),
+                                 "reward_model": pa.array([], pa.struct([("ground_truth", pa.string())]))}), bad)
+    elif case == "unknown_source":
+        _write_rows(bad, [{"data_source": "nope", "prompt": [{"role": "user", "content": "1+1?"}],
+                           "reward_model": {"ground_truth": "2"}}] * 8)
+    if case in ("missing_column", "empty_file", "unknown_source"):
+        args.append(f"data.train_files={bad}")
+    elif case == "too_long":
+        args.append("data.max_prompt_length=4")
+    elif case == "bad_batch":
+        args.append("actor_rollout_ref.actor.ppo_mini_batch_size=3")
+    elif case == "rollout_tp":
+        args.append("actor_rollout_ref.rollout.tensor_model_parallel_size=3")
+    proc = _train(args, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    assert expect in proc.stdout, proc.stdout[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("tripod train: error: "), proc.stdout[-3000:]
+    assert "Traceback" not in proc.stdout  # one line: refused before any rank process could print

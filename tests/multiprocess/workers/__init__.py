@@ -1,0 +1,1 @@
+"""Scripts that tests/multiprocess launches under torchrun (or as a CLI); each is also importable."""

@@ -1,0 +1,126 @@
+"""torchrun worker (2 ranks): shared-prompt packing gives the unpacked results, on DP2 [0, 1], PP2 [0, 1] and
+TP2 + sequence parallel [0, 1].
+
+argv: hf_dir. One batch of fresh random prompts (see make_batch), responses of random lengths (one of a single token);
+every micro-batch of the packed runs must really pack. For each layout, a packed and an unpacked actor
+and critic built from the same checkpoint must give the same log-probs / entropy / values (response tokens), the
+same pg_loss / vf_loss / grad norms of one update (SGD: no Adam amplification of rounding), and the same log-probs
+after it. Then a planted bug (response blocks see each other's tokens) must be caught by the same comparison.
+Prints `PACK <layout> <quantity> <max diff>` lines and `PACK planted <diff>`.
+"""
+import sys
+
+import torch
+import torch.distributed as dist
+
+from tests.helpers.common import dist_worker
+
+TOL = 2e-5  # fp32, values of order 1-10: float rounding of other reduction orders / shapes
+
+
+def make_batch(arch, g):
+    """8 rows [A, B, A, A | C, C, D, D] (prompts of random lengths): each half (a DP rank's, or a micro-batch of 4)
+    packs into two model rows, so pipeline stages see equal shapes; a group is split by another prompt's row."""
+    from tripod.engine.workers.batch import build_ppo_batch
+
+    distinct = [torch.randint(3, arch.vocab_size, (int(torch.randint(4, 10, (1,), generator=g)),),
+                              generator=g).tolist() for _ in range(4)]
+    index = [0, 1, 0, 0, 2, 2, 3, 3]
+    resp_len = 7
+    lens = torch.randint(1, resp_len + 1, (len(index),), generator=g).tolist()
+    lens[0] = 1
+    responses = [torch.randint(3, arch.vocab_size, (k,), generator=g).tolist() for k in lens]
+    batch = build_ppo_batch([distinct[i] for i in index], responses, resp_len, 0, index)
+    mask = batch["response_mask"]
+    batch["advantages"] = torch.randn(batch.size, resp_len, generator=g) * mask
+    batch["returns"] = torch.randn(batch.size, resp_len, generator=g) * mask
+    batch["values"] = torch.randn(batch.size, resp_len, generator=g) * mask
+    return batch
+
+
+def run_models(hf_dir, arch, layout, batch, share, sp):
+    from tripod.engine.config import ActorConfig, CriticConfig, OptimConfig
+    from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
+
+    optim = OptimConfig(optimizer="sgd", lr=1e-2, weight_decay=0.0, lr_warmup_steps=0)
+    common = dict(optim=optim, grad_clip=1e9, share_prompt_prefix=share, sequence_parallel=sp)
+    actor = PolicyWorker("actor", arch, layout, hf_dir, **common)
+    critic = CriticWorker("critic", arch, layout, hf_dir, value_head=True, **common)
+    micro = 4
+    logp, ent = actor.compute_log_probs(batch, micro, 0.8, with_entropy=True)
+    values = critic.compute_values(batch, micro)
+    batch = batch.select(slice(0, batch.size))
+    batch["old_log_probs"] = logp + 0.05 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(3))
+    acfg = ActorConfig(ppo_mini_batch_size=batch.size, ppo_micro_batch_size_per_gpu=micro, clip_ratio_low=0.2,
+                       clip_ratio_high=0.2, entropy_coeff=0.01)
+    ccfg = CriticConfig(ppo_mini_batch_size=batch.size, ppo_micro_batch_size_per_gpu=micro, ppo_epochs=1,
+                        use_dynamic_bsz=False)
+    a = actor.update(batch, acfg, 0.8, 1)
+    c = critic.update(batch, ccfg, 1)
+    logp1, _ = actor.compute_log_probs(batch, micro, 0.8)
+    return dict(logp=logp, entropy=ent, values=values, logp_after=logp1,
+                pg_loss=torch.tensor(a["actor/pg_loss"]), actor_grad_norm=torch.tensor(a["actor/grad_norm"]),
+                vf_loss=torch.tensor(c["critic/vf_loss"]), critic_grad_norm=torch.tensor(c["critic/grad_norm"]))
+
+
+def compare(name, packed, plain, mask):
+    worst = 0.0
+    for key, ref in plain.items():
+        diff = packed[key] - ref
+        if diff.dim() == 2:
+            diff = diff * mask
+        err = diff.abs().max().item()
+        worst = max(worst, err)
+        print(f"PACK {name} {key} {err:.3e}", flush=True)
+    return worst
+
+
+def main():
+    import tripod.engine.workers.megatron_worker as mw
+    from tripod.engine.workers import packing
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.layout import ParallelLayout
+
+    hf_dir = sys.argv[1]
+    arch = arch_from_hf(hf_dir)
+    batch = make_batch(arch, torch.Generator().manual_seed(7))
+    mask = batch["response_mask"]
+    assert sorted(len(g) for g in packing.prompt_groups(batch)) == [1, 2, 2, 3]
+    cases = [("DP2", dict(tp=1, pp=1, dp=2, ranks=[0, 1]), False), ("PP2", dict(tp=1, pp=2, dp=1, ranks=[0, 1]), False),
+             ("TP2SP", dict(tp=2, pp=1, dp=1, ranks=[0, 1]), True)]
+    for name, kw, sp in cases:
+        layout = ParallelLayout(name=name, arch=arch, **kw)
+        if not layout.is_member:
+            continue
+        real = packing.pack_shared_prompts
+        made = []
+        mw.pack_shared_prompts = lambda mb, pad_id=0: made.append(real(mb, pad_id)) or made[-1]
+        try:
+            packed = run_models(hf_dir, arch, layout, batch, True, sp)
+        finally:
+            mw.pack_shared_prompts = real
+        assert made and all(p is not None and p.input_ids.shape[0] == 2 for p in made), name
+        plain = run_models(hf_dir, arch, layout, batch, False, sp)
+        worst = compare(name, packed, plain, mask)
+        assert worst < TOL, f"{name}: packed vs unpacked differ by {worst:.3e} > {TOL}"
+        if name == "DP2":  # planted bug: response blocks see every earlier slot, not only the prompt
+            def leaky(mb, pad_id=0):
+                out = real(mb, pad_id)
+                if out is not None:
+                    causal = torch.ones(out.seq, out.seq, dtype=torch.bool).tril()
+                    out.mask = out.mask & ~causal[None, None]
+                return out
+
+            mw.pack_shared_prompts = leaky
+            try:
+                bad = run_models(hf_dir, arch, layout, batch, True, sp)
+            finally:
+                mw.pack_shared_prompts = real
+            err = ((bad["logp"] - plain["logp"]) * mask).abs().max().item()
+            print(f"PACK planted {err:.3e}", flush=True)
+            assert err > 100 * TOL, f"the planted mask leak was not caught ({err:.3e})"
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    dist_worker(main)

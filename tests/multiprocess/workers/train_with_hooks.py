@@ -1,0 +1,91 @@
+"""`tripod train` with test hooks applied in every rank: `python tests/multiprocess/workers/train_with_hooks.py train RECIPE k=v ...`.
+
+The hook runs at import, so it also applies in the ranks `tripod train` spawns (multiprocessing's spawn re-imports
+this script as `__mp_main__` in each child) and under torchrun: TRIPOD_TEST_PLANT=<bug> plants one bug (read only
+here, never by the engine), to prove that the cross-layout equivalence check fails on it:
+      lm_head_tp_split   the LM head's vocab-parallel split rule is flipped (TP rank r loads rank tp-1-r's rows)
+      pp_stage_grads     the first pipeline stage's gradients are dropped before every optimizer step
+      expert_dp_grads    routed-expert gradients are summed over expert-DP instead of averaged (x edp)
+      adam_step_shared   a resumed distributed optimizer keeps megatron's one shared Adam `step` tensor (the bug
+                         engine/checkpoints/manager.py's _unshare_adam_steps fixes)
+      adam_exp_avg_sq_on_load   a resumed optimizer's exp_avg_sq is zeroed after loading
+"""
+import os
+import sys
+
+
+def _flip_lm_head_split() -> None:
+    from tripod.parallel.families.spec import OUTPUT_LAYER, FamilySpec
+
+    original = FamilySpec.shard
+
+    def shard(self, arch, name, full, tp, rank):
+        if name == OUTPUT_LAYER:
+            rank = tp - 1 - rank
+        return original(self, arch, name, full, tp, rank)
+
+    FamilySpec.shard = shard  # the one split implementation every loader reads (parallel/families/spec.py)
+
+
+def _drop_first_stage_grads() -> None:
+    from tripod.engine.workers.megatron_worker import MegatronWorker
+
+    original = MegatronWorker.step
+
+    def step(self):
+        if self.layout.pp > 1 and self.layout.is_first_stage:
+            for p in self.module.parameters():
+                if getattr(p, "main_grad", None) is not None:
+                    p.main_grad.zero_()
+        return original(self)
+
+    MegatronWorker.step = step
+
+
+def _sum_expert_dp_grads() -> None:
+    from tripod.engine.workers.megatron_worker import MegatronWorker
+
+    original = MegatronWorker.step
+
+    def step(self):
+        edp = self.layout.edp
+        if edp > 1:
+            for p in self.module.parameters():  # megatron marks expert parameters allreduce=False
+                if not getattr(p, "allreduce", True) and getattr(p, "main_grad", None) is not None:
+                    p.main_grad.mul_(edp)
+        return original(self)
+
+    MegatronWorker.step = step
+
+
+def _share_adam_step() -> None:
+    from tripod.engine.checkpoints import manager
+
+    manager._unshare_adam_steps = lambda optimizer: None
+
+
+def _zero_exp_avg_sq_on_load() -> None:
+    from tripod.engine.checkpoints import manager
+
+    original = manager._load_optimizer
+
+    def load(worker, path):
+        original(worker, path)
+        for inner in getattr(worker.optimizer, "chained_optimizers", [worker.optimizer]):
+            for state in inner.optimizer.state.values():
+                state["exp_avg_sq"].zero_()
+
+    manager._load_optimizer = load
+
+
+PLANTS = {"lm_head_tp_split": _flip_lm_head_split, "pp_stage_grads": _drop_first_stage_grads,
+          "expert_dp_grads": _sum_expert_dp_grads, "adam_step_shared": _share_adam_step,
+          "adam_exp_avg_sq_on_load": _zero_exp_avg_sq_on_load}
+_plant = os.environ.get("TRIPOD_TEST_PLANT")
+if _plant:
+    PLANTS[_plant]()
+
+if __name__ == "__main__":
+    from tripod.engine.cli import main
+
+    sys.exit(main(sys.argv[1:]))
