@@ -35,12 +35,38 @@ from tripod.parallel.families import get_family
 from tripod.parallel.layout import ParallelLayout
 
 
+USE_TE_CHOICES = ("auto", "true", "false")
+
+
 def _transformer_engine_available() -> bool:
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+def resolve_use_te(setting: str | bool, arch: ModelArch, key: str = "megatron.use_te") -> bool:
+    """`megatron.use_te` -> whether this model is built with megatron's Transformer Engine layer spec.
+
+    auto: when TE imports and CUDA is visible, except for MLA models (TE's spec replicates MLA's down projections,
+    which the family table splits over TP; they keep the local spec). true: TE, or one clear line saying why not.
+    false: the local (torch) spec: SDPA attention and the local norms (parallel/cpu_compat.py's no-TE fixes)."""
+    value = str(setting).strip().lower()
+    if value not in USE_TE_CHOICES:
+        raise ValueError(f"{key}={setting!r} must be one of {', '.join(USE_TE_CHOICES)}")
+    if value == "false":
+        return False
+    if value == "true":
+        if not _transformer_engine_available():
+            why = "is not importable" if torch.cuda.is_available() else "needs CUDA, and this torch sees no GPU"
+            raise ValueError(f"{key}=true but Transformer Engine {why}; install transformer_engine on a CUDA "
+                             "machine or set it to auto/false")
+        if arch.mla is not None:
+            raise ValueError(f"{key}=true: {arch.family} uses MLA, whose down projections TE's spec replicates "
+                             "while tripod's table splits them over TP; set it to auto or false")
+        return True
+    return _transformer_engine_available() and arch.mla is None
 
 
 def transformer_config_from_arch(arch: ModelArch, layout: ParallelLayout, *,
@@ -117,6 +143,19 @@ class ValueHead(torch.nn.Module):
         return F.linear(hidden, self.weight, self.bias), None
 
 
+def model_layer_spec(arch: ModelArch, use_te: bool, config, vp_stage: int | None = None):
+    """The family's layer spec (or decoder block spec) for `config`. The local spec first gets parallel/cpu_compat.py's
+    no-TE fixes, on CPU and GPU alike: its norm (WrappedTorchNorm) refuses sequence parallelism otherwise, and every
+    MoE model at TP > 1 runs with it."""
+    family = get_family(arch.family)
+    if not use_te:
+        from tripod.parallel.cpu_compat import apply_no_te_fixes
+        apply_no_te_fixes()
+    if family.block_spec is not None:
+        return family.block_spec(arch, use_te, config, vp_stage)
+    return family.layer_spec(arch, use_te)
+
+
 def build_model_chunks(arch: ModelArch, layout: ParallelLayout, *, virtual_pipeline_size: int | None = None,
                        **kwargs: Any) -> list:
     """This rank's model chunks: one GPTModel, or one per virtual pipeline stage (`virtual_pipeline_size` > 1).
@@ -136,11 +175,12 @@ def build_model_chunks(arch: ModelArch, layout: ParallelLayout, *, virtual_pipel
 def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool = False,
                     params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
                     seed: int = 1234, vp_stage: int | None = None, virtual_pipeline_size: int | None = None,
-                    **config_overrides: Any):
+                    use_te: str | bool = "auto", **config_overrides: Any):
     """A megatron GPTModel (this rank's TP shard of its PP stage, or of virtual stage `vp_stage`).
 
     Weights are megatron's random init; load real ones with parallel.convert.load_hf_weights.
     `value_head=True` builds the critic (last stage outputs [b, s] values, untied output).
+    `use_te`: `megatron.use_te` (auto | true | false, `resolve_use_te`); `model.tripod_use_te` records the outcome.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -154,16 +194,12 @@ def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool
         config_overrides["virtual_pipeline_model_parallel_size"] = virtual_pipeline_size
     config = transformer_config_from_arch(arch, layout, params_dtype=params_dtype,
                                           sequence_parallel=sequence_parallel, **config_overrides)
-    family = get_family(arch.family)
-    use_te = _transformer_engine_available()
+    use_te = resolve_use_te(use_te, arch)
     vpp = virtual_pipeline_size or 1
     first = layout.is_first_stage and (vp_stage or 0) == 0
     last = layout.is_last_stage and (vp_stage or 0) == vpp - 1
     with layout.activate():
-        if family.block_spec is not None:
-            layer_spec = family.block_spec(arch, use_te, config, vp_stage)
-        else:
-            layer_spec = family.layer_spec(arch, use_te)
+        layer_spec = model_layer_spec(arch, use_te, config, vp_stage)
         model_parallel_cuda_manual_seed(seed, tp_rank=layout.tp_rank, ep_rank=layout.ep_rank,
                                         etp_rank=layout.etp_rank)
         model = GPTModel(
@@ -184,6 +220,7 @@ def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool
             layer.self_attention.rotary_pos_emb.inv_freq = inv_freq.to(torch.float32)
     model.tripod_arch = arch
     model.tripod_value_head = value_head
+    model.tripod_use_te = use_te
     if value_head and last:
         model.output_layer = ValueHead(arch.hidden_size, params_dtype, config.sequence_parallel,
                                        layout.tp_group, seed)
