@@ -125,12 +125,14 @@ class ValueHead(torch.nn.Module):
     """
 
     def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool, tp_group,
-                 seed: int = 1234) -> None:
+                 seed: int = 1234, device: torch.device | str = "cpu") -> None:
         super().__init__()
-        # same init on every rank (TP and DP replicas must agree), independent of the global RNG
+        # same init on every rank (TP and DP replicas must agree), independent of the global RNG: drawn on the host,
+        # then placed on the device the rest of the model lives on
         generator = torch.Generator().manual_seed(seed)
-        self.weight = torch.nn.Parameter(torch.randn(1, hidden_size, generator=generator).to(dtype) * hidden_size ** -0.5)
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        weight = torch.randn(1, hidden_size, generator=generator).to(dtype) * hidden_size ** -0.5
+        self.weight = torch.nn.Parameter(weight.to(device))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
         self.sequence_parallel = sequence_parallel
         self.tp_group = tp_group
 
@@ -212,19 +214,29 @@ def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool
             position_embedding_type="rope", rotary_base=int(arch.rope_theta),
             pg_collection=layout.pg_collection,
         )
-    # HF defines RoPE (incl. llama3 / linear scaling); megatron's own scaling is not the same code
+    # HF defines RoPE (incl. llama3 / linear scaling); megatron's own scaling is not the same code. Every module
+    # tripod adds or replaces goes on the device megatron built the model on (its RoPE computes where inv_freq is).
+    device = _init_device(config)
     if arch.mla is None:
-        model.rotary_pos_emb.inv_freq = inv_freq.to(torch.float32)
+        model.rotary_pos_emb.inv_freq = inv_freq.to(device, torch.float32)
     else:  # MLA: one rotary embedding per layer, over the qk_rope_head_dim dims (arch.head_dim)
         for layer in model.decoder.layers:
-            layer.self_attention.rotary_pos_emb.inv_freq = inv_freq.to(torch.float32)
+            layer.self_attention.rotary_pos_emb.inv_freq = inv_freq.to(device, torch.float32)
     model.tripod_arch = arch
     model.tripod_value_head = value_head
     model.tripod_use_te = use_te
     if value_head and last:
         model.output_layer = ValueHead(arch.hidden_size, params_dtype, config.sequence_parallel,
-                                       layout.tp_group, seed)
+                                       layout.tp_group, seed, device=device)
+    # megatron's local-spec norm (WrappedTorchNorm = torch.nn.RMSNorm) ignores the init device and lands on the host;
+    # Megatron-LM moves the whole model with .cuda() after building it, and so does this
+    model.to(device)
     return model
+
+
+def _init_device(config) -> torch.device:
+    """Where megatron allocated the model: the host with use_cpu_initialization, else the current CUDA device."""
+    return torch.device("cpu") if config.use_cpu_initialization else torch.device(torch.cuda.current_device())
 
 
 def causal_attention_mask(seq_len: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
