@@ -145,17 +145,21 @@ class ValueHead(torch.nn.Module):
         return F.linear(hidden, self.weight, self.bias), None
 
 
-def model_layer_spec(arch: ModelArch, use_te: bool, config, vp_stage: int | None = None):
+def model_layer_spec(arch: ModelArch, use_te: bool, config, vp_stage: int | None = None, sdpa: bool = False):
     """The family's layer spec (or decoder block spec) for `config`. The local spec first gets parallel/cpu_compat.py's
     no-TE fixes, on CPU and GPU alike: its norm (WrappedTorchNorm) refuses sequence parallelism otherwise, and every
-    MoE model at TP > 1 runs with it."""
+    MoE model at TP > 1 runs with it. `sdpa`: the local spec's core attention runs PyTorch SDPA
+    (parallel/sdpa_attention.py; build_gpt_model asks for it on CUDA)."""
     family = get_family(arch.family)
     if not use_te:
         from tripod.parallel.cpu_compat import apply_no_te_fixes
         apply_no_te_fixes()
-    if family.block_spec is not None:
-        return family.block_spec(arch, use_te, config, vp_stage)
-    return family.layer_spec(arch, use_te)
+    spec = family.block_spec(arch, use_te, config, vp_stage) if family.block_spec is not None else \
+        family.layer_spec(arch, use_te)
+    if sdpa and not use_te:
+        from tripod.parallel.sdpa_attention import use_sdpa_core_attention
+        use_sdpa_core_attention(spec)
+    return spec
 
 
 def build_model_chunks(arch: ModelArch, layout: ParallelLayout, *, virtual_pipeline_size: int | None = None,
@@ -201,7 +205,7 @@ def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool
     first = layout.is_first_stage and (vp_stage or 0) == 0
     last = layout.is_last_stage and (vp_stage or 0) == vpp - 1
     with layout.activate():
-        layer_spec = model_layer_spec(arch, use_te, config, vp_stage)
+        layer_spec = model_layer_spec(arch, use_te, config, vp_stage, sdpa=_init_device(config).type == "cuda")
         model_parallel_cuda_manual_seed(seed, tp_rank=layout.tp_rank, ep_rank=layout.ep_rank,
                                         etp_rank=layout.etp_rank)
         model = GPTModel(
