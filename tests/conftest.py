@@ -38,5 +38,5 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs CUDA: runs on a GPU machine (docs/gpu_check.md: pytest -m gpu)")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # not `"gpu" in item.keywords`: that matches a folder name
             item.add_marker(skip)
