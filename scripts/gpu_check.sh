@@ -14,13 +14,19 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 WHEELS=${GPU_CHECK_WHEELS:-wheels}
 in_venv=$("$PY" -c 'import sys; print(int(sys.prefix != sys.base_prefix))')
+PIP=("$PY" -m pip)
 if [ "$in_venv" = 0 ]; then
-  [ -x .gpu-venv/bin/python ] || "$PY" -m venv --system-site-packages .gpu-venv
+  BASE=$PY
   PY=$PWD/.gpu-venv/bin/python
+  if [ ! -x "$PY" ]; then  # without ensurepip: a venv without pip, filled by the base pip (pip >= 22.3: --python)
+    "$BASE" -m venv --system-site-packages .gpu-venv ||
+      { rm -rf .gpu-venv && "$BASE" -m venv --system-site-packages --without-pip .gpu-venv; }
+  fi
+  if "$PY" -m pip --version >/dev/null 2>&1; then PIP=("$PY" -m pip); else PIP=("$BASE" -m pip --python "$PY"); fi
 fi
 if [ -d "$WHEELS" ]; then
-  "$PY" -m pip install -q --no-index --find-links "$WHEELS" -r requirements-gpu-check.txt megatron-core==0.16.1
-  "$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-deps --force-reinstall tripod
+  "${PIP[@]}" install -q --no-index --find-links "$WHEELS" -r requirements-gpu-check.txt megatron-core==0.16.1
+  "${PIP[@]}" install -q --no-index --find-links "$WHEELS" --no-deps --force-reinstall tripod
 fi
 if ! "$PY" -c "import torch, megatron.core, omegaconf, transformers, rich, tripod" 2>/dev/null; then
   echo "gpu_check.sh: $PY cannot import torch, megatron.core, omegaconf, transformers, rich and tripod; build the" \
