@@ -256,7 +256,8 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
         (actor.expert_numel == 0 or (actor.ep == 1 and actor.etp in (None, actor.tp)))
     activations = {m.name: activation_bytes(critic_arch if m.value_head and critic_arch else arch, m.tp, m.pp,
                                             micro_rows(c), seq, m.param_dtype, recompute=m.recompute,
-                                            value_head=m.value_head, fused_attention=device == "cuda")
+                                            value_head=m.value_head,
+                                            fused_attention=device == "cuda" and arch.mla is None)  # MLA: eager
                    for m, c in zip(models, (arc.actor, cfg.critic)) if m.trainable}
     return MemoryPlan(models, 0 if aliased else generation_shard_bytes(arch, r.tensor_model_parallel_size, gdt),
                       kv_cache_bytes(arch, r.tensor_model_parallel_size, sequences,
