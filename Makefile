@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-launch demo venv clean bench
+.PHONY: test test-launch demo venv clean bench gpu-bundle
 
 $(STAMP): requirements.txt setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -29,6 +29,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_kernels.py
+
+# wheels for the offline GPU check (CPython 3.12, < 64 MiB) in ./wheels: docs/gpu_check.md
+gpu-bundle: $(STAMP)
+	PYTHON=$(BIN)/python bash scripts/gpu_bundle.sh
 
 clean:
 	rm -rf $(VENV) outputs

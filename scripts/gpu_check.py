@@ -45,7 +45,10 @@ def step_env(dry: bool) -> dict:
     except ImportError:
         out["triton"] = None
     import megatron.core
+
+    import tripod
     out["megatron_core"] = megatron.core.__version__
+    out["tripod"] = os.path.dirname(os.path.abspath(tripod.__file__))  # the bundle's install, not the checkout
     if not dry and not torch.cuda.is_available():
         raise RuntimeError("no CUDA device visible; run with --dry-run on a CPU machine")
     return out
@@ -108,7 +111,7 @@ def step_ppo(dry: bool, workdir: str) -> dict:
     from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
     size = {} if dry else dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
                                num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
-    setup = make_ppo_setup(workdir, **size)
+    setup = make_ppo_setup(workdir, data_suffix=".jsonl", **size)  # JSON lines: the bundle has no pyarrow
     run_dir = os.path.join(workdir, "run")
     steps = 1 if dry else 3
     args = tiny_overrides(setup, run_dir, steps=steps) + [

@@ -29,3 +29,14 @@ def _one_torch_thread():
     except ImportError:
         pass
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` are collected everywhere and skipped, with the reason, where CUDA is absent; on the lent
+    GPU machine docs/gpu_check.md runs them with `pytest -m gpu`."""
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: runs on a GPU machine (docs/gpu_check.md: pytest -m gpu)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:  # not `"gpu" in item.keywords`: that matches a folder name
+            item.add_marker(skip)

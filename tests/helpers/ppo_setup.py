@@ -8,8 +8,9 @@ from tripod.engine.data.char_tokenizer import char_tokenizer
 from tests.helpers.common import make_tiny_hf_model
 
 
-def make_ppo_setup(tmp_path, *, family: str = "qwen2", n_train: int = 32, n_val: int = 8, **model_overrides) -> dict:
-    """{'model': dir, 'train': parquet, 'val': parquet}; prompts are short arithmetic questions. `family`: llama /
+def make_ppo_setup(tmp_path, *, family: str = "qwen2", n_train: int = 32, n_val: int = 8, data_suffix: str = ".parquet",
+                   **model_overrides) -> dict:
+    """{'model': dir, 'train': parquet, 'val': parquet} (`data_suffix=".jsonl"`: JSON lines); prompts are short arithmetic questions. `family`: llama /
     qwen2 (tests/helpers/common.py) or an MoE family of tests/helpers/moe_models.py (qwen3_moe, qwen2_moe, deepseek_v3)."""
     from tripod.engine.data import make_arithmetic_rows, write_prompt_parquet
 
@@ -25,7 +26,7 @@ def make_ppo_setup(tmp_path, *, family: str = "qwen2", n_train: int = 32, n_val:
     paths = {"model": model}
     for split, count, seed in (("train", n_train, 0), ("val", n_val, 1)):
         rows = make_arithmetic_rows(count, seed=seed, max_digits=1, instruction=instruction, split=split)
-        paths[split] = os.path.join(str(tmp_path), f"{split}.parquet")
+        paths[split] = os.path.join(str(tmp_path), f"{split}{data_suffix}")
         write_prompt_parquet(rows, paths[split])
     return paths
 

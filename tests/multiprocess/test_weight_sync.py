@@ -1,5 +1,6 @@
 """engine/rollout/weight_sync.py: the rollout life cycle owned in one place, the zero-copy generation shard, and the
-payload the SGLang backend pushes (full HF tensors, bucket by bucket, flattened per dtype)."""
+payload the SGLang backend pushes (engine/rollout/sglang_buckets.py: full HF tensors, bucket by bucket, flattened
+per dtype)."""
 import re
 
 import pytest
@@ -9,7 +10,7 @@ from tests.helpers.common import make_tiny_hf_model, run_torchrun
 
 
 def test_flatten_by_dtype_round_trip_mixed_dtypes():
-    from tripod.engine.rollout.weight_sync import flatten_by_dtype, unflatten
+    from tripod.engine.rollout.sglang_buckets import flatten_by_dtype, unflatten
 
     g = torch.Generator().manual_seed(2)
     named = [("a", torch.randn(3, 4, generator=g)), ("b", torch.randn(5, generator=g).to(torch.bfloat16)),

@@ -143,7 +143,7 @@ def test_sglang_backend_sends_the_checkpoint_names(tmp_path, family):
 
     from safetensors.torch import load_file
 
-    from tripod.engine.rollout.weight_sync import gather_bucket_full, hf_buckets
+    from tripod.engine.rollout.sglang_buckets import gather_bucket_full, hf_buckets
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.convert import family_of, hf_to_megatron
 

@@ -183,6 +183,10 @@ class MegatronConfig:
     optimizer_offload: bool = False
     """Keep optimizer states (and the fp32 update) on the CPU: megatron's HybridDeviceOptimizer. Needs CUDA and the
     distributed optimizer; refused on CPU runs (the states are already in host memory there)."""
+    use_te: str = "auto"
+    """megatron's layer spec: auto (Transformer Engine when it imports and CUDA is visible; MLA models keep the
+    local spec) | true (TE, else one clear error) | false (the local spec: PyTorch SDPA attention, torch norms).
+    Megatron-LM: --transformer-impl transformer_engine|local."""
 
     def check(self, key: str) -> list[str]:
         e = [f"{key}.{n}={v} must be >= 1" for n, v in (("tensor_model_parallel_size", self.tensor_model_parallel_size),
@@ -190,6 +194,7 @@ class MegatronConfig:
                                                           self.pipeline_model_parallel_size)) if v < 1]
         e += _choice(f"{key}.moe_router_load_balancing_type", self.moe_router_load_balancing_type,
                      MOE_LOAD_BALANCING_TYPES)
+        e += _choice(f"{key}.use_te", str(self.use_te).lower(), ("auto", "true", "false"))
         e += [f"{key}.{n}={v} must be >= 0" for n, v in (("moe_aux_loss_coeff", self.moe_aux_loss_coeff),
                                                          ("moe_router_bias_update_rate",
                                                           self.moe_router_bias_update_rate)) if v < 0]
@@ -215,7 +220,7 @@ def _megatron_like_actor() -> MegatronConfig:
                           moe_router_load_balancing_type=base + "moe_router_load_balancing_type}",
                           moe_aux_loss_coeff=base + "moe_aux_loss_coeff}",
                           moe_router_bias_update_rate=base + "moe_router_bias_update_rate}",
-                          param_dtype=base + "param_dtype}")
+                          param_dtype=base + "param_dtype}", use_te=base + "use_te}")
 
 
 @dataclass

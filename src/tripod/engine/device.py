@@ -9,10 +9,11 @@ torch.cuda.current_device()), batches and masks (MegatronWorker), the rollout en
 (trainer / weight sync) and the kernels (kernels.* dispatch on the tensor's device: Triton on CUDA, torch twins
 elsewhere) all take it from here.
 
-`DeviceGuard` is a TorchDispatchMode that records every aten op whose tensor inputs or outputs live on a device
-type other than the chosen one (explicit transfers such as `.to()` / `.cpu()` excepted). TRIPOD_CHECK_DEVICES=1
-makes the trainer run every step under it and fail on the first step with a stray tensor; the check is the same
-code on CPU and CUDA.
+`DeviceGuard` is a TorchDispatchMode that records every aten op that mixes device types (explicit transfers such as
+`.to()` / `.cpu()` excepted) or computes a large floating-point result on the host while the chosen device is not
+the host; host bookkeeping (batch assembly, masks, sampling results) is left alone. TRIPOD_CHECK_DEVICES=1 makes the
+trainer run every step under it and fail on the first step with a stray tensor; the check is the same code on CPU
+and CUDA.
 """
 from __future__ import annotations
 
@@ -64,13 +65,27 @@ def process_group_backend(device: torch.device) -> str:
 # ops that move data between devices on purpose (batches in, scalars/metrics out, reference offload)
 _TRANSFERS = {"_to_copy", "copy_", "_copy_from", "_copy_from_and_resize", "lift_fresh", "lift_fresh_copy",
               "_local_scalar_dense", "_pin_memory", "is_pinned", "set_", "detach", "alias"}
+# host work that is bookkeeping, not compute, whatever its size: building, cutting and filling batches and masks
+_HOST_BOOKKEEPING = {"empty", "empty_strided", "zeros", "ones", "full", "arange", "zeros_like", "ones_like",
+                     "full_like", "empty_like", "new_zeros", "new_ones", "new_full", "new_empty", "cat", "stack",
+                     "index", "index_put_", "index_put", "index_select", "select", "slice", "view", "_unsafe_view",
+                     "reshape", "unsqueeze", "squeeze", "permute", "transpose", "t", "expand", "clone", "contiguous",
+                     "fill_", "zero_", "masked_fill_", "masked_fill", "split", "split_with_sizes", "chunk", "narrow",
+                     "unbind", "as_strided", "repeat", "repeat_interleave", "flip", "roll", "pad",
+                     "constant_pad_nd", "slice_scatter", "select_scatter", "scatter_", "gather", "where",
+                     "normal_", "uniform_", "random_", "randn", "rand", "randint", "bernoulli_", "exponential_"}
+LARGE_HOST_NUMEL = 1 << 16  # a floating-point result this big computed on the host is compute that belongs on the device
 
 
 class DeviceGuard(TorchDispatchMode):
-    """Records aten ops touching a tensor on a device type other than `device`'s (transfers excepted).
+    """Records the aten ops of a step that compute in the wrong place, as (op name, device type) pairs.
 
-    `violations` holds (op name, device) pairs, first seen order. On CUDA a CPU tensor that should live on the GPU
-    (a mask built with torch.ones(...) without device=) shows up as e.g. ('aten.triu.default', 'cpu').
+    Flagged: (1) an op whose tensor operands or results sit on different device types (transfers excepted: to(),
+    copy_, .item()); on CUDA a CPU index or mask fed to a GPU op shows up as ('aten.index.Tensor', 'cpu'); and
+    (2) on a non-host compute device, a host op that computes a floating-point result of at least LARGE_HOST_NUMEL
+    elements (a matmul, softmax or loss that should have run on the GPU). Host bookkeeping is not flagged: building
+    and cutting batches, masks and sampling results on the CPU (`_HOST_BOOKKEEPING` ops, integer / bool results,
+    small tensors) is meant to happen there. 0-dim tensors (Python scalars) go anywhere.
     """
 
     def __init__(self, device: torch.device | str):
@@ -79,19 +94,28 @@ class DeviceGuard(TorchDispatchMode):
         self.violations: list[tuple[str, str]] = []
         self._seen: set[tuple[str, str]] = set()
 
+    def _flag(self, func, device_type: str) -> None:
+        key = (str(func), device_type)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.violations.append(key)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
-        if name not in _TRANSFERS:
-            leaves, _ = tree_flatten((args, kwargs, out))
-            for t in leaves:
-                if isinstance(t, torch.Tensor) and t.device.type != self.device_type and t.dim() > 0:
-                    key = (str(func), t.device.type)
-                    if key not in self._seen:
-                        self._seen.add(key)
-                        self.violations.append(key)
-                    break
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+        if name not in _TRANSFERS:  # checked before running: a mixed op may raise, and the record says which
+            kinds = {t.device.type for t in inputs}
+            if len(kinds) > 1:
+                self._flag(func, next(k for k in sorted(kinds) if k != self.device_type))
+        out = func(*args, **kwargs)
+        if name in _TRANSFERS or name in _HOST_BOOKKEEPING or self.device_type == "cpu":
+            return out
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_floating_point() \
+                    and t.numel() >= LARGE_HOST_NUMEL:
+                self._flag(func, "cpu")
+                break
         return out
 
     def report(self, limit: int = 12) -> str:

@@ -45,6 +45,7 @@ def _model_options(m, layout: ParallelLayout, key: str, arch, trainable: bool = 
     stages, the MoE router's load balancing."""
     return dict(sequence_parallel=m.sequence_parallel, virtual_pipeline_size=m.virtual_pipeline_model_parallel_size,
                 precision=resolve_precision(m, layout.dp, trainable, optimizer),
+                use_te=m.use_te,
                 config_overrides=moe_config_overrides(m, arch, key))
 
 

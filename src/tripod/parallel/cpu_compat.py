@@ -22,7 +22,8 @@ no-op on a GPU machine). Each shim is listed below with the megatron call sites 
   sp_torch_norm    transformer/torch_norm.py:32 refuses sequence_parallel for the local-spec norm
                    (TE/apex norms do not exist on CPU). The norm is built without SP and its params
                    are tagged `.sequence_parallel=True` so finalize_model_grads all-reduces their grads
-                   over TP, exactly what the TE norm does.
+                   over TP, exactly what the TE norm does. Installed by `apply_no_te_fixes` (below), so it
+                   also holds on a GPU without TE or with megatron.use_te=false (WrappedTorchNorm there too).
   recompute_rng    tensor_parallel/random.py:447/457 (`_get_all_rng_states` / `_set_all_rng_states`,
                    used by activation recomputation's CheckpointFunction) read and restore the CUDA
                    generator. On CPU the CPU generator is the device generator, and those functions
@@ -38,7 +39,8 @@ answers 'torch.cuda.BFloat16Tensor', which is the mixed-precision path megatron 
 (tests/multiprocess/test_precision.py compares it with fp32).
 
 Without Transformer Engine (never on CPU; optional on GPU) megatron-core 0.16.1 also breaks MoE and MLA
-models. `apply_no_te_fixes()` (called by `apply_cpu_compat`, and on GPU whenever TE is absent) owns the three
+models. `apply_no_te_fixes()` (called by `apply_cpu_compat`, and by build_gpt_model whenever the local spec is built,
+CPU or GPU) owns `sp_torch_norm` (above: every MoE run at TP > 1 forces SP) and the three
 workarounds found by shared/probes/moe (each has a canary in tests/multiprocess/test_megatron_no_te.py that fails once
 megatron fixes the bug, so the workaround can be dropped) and a fourth, found by tests/multiprocess/test_moe_training.py and
 checked against transformers' own gradients by tests/multiprocess/workers/mla_tp_grad_worker.py:
@@ -246,6 +248,8 @@ def _install_recompute_rng() -> None:
 def _allow_sequence_parallel_torch_norm() -> None:
     from megatron.core.transformer import torch_norm
 
+    if getattr(torch_norm.WrappedTorchNorm, "_tripod_sp", False):
+        return
     original_new = torch_norm.WrappedTorchNorm.__new__
 
     def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
@@ -262,6 +266,7 @@ def _allow_sequence_parallel_torch_norm() -> None:
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
+    torch_norm.WrappedTorchNorm._tripod_sp = True
 
 
 def apply_cpu_compat(trace: bool | None = None, force: bool = False) -> bool:
@@ -282,7 +287,6 @@ def apply_cpu_compat(trace: bool | None = None, force: bool = False) -> bool:
     _install_recompute_rng()
     torch.cuda.current_device = _cpu_current_device
     torch.cuda.synchronize = _cpu_synchronize
-    _allow_sequence_parallel_torch_norm()
     apply_no_te_fixes()
     # A process-wide mode (not one per call) because the optimizer and grad clipping run outside
     # any tripod-owned call frame; its overhead was below noise in the probe (p7_overhead.py).
@@ -298,10 +302,11 @@ def _te_installed() -> bool:
 
 
 def apply_no_te_fixes() -> bool:
-    """Install the MoE / MLA workarounds for megatron without Transformer Engine (idempotent).
-
-    Returns True when they are active, False when TE is installed (megatron then takes its TE paths).
+    """Install the workarounds for megatron's local (non-TE) spec (idempotent): the sequence-parallel local norm
+    always (the local spec can be chosen with TE installed: megatron.use_te=false), the MoE / MLA ones when TE is
+    not installed. Returns True when those are active, False when TE is installed (megatron then takes its TE paths).
     """
+    _allow_sequence_parallel_torch_norm()
     if _te_installed():
         return False
     from megatron.core.transformer import multi_latent_attention

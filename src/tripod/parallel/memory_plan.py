@@ -66,7 +66,7 @@ def stage_numel_split(arch: ModelArch, tp: int, pp: int, *, value_head: bool = F
 
 
 def activation_bytes(arch: ModelArch, tp: int, pp: int, micro_batch: int, seq: int, dtype: torch.dtype, *,
-                     recompute: str | None = None, value_head: bool = False) -> int:
+                     recompute: str | None = None, value_head: bool = False, fused_attention: bool = False) -> int:
     """Bytes autograd saves for the backward of one micro-batch (`micro_batch` rows x `seq` tokens) on one rank of
     the largest pipeline stage: megatron's local (non-TE) layer spec, no dropout, as scripts/bench_memory.py counts
     them (torch.autograd.graph.saved_tensors_hooks). Per layer, with T = micro_batch * seq tokens, a = heads / tp,
@@ -80,19 +80,31 @@ def activation_bytes(arch: ModelArch, tp: int, pp: int, micro_batch: int, seq: i
     recompute=full keeps each layer's input (T*h*e) plus one layer's set while it is recomputed; selective recomputes
     core attention, which then keeps only its q, k, v inputs (T*a*d + 2*T*kv*d) instead of the expanded q, k, v
     and the probabilities. Plus the token ids (int64), the final norm, and the head's input T*h*e (tripod's chunked
-    log-prob kernel never materialises the full logits)."""
+    log-prob kernel never materialises the full logits).
+    `fused_attention` (the attention that runs on CUDA: SDPA in the local spec, parallel/sdpa_attention.py, or TE's
+    fused attention): no [b, a, s, s] probabilities (`fused_attention_saved_bytes`)."""
     e = torch.empty((), dtype=dtype).element_size()
     t, h, a, d, f = micro_batch * seq, arch.hidden_size, arch.num_heads // tp, arch.head_dim, arch.ffn_hidden_size // tp
     kv = max(arch.num_kv_heads // tp, 1)
     norm = 2 * t * h * 4 + t * 4 + t * h * e
     probs = micro_batch * a * seq * seq
     attention = 3 * t * a * d * e + probs * 4 + (probs * e if e < 4 else 0)
+    if fused_attention:  # its context (SDPA's output) is saved, and so is the out-projection's input (a reshaped copy)
+        attention = fused_attention_saved_bytes(micro_batch, seq, a, d, e) - t * a * d * e
     if recompute == "selective":
         attention = (t * a * d + 2 * t * kv * d) * e
     layer = 2 * norm + attention + t * a * d * e + 5 * t * f * e + 4 * seq * d * e + seq * seq
     layers = -(-arch.num_layers // pp)
     stack = layers * t * h * e + layer if recompute == "full" else layers * layer
     return stack + norm + t * h * e + t * 8
+
+
+def fused_attention_saved_bytes(micro_batch: int, seq: int, heads: int, head_dim: int, elem: int) -> int:
+    """What SDPA's fused kernels save for the backward of one core attention (parallel/sdpa_attention.py): q, the
+    expanded k and v and the output 4*T*a*d*e, the per-row log-sum-exp in fp32 micro_batch*a*seq*4, and the additive
+    mask micro_batch*seq^2*e (T = micro_batch*seq; measured exactly on CPU by tests/unit/test_sdpa_attention.py)."""
+    t = micro_batch * seq
+    return 4 * t * heads * head_dim * elem + micro_batch * heads * seq * 4 + micro_batch * seq * seq * elem
 
 
 @dataclass
@@ -244,7 +256,8 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
         (actor.expert_numel == 0 or (actor.ep == 1 and actor.etp in (None, actor.tp)))
     activations = {m.name: activation_bytes(critic_arch if m.value_head and critic_arch else arch, m.tp, m.pp,
                                             micro_rows(c), seq, m.param_dtype, recompute=m.recompute,
-                                            value_head=m.value_head)
+                                            value_head=m.value_head,
+                                            fused_attention=device == "cuda" and arch.mla is None)  # MLA: eager
                    for m, c in zip(models, (arc.actor, cfg.critic)) if m.trainable}
     return MemoryPlan(models, 0 if aliased else generation_shard_bytes(arch, r.tensor_model_parallel_size, gdt),
                       kv_cache_bytes(arch, r.tensor_model_parallel_size, sequences,

@@ -35,12 +35,38 @@ from tripod.parallel.families import get_family
 from tripod.parallel.layout import ParallelLayout
 
 
+USE_TE_CHOICES = ("auto", "true", "false")
+
+
 def _transformer_engine_available() -> bool:
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+def resolve_use_te(setting: str | bool, arch: ModelArch, key: str = "megatron.use_te") -> bool:
+    """`megatron.use_te` -> whether this model is built with megatron's Transformer Engine layer spec.
+
+    auto: when TE imports and CUDA is visible, except for MLA models (TE's spec replicates MLA's down projections,
+    which the family table splits over TP; they keep the local spec). true: TE, or one clear line saying why not.
+    false: the local (torch) spec: SDPA attention and the local norms (parallel/cpu_compat.py's no-TE fixes)."""
+    value = str(setting).strip().lower()
+    if value not in USE_TE_CHOICES:
+        raise ValueError(f"{key}={setting!r} must be one of {', '.join(USE_TE_CHOICES)}")
+    if value == "false":
+        return False
+    if value == "true":
+        if not _transformer_engine_available():
+            why = "is not importable" if torch.cuda.is_available() else "needs CUDA, and this torch sees no GPU"
+            raise ValueError(f"{key}=true but Transformer Engine {why}; install transformer_engine on a CUDA "
+                             "machine or set it to auto/false")
+        if arch.mla is not None:
+            raise ValueError(f"{key}=true: {arch.family} uses MLA, whose down projections TE's spec replicates "
+                             "while tripod's table splits them over TP; set it to auto or false")
+        return True
+    return _transformer_engine_available() and arch.mla is None
 
 
 def transformer_config_from_arch(arch: ModelArch, layout: ParallelLayout, *,
@@ -99,12 +125,14 @@ class ValueHead(torch.nn.Module):
     """
 
     def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool, tp_group,
-                 seed: int = 1234) -> None:
+                 seed: int = 1234, device: torch.device | str = "cpu") -> None:
         super().__init__()
-        # same init on every rank (TP and DP replicas must agree), independent of the global RNG
+        # same init on every rank (TP and DP replicas must agree), independent of the global RNG: drawn on the host,
+        # then placed on the device the rest of the model lives on
         generator = torch.Generator().manual_seed(seed)
-        self.weight = torch.nn.Parameter(torch.randn(1, hidden_size, generator=generator).to(dtype) * hidden_size ** -0.5)
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        weight = torch.randn(1, hidden_size, generator=generator).to(dtype) * hidden_size ** -0.5
+        self.weight = torch.nn.Parameter(weight.to(device))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
         self.sequence_parallel = sequence_parallel
         self.tp_group = tp_group
 
@@ -115,6 +143,23 @@ class ValueHead(torch.nn.Module):
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
                                                           group=self.tp_group)
         return F.linear(hidden, self.weight, self.bias), None
+
+
+def model_layer_spec(arch: ModelArch, use_te: bool, config, vp_stage: int | None = None, sdpa: bool = False):
+    """The family's layer spec (or decoder block spec) for `config`. The local spec first gets parallel/cpu_compat.py's
+    no-TE fixes, on CPU and GPU alike: its norm (WrappedTorchNorm) refuses sequence parallelism otherwise, and every
+    MoE model at TP > 1 runs with it. `sdpa`: the local spec's core attention runs PyTorch SDPA
+    (parallel/sdpa_attention.py; build_gpt_model asks for it on CUDA)."""
+    family = get_family(arch.family)
+    if not use_te:
+        from tripod.parallel.cpu_compat import apply_no_te_fixes
+        apply_no_te_fixes()
+    spec = family.block_spec(arch, use_te, config, vp_stage) if family.block_spec is not None else \
+        family.layer_spec(arch, use_te)
+    if sdpa and not use_te:
+        from tripod.parallel.sdpa_attention import use_sdpa_core_attention
+        use_sdpa_core_attention(spec)
+    return spec
 
 
 def build_model_chunks(arch: ModelArch, layout: ParallelLayout, *, virtual_pipeline_size: int | None = None,
@@ -136,11 +181,12 @@ def build_model_chunks(arch: ModelArch, layout: ParallelLayout, *, virtual_pipel
 def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool = False,
                     params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
                     seed: int = 1234, vp_stage: int | None = None, virtual_pipeline_size: int | None = None,
-                    **config_overrides: Any):
+                    use_te: str | bool = "auto", **config_overrides: Any):
     """A megatron GPTModel (this rank's TP shard of its PP stage, or of virtual stage `vp_stage`).
 
     Weights are megatron's random init; load real ones with parallel.convert.load_hf_weights.
     `value_head=True` builds the critic (last stage outputs [b, s] values, untied output).
+    `use_te`: `megatron.use_te` (auto | true | false, `resolve_use_te`); `model.tripod_use_te` records the outcome.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -154,16 +200,12 @@ def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool
         config_overrides["virtual_pipeline_model_parallel_size"] = virtual_pipeline_size
     config = transformer_config_from_arch(arch, layout, params_dtype=params_dtype,
                                           sequence_parallel=sequence_parallel, **config_overrides)
-    family = get_family(arch.family)
-    use_te = _transformer_engine_available()
+    use_te = resolve_use_te(use_te, arch)
     vpp = virtual_pipeline_size or 1
     first = layout.is_first_stage and (vp_stage or 0) == 0
     last = layout.is_last_stage and (vp_stage or 0) == vpp - 1
     with layout.activate():
-        if family.block_spec is not None:
-            layer_spec = family.block_spec(arch, use_te, config, vp_stage)
-        else:
-            layer_spec = family.layer_spec(arch, use_te)
+        layer_spec = model_layer_spec(arch, use_te, config, vp_stage, sdpa=_init_device(config).type == "cuda")
         model_parallel_cuda_manual_seed(seed, tp_rank=layout.tp_rank, ep_rank=layout.ep_rank,
                                         etp_rank=layout.etp_rank)
         model = GPTModel(
@@ -176,18 +218,29 @@ def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool
             position_embedding_type="rope", rotary_base=int(arch.rope_theta),
             pg_collection=layout.pg_collection,
         )
-    # HF defines RoPE (incl. llama3 / linear scaling); megatron's own scaling is not the same code
+    # HF defines RoPE (incl. llama3 / linear scaling); megatron's own scaling is not the same code. Every module
+    # tripod adds or replaces goes on the device megatron built the model on (its RoPE computes where inv_freq is).
+    device = _init_device(config)
     if arch.mla is None:
-        model.rotary_pos_emb.inv_freq = inv_freq.to(torch.float32)
+        model.rotary_pos_emb.inv_freq = inv_freq.to(device, torch.float32)
     else:  # MLA: one rotary embedding per layer, over the qk_rope_head_dim dims (arch.head_dim)
         for layer in model.decoder.layers:
-            layer.self_attention.rotary_pos_emb.inv_freq = inv_freq.to(torch.float32)
+            layer.self_attention.rotary_pos_emb.inv_freq = inv_freq.to(device, torch.float32)
     model.tripod_arch = arch
     model.tripod_value_head = value_head
+    model.tripod_use_te = use_te
     if value_head and last:
         model.output_layer = ValueHead(arch.hidden_size, params_dtype, config.sequence_parallel,
-                                       layout.tp_group, seed)
+                                       layout.tp_group, seed, device=device)
+    # megatron's local-spec norm (WrappedTorchNorm = torch.nn.RMSNorm) ignores the init device and lands on the host;
+    # Megatron-LM moves the whole model with .cuda() after building it, and so does this
+    model.to(device)
     return model
+
+
+def _init_device(config) -> torch.device:
+    """Where megatron allocated the model: the host with use_cpu_initialization, else the current CUDA device."""
+    return torch.device("cpu") if config.use_cpu_initialization else torch.device(torch.cuda.current_device())
 
 
 def causal_attention_mask(seq_len: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

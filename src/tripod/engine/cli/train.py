@@ -47,6 +47,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from tripod.engine.device import DEVICE_ENV
 
     os.environ[DEVICE_ENV] = cfg.trainer.device  # read by engine.device.select_device on every rank
+    if cfg.actor_rollout_ref.rollout.name == "sglang":  # SGLang rewrites these where it starts: agree everywhere
+        from tripod.engine.rollout.sglang_engine import sglang_process_env
+        os.environ.update(sglang_process_env(dict(cfg.actor_rollout_ref.rollout.engine_kwargs or {})))
     run_distributed(world, _train_on_rank, config_to_yaml(cfg))
     return 0
 

@@ -19,14 +19,44 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 
-def _read_parquet(path: str, required: Sequence[str]) -> list[dict[str, Any]]:
+def _read_rows(path: str, required: Sequence[str]) -> list[dict[str, Any]]:
+    """The rows of a prompt file: parquet, or JSON lines (`.jsonl`: one row per line, the same fields; what the
+    offline GPU check writes, so its bundle needs no pyarrow)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file {path} does not exist; check data.train_files / data.val_files "
                                 "(scripts/preprocess_gsm8k.py and scripts/make_arithmetic_data.py write them)")
+    if path.endswith(".jsonl"):
+        return _read_jsonl(path, required)
+    return _read_parquet(path, required)
+
+
+def _read_jsonl(path: str, required: Sequence[str]) -> list[dict[str, Any]]:
+    import json
+
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"data file {path} line {n} is not JSON ({e})") from None
+    if not rows:
+        raise ValueError(f"data file {path} is empty (0 rows); regenerate it or drop it from the file list")
+    for column in required:
+        top, _, sub = column.partition(".")
+        if top not in rows[0] or (sub and not (isinstance(rows[0][top], dict) and sub in rows[0][top])):
+            raise ValueError(f"data file {path} has no field '{column}' in its first row; its fields are "
+                             f"{sorted(rows[0])}. Write verl's layout (prompt, data_source, reward_model.ground_truth)")
+    return rows
+
+
+def _read_parquet(path: str, required: Sequence[str]) -> list[dict[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
         table = pq.read_table(path)
     except (pa.ArrowInvalid, OSError) as e:
@@ -98,7 +128,7 @@ class PromptDataset:
         self.max_prompt_length = max_prompt_length
         rows, texts = [], []
         for path in self.files:
-            for i, row in enumerate(_read_parquet(path, [prompt_key, reward_fn_key, "reward_model.ground_truth"])):
+            for i, row in enumerate(_read_rows(path, [prompt_key, reward_fn_key, "reward_model.ground_truth"])):
                 rows.append(row)
                 texts.append(_prompt_text(row[prompt_key], tokenizer, apply_chat_template, f"{path} row {i}"))
         # A chat template already renders BOS etc.; raw text gets the tokenizer's own special tokens.
@@ -200,7 +230,7 @@ class PromptDataLoader:
 
 
 def write_prompt_parquet(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
-    """Write rows in the layout above (atomically: temp file + rename)."""
+    """Write rows in the layout above (atomically: temp file + rename); a `.jsonl` path writes JSON lines."""
     if not rows:
         raise ValueError(f"refusing to write {path}: no rows")
     for key in ("prompt", "data_source", "reward_model"):
@@ -209,5 +239,14 @@ def write_prompt_parquet(rows: Sequence[dict[str, Any]], path: str | os.PathLike
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
-    pq.write_table(pa.Table.from_pylist(list(rows)), tmp)
+    if path.endswith(".jsonl"):
+        import json
+
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(list(rows)), tmp)
     os.replace(tmp, path)

@@ -61,6 +61,7 @@ class EmbeddedRolloutEngine(RolloutEngine):
         self.tp_size, self.tp_rank = tp_size_and_rank(tp_group)
         validate_rollout_tp(arch, self.tp_size)
         self.dtype, self.device = dtype, torch.device(device)
+        self._fp32_names: set[str] | None = None
         self.pad_token_id = pad_token_id if pad_token_id is not None else self._default_pad_id(arch)
         self.decoder = decoder_class(arch)(arch, tp_group, self.tp_size, self.tp_rank)
         self._weights_loaded = False
@@ -88,7 +89,7 @@ class EmbeddedRolloutEngine(RolloutEngine):
             if buf is tensor:  # gathered straight into our buffer (WeightSync passes weight_buffers())
                 continue
             if buf is None or buf.shape != tensor.shape:
-                weights[name] = tensor.detach().to(self.device, self.dtype)
+                weights[name] = tensor.detach().to(self.device, self._dtype_of(name))
             else:
                 buf.copy_(tensor.detach())
         self._weights_loaded = True
@@ -111,9 +112,16 @@ class EmbeddedRolloutEngine(RolloutEngine):
 
     def _allocate_released(self) -> None:
         if self._resumed and self._released_shapes is not None and not self.decoder.weights:
-            self.decoder.weights = {n: torch.empty(s, dtype=self.dtype, device=self.device)
+            self.decoder.weights = {n: torch.empty(s, dtype=self._dtype_of(n), device=self.device)
                                     for n, s in self._released_shapes.items()}
         self._resumed = False
+
+    def _dtype_of(self, name: str) -> torch.dtype:
+        """The rollout dtype, except rows the family holds in fp32 (the router's expert bias)."""
+        if self._fp32_names is None:
+            from tripod.parallel.families import get_family
+            self._fp32_names = {n for n, w in get_family(self.arch.family).rows(self.arch).items() if w.fp32}
+        return torch.float32 if name in self._fp32_names else self.dtype
 
     def weight_buffers(self) -> dict[str, torch.Tensor] | None:
         self._allocate_released()

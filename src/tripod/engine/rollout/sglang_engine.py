@@ -1,37 +1,53 @@
 """The SGLang rollout backend: an offline `sglang.Engine` per rollout TP group, fed from the shard.
 
-Layout: the TP group's first rank launches one `sglang.Engine(tp_size=tg, ...)`, which spawns its own
-scheduler processes on that group's tg GPUs (GPU ids base_gpu_id .. base_gpu_id + tg - 1; by default
-the first rank's LOCAL_RANK). Extra `sglang.Engine` options: actor_rollout_ref.rollout.engine_kwargs.
-Every PPO step (driven by engine/rollout/weight_sync.py's WeightSync):
-  resume_memory()  -> engine.resume_memory_occupation()         (needs enable_memory_saver=True)
-  load_weights(s)  -> bucket by bucket (engine/rollout/weight_sync.py): the bucket's slices are
-                      all-gathered over the rollout TP group and merged (FamilySpec.merge) to full HF tensors on every
-                      rank (at most one bucket of full tensors per rank), flattened per dtype, and
-                      each rank's flat tensor goes to the SGLang TP worker on its own GPU
-                      (update_weights_from_tensor, load_format="flattened_bucket", as slime does);
-                      then the prefix cache is flushed (the old weights' KV entries are stale).
-  generate(...)    -> first rank calls engine.generate(input_ids=..., return_logprob=True); the
-                      RolloutOutput is broadcast to the other ranks of the group.
-  release_memory() -> engine.release_memory_occupation() (weights + KV cache) for the training phase.
-sglang is imported lazily; it needs a CUDA torch, so on CPU `make_rollout_engine("sglang", ...)` raises
-a clear ImportError. How this file is checked on a GPU: docs/rollout.md.
+Written against SGLang 0.5.5 (`pip install "sglang[all]==0.5.5"`: `sglang.srt.weight_sync.tensor_bucket`,
+`sglang.srt.utils.patch_torch`, `sglang.srt.constants.GPU_MEMORY_TYPE_*`, `resume_memory_occupation(tags=...)`);
+older module paths are tried where they moved. Checked on a GPU by docs/gpu_check.md / docs/rollout.md.
+
+Layout: the TP group's first rank launches one `sglang.Engine(tp_size=tg, ...)`, which spawns its own scheduler
+processes on that group's GPUs: `base_gpu_id` = the first rank's LOCAL_RANK and `gpu_id_step` = the stride of the
+group's local ranks (rollout TP groups are strided when micro-DP > 1: ranks 0, 2 -> GPUs 0, 2, never 0, 1). Each
+engine gets its own `port` / `nccl_port` (SGLANG_BASE_PORT + 100 * engine index), so engines starting together on
+one node do not race for a random port. Extra `sglang.Engine` options: actor_rollout_ref.rollout.engine_kwargs.
+
+Control messages (the generated batch, the push's IPC handles, barriers) travel on a gloo group over the TP group's
+ranks, so the other ranks wait on the CPU while the first rank generates: no NCCL kernel spins beside SGLang's
+workers, and no NCCL watchdog fires during a long generation.
+
+Every PPO step (driven by engine/rollout/weight_sync.py's WeightSync), in slime's memory order:
+  resume_memory()  -> torch.cuda.empty_cache(); engine.resume_memory_occupation(tags=[weights])
+  load_weights(s)  -> bucket by bucket (engine/rollout/sglang_buckets.py) full HF tensors, flattened per dtype, each
+                      rank's flat tensor to the SGLang TP worker on its own GPU (update_weights_from_tensor,
+                      load_format="flattened_bucket", serialised after SGLang's torch-reduction patch); the prefix
+                      cache is flushed; then resume_memory_occupation(tags=[kv_cache, cuda_graph]) and
+                      torch.cuda.ipc_collect() (the IPC handles' memory goes back to the pool)
+  generate(...)    -> first rank calls engine.generate(input_ids=..., return_logprob=True); the RolloutOutput is
+                      broadcast to the other ranks of the group (gloo).
+  release_memory() -> engine.release_memory_occupation() (weights + KV cache + CUDA graphs) for training.
+SGLang sets NCCL_CUMEM_ENABLE / NCCL_NVLS_ENABLE in the process that creates the engine; `sglang_process_env` gives
+the same values to every rank before its process group starts (engine/cli/train.py), so all ranks agree.
+sglang is imported lazily; it needs a CUDA torch, so on CPU `make_rollout_engine("sglang", ...)` raises a clear
+ImportError.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tripod.engine.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutEngine, RolloutOutput, SamplingParams,
-                                 tp_size_and_rank, validate_rollout_tp)
+                                        tp_size_and_rank, validate_rollout_tp)
 from tripod.parallel.arch import ModelArch
 
-SGLANG_FIX = ("install it on a CUDA machine (`pip install \"sglang[all]\" torch_memory_saver`, see docs/rollout.md) "
-              "or set actor_rollout_ref.rollout.name=embedded")
+SGLANG_RELEASE = "0.5.5"
+SGLANG_FIX = (f"install it on a CUDA machine (`pip install \"sglang[all]=={SGLANG_RELEASE}\" torch_memory_saver`, see "
+              "docs/rollout.md) or set actor_rollout_ref.rollout.name=embedded")
+SGLANG_BASE_PORT = int(os.environ.get("SGLANG_BASE_PORT", "31000"))
+PORTS_PER_ENGINE = 100
 
 
 def require_sglang() -> None:
@@ -40,6 +56,31 @@ def require_sglang() -> None:
         raise ImportError(f"rollout.name='sglang' but the `sglang` package is not installed; {SGLANG_FIX}")
     if not torch.cuda.is_available():
         raise ImportError(f"rollout.name='sglang' needs CUDA GPUs, and this torch sees none; {SGLANG_FIX}")
+
+
+def sglang_process_env(engine_kwargs: dict[str, Any] | None = None) -> dict[str, str]:
+    """The NCCL variables SGLang's Engine writes into the process that creates it (its _set_envs_and_config), for
+    the given engine options: set them on EVERY rank before the process group starts, so the ranks that create an
+    engine and those that do not run NCCL alike."""
+    kw = engine_kwargs or {}
+    symm = bool(kw.get("enable_symm_mem", False))
+    return {"NCCL_CUMEM_ENABLE": str(int(symm)), "NCCL_NVLS_ENABLE": str(int(bool(kw.get("enable_nccl_nvls")) or symm))}
+
+
+def engine_placement(members: list[tuple[str, int]], engine_index: int) -> dict[str, int]:
+    """sglang.Engine placement options for one rollout TP group from its members' (host, LOCAL_RANK) in group order:
+    base_gpu_id, gpu_id_step (the stride of the local ranks), port and nccl_port (disjoint per engine)."""
+    hosts = {h for h, _ in members}
+    if len(hosts) != 1:
+        raise ValueError(f"a rollout TP group spans hosts {sorted(hosts)}; SGLang's engine runs on one node: make "
+                         "actor_rollout_ref.rollout.tensor_model_parallel_size fit in trainer.n_gpus_per_node")
+    gpus = [g for _, g in members]
+    step = gpus[1] - gpus[0] if len(gpus) > 1 else 1
+    if step < 1 or gpus != [gpus[0] + i * step for i in range(len(gpus))]:
+        raise ValueError(f"rollout TP group on GPUs {gpus}: SGLang places its workers at base_gpu_id + i * gpu_id_step; "
+                         "these local ranks are not evenly strided")
+    port = SGLANG_BASE_PORT + PORTS_PER_ENGINE * engine_index
+    return dict(base_gpu_id=gpus[0], gpu_id_step=step, port=port, nccl_port=port + PORTS_PER_ENGINE // 2)
 
 
 def sglang_sampling_params(params: SamplingParams, arch: ModelArch, row: int) -> dict[str, Any]:
@@ -83,11 +124,27 @@ def output_from_sglang(results: list[dict[str, Any]], num_prompts: int, n: int, 
                          log_probs=log_probs, finish_reasons=reasons, pad_token_id=pad_token_id)
 
 
+def _control_group(tp_group: Any) -> tuple[Any, int]:
+    """(a gloo group over `tp_group`'s ranks, the index of this rank's engine). Every rank of the world calls this
+    together: the rollout TP groups are exchanged and each gets its gloo twin, created in the same order everywhere."""
+    if not dist.is_initialized():
+        return None, 0
+    mine = dist.get_process_group_ranks(tp_group) if tp_group is not None else [dist.get_rank()]
+    groups: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(groups, mine)
+    distinct = sorted({tuple(g) for g in groups})
+    index = distinct.index(tuple(mine))
+    if len(mine) == 1:
+        return None, index
+    control, _ = dist.new_subgroups_by_enumeration([list(g) for g in distinct], backend="gloo")
+    return control, index
+
+
 class SGLangRolloutEngine(RolloutEngine):
     """`model_path`: the HF checkpoint directory (config + initial weights) SGLang starts from."""
 
     def __init__(self, arch: ModelArch, tp_group: Any = None, *, model_path: str,
-                 mem_fraction_static: float = 0.5, dtype: str = "bfloat16", base_gpu_id: int | None = None,
+                 mem_fraction_static: float = 0.5, dtype: str = "bfloat16",
                  update_bucket_bytes: int = 512 << 20, pad_token_id: int | None = None, **engine_kwargs: Any) -> None:
         super().__init__(arch, tp_group)
         require_sglang()
@@ -95,30 +152,35 @@ class SGLangRolloutEngine(RolloutEngine):
         validate_rollout_tp(arch, self.tp_size)
         self.update_bucket_bytes = update_bucket_bytes
         self.pad_token_id = pad_token_id if pad_token_id is not None else int(arch.hf_config.get("pad_token_id") or 0)
+        self.control_group, engine_index = _control_group(tp_group)
+        gpu = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else torch.cuda.current_device()
+        local = (socket.gethostname(), gpu)
+        members: list[Any] = [None] * self.tp_size
+        if self.tp_size > 1:
+            dist.all_gather_object(members, local, group=self.control_group)
+        else:
+            members = [local]
+        placement = engine_placement(members, engine_index)
         self.engine = None
+        self._kv_resumed = False
         if self.tp_rank == 0:
             import sglang
 
-            if base_gpu_id is None:  # this group's first GPU on the node: the first rank's LOCAL_RANK
-                base_gpu_id = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
             options = dict(model_path=model_path, skip_tokenizer_init=True, tp_size=self.tp_size,
-                           mem_fraction_static=mem_fraction_static, enable_memory_saver=True, dtype=dtype,
-                           base_gpu_id=base_gpu_id)
+                           mem_fraction_static=mem_fraction_static, enable_memory_saver=True, dtype=dtype, **placement)
             options.update(engine_kwargs)  # actor_rollout_ref.rollout.engine_kwargs wins
             self.engine = sglang.Engine(**options)
         self._barrier()
 
     def _barrier(self) -> None:
         if self.tp_size > 1:
-            dist.barrier(group=self.tp_group)
+            dist.barrier(group=self.control_group)
 
     # ---- weights --------------------------------------------------------------------------------
     def load_weights(self, generation_shard: dict[str, torch.Tensor]) -> None:
-        """Push the generation shard bucket by bucket (engine/rollout/weight_sync.py): full HF tensors of one bucket
-        on every rank of the group (all-gather over rollout TP), flattened per dtype; each rank's flattened bucket
-        goes to the SGLang TP worker on its own GPU as a CUDA IPC handle, gathered to the first rank, which issues
-        one `update_weights_from_tensor(load_format="flattened_bucket")` per dtype."""
-        from tripod.engine.rollout.weight_sync import flatten_by_dtype, gather_bucket_full, hf_buckets
+        """Push the generation shard bucket by bucket (engine/rollout/sglang_buckets.py), then bring back the KV
+        cache and CUDA graphs (after the weights: the push's transients are gone by then)."""
+        from tripod.engine.rollout.sglang_buckets import flatten_by_dtype, gather_bucket_full, hf_buckets
         from tripod.parallel.convert import canonical_names
 
         names = canonical_names(self.arch)
@@ -132,17 +194,19 @@ class SGLangRolloutEngine(RolloutEngine):
             del named
         if self.engine is not None:
             self.engine.flush_cache()  # cached prefixes were computed with the old weights
+        self._resume_kv_cache()
         self._barrier()
 
     def _push_flat(self, flat: torch.Tensor, meta: list[dict]) -> None:
         from sglang.srt.utils import MultiprocessingSerializer
 
+        _patch_torch_reductions()  # CUDA IPC handles name the device by UUID: right whatever CUDA_VISIBLE_DEVICES
         bucket = _sglang_flattened_bucket(flat, meta)
         payload = MultiprocessingSerializer.serialize(
             {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}, output_str=True)
         payloads: list[Any] = [None] * self.tp_size if self.tp_rank == 0 else None
         if self.tp_size > 1:
-            dist.gather_object(payload, payloads, group=self.tp_group, group_dst=0)
+            dist.gather_object(payload, payloads, group=self.control_group, group_dst=0)
         else:
             payloads = [payload]
         if self.engine is not None:
@@ -152,31 +216,63 @@ class SGLangRolloutEngine(RolloutEngine):
 
     # ---- generation -----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        self._resume_kv_cache()  # a generate without load_weights still needs its KV cache
         result: list[Any] = [None]
         if self.tp_rank == 0:
             requests = [list(p) for p in prompts for _ in range(params.n)]
             sampling = [sglang_sampling_params(params, self.arch, row) for row in range(len(requests))]
             results = self.engine.generate(input_ids=requests, sampling_params=sampling, return_logprob=True)
             result[0] = output_from_sglang(results, len(prompts), params.n, self.pad_token_id)
-        if self.tp_size > 1:
-            dist.broadcast_object_list(result, group=self.tp_group, group_src=0)
+        if self.tp_size > 1:  # the other ranks wait here, on gloo, for the whole generation
+            dist.broadcast_object_list(result, group=self.control_group, group_src=0)
         return result[0]
 
     # ---- memory ---------------------------------------------------------------------------------
     def release_memory(self) -> None:
         if self.engine is not None:
             self.engine.release_memory_occupation()
+        self._kv_resumed = False
         self._barrier()
 
     def resume_memory(self) -> None:
+        """Only the weights come back here; the KV cache and CUDA graphs follow the push (`load_weights`)."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # training's cached blocks go back before SGLang maps its weights
         if self.engine is not None:
-            self.engine.resume_memory_occupation()
+            self.engine.resume_memory_occupation(tags=[_memory_tags()[0]])
         self._barrier()
+
+    def _resume_kv_cache(self) -> None:
+        if self._kv_resumed:
+            return
+        if self.engine is not None:
+            self.engine.resume_memory_occupation(tags=_memory_tags()[1])
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # free the pushed buckets' IPC-shared memory
+        self._kv_resumed = True
 
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+
+def _memory_tags() -> tuple[str, list[str]]:
+    """(the weights' tag, the tags resumed after the push: KV cache and, where SGLang has it, CUDA graphs)."""
+    from sglang.srt import constants
+
+    after = [constants.GPU_MEMORY_TYPE_KV_CACHE]
+    if hasattr(constants, "GPU_MEMORY_TYPE_CUDA_GRAPH"):
+        after.append(constants.GPU_MEMORY_TYPE_CUDA_GRAPH)
+    return constants.GPU_MEMORY_TYPE_WEIGHTS, after
+
+
+def _patch_torch_reductions() -> None:
+    try:
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    except ImportError:  # SGLang < 0.5
+        from sglang.srt.patch_torch import monkey_patch_torch_reductions
+    monkey_patch_torch_reductions()
 
 
 def _sglang_flattened_bucket(flat: torch.Tensor, meta: list[dict]):

@@ -147,13 +147,14 @@ class MegatronWorker:
                  trainable: bool = True, optim: OptimConfig | None = None, grad_clip: float = 1.0,
                  total_steps: int = 1, seed: int = 1234, precision: PrecisionSettings | None = None,
                  offload: bool = False, sequence_parallel: bool = False, virtual_pipeline_size: int | None = None,
-                 config_overrides: dict | None = None, share_prompt_prefix: bool = True):
+                 config_overrides: dict | None = None, share_prompt_prefix: bool = True, use_te: str = "auto"):
         """`optim`, `grad_clip` and `total_steps` (optimizer steps of the whole run, for the LR schedule) matter
         only when `trainable`. `config_overrides`: extra TransformerConfig fields (the MoE router's, from
         `moe_config_overrides`). `share_prompt_prefix`: run a prompt shared by several rows once per micro-batch
-        (where the attention takes an arbitrary mask: megatron's local spec, i.e. without Transformer Engine)."""
+        (where the attention takes an arbitrary mask: megatron's local spec, i.e. without Transformer Engine).
+        `use_te`: `{key}.megatron.use_te` (auto | true | false; parallel/model.py's resolve_use_te)."""
         from tripod.parallel.convert import load_hf_weights
-        from tripod.parallel.model import _transformer_engine_available, build_model_chunks
+        from tripod.parallel.model import build_model_chunks
 
         self.name, self.arch, self.layout = name, arch, layout
         self.value_head, self.trainable = value_head, trainable
@@ -162,7 +163,7 @@ class MegatronWorker:
         # one GPTModel per virtual pipeline stage; `module` is the last one (it holds the output layer)
         self.chunks = build_model_chunks(arch, layout, virtual_pipeline_size=virtual_pipeline_size,
                                          value_head=value_head, params_dtype=self.precision.param_dtype, seed=seed,
-                                         sequence_parallel=sequence_parallel,
+                                         sequence_parallel=sequence_parallel, use_te=use_te,
                                          use_cpu_initialization=self.device.type == "cpu",
                                          **self.precision.transformer_overrides(), **(config_overrides or {}))
         model = self.chunks[-1]
@@ -177,7 +178,7 @@ class MegatronWorker:
         # expert-bias update see (both are statistics over the micro-batch's tokens), so those runs do not pack
         router_stats = (config_overrides or {}).get("moe_router_load_balancing_type", "none") != "none" or \
             (config_overrides or {}).get("moe_router_bias_update_rate", 0.0) > 0
-        self.can_pack = not _transformer_engine_available() and not router_stats and \
+        self.can_pack = not model.tripod_use_te and not router_stats and \
             all(_rope_with_slot_positions(c) for c in self.chunks)
         self.share_prompt_prefix = share_prompt_prefix
         self.model, self.optimizer, self.lr_scheduler = list(self.chunks), None, None

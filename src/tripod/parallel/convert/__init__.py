@@ -128,14 +128,19 @@ def model_chunks(model) -> list[torch.nn.Module]:
 
 def global_params(model) -> dict[str, torch.Tensor]:
     """This rank's parameters and persistent buffers (every chunk) by canonical name: GLOBAL layer index and, for
-    routed experts, GLOBAL expert index (megatron's `local_experts.{i}` on EP rank r is expert r * n_local + i)."""
+    routed experts, GLOBAL expert index (megatron's `local_experts.{i}` on EP rank r is expert r * n_local + i),
+    and the local spec's names for the norms Transformer Engine's spec folds into a linear (`Weight.te`)."""
     out = {}
     for gpt in model_chunks(model):
+        arch = getattr(gpt, "tripod_arch", None)
+        family = get_family(arch.family) if arch is not None else None
         for local, tensor in gpt.state_dict(keep_vars=True).items():
             if local.endswith("._extra_state") or tensor is None:
                 continue
             layer, suffix = split_layer_name(local)
             if layer is not None:  # megatron's layer_number is 1-based and global
+                if family is not None:
+                    suffix = family.canonical_suffix(arch, suffix)
                 module = gpt.decoder.layers[layer]
                 e = expert_index(suffix)
                 if e is not None:

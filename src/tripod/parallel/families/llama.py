@@ -16,11 +16,12 @@ def _qkv_rows(a: ModelArch) -> int:
 
 
 def dense_gpt_weights(arch: ModelArch) -> tuple[Weight, ...]:
-    """The HF Llama names of megatron's local-spec GPT layer, with each tensor's TP split."""
+    """The HF Llama names of megatron's GPT layer (local-spec names, TE's in `te`), with each tensor's TP split."""
     rows = [
         Weight(EMBEDDING, ("model.embed_tokens.weight",), lambda a: (a.vocab_size, a.hidden_size), Split.VOCAB,
                per_layer=False),
-        Weight("input_layernorm.weight", ("input_layernorm.weight",), lambda a: (a.hidden_size,), Split.REPLICATED),
+        Weight("input_layernorm.weight", ("input_layernorm.weight",), lambda a: (a.hidden_size,), Split.REPLICATED,
+               te="self_attention.linear_qkv.layer_norm_weight"),
         Weight("self_attention.linear_qkv.weight",
                ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
                lambda a: (_qkv_rows(a), a.hidden_size), Split.ROW, Fuse.QKV_GROUPED),
@@ -32,8 +33,9 @@ def dense_gpt_weights(arch: ModelArch) -> tuple[Weight, ...]:
     rows += [
         Weight("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",),
                lambda a: (a.hidden_size, a.num_heads * a.head_dim), Split.COL),
+        # TE folds it into a dense MLP's linear_fc1; before routed experts it stays a norm of its own (same name)
         Weight("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), lambda a: (a.hidden_size,),
-               Split.REPLICATED),
+               Split.REPLICATED, te="mlp.linear_fc1.layer_norm_weight"),
         Weight("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
                lambda a: (2 * a.ffn_hidden_size, a.hidden_size), Split.GATED_ROW, Fuse.CONCAT, layers=Layers.DENSE),
         Weight("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), lambda a: (a.hidden_size, a.ffn_hidden_size),

@@ -75,7 +75,10 @@ class Weight:
     `per_expert`: the row repeats per expert (names carry `{e}`; see the module docstring for EP).
     `layers`: which decoder layers carry a per-layer row (`Layers`).
     `fp32`: held in fp32 whatever the parameter dtype, by megatron and HF (the router's expert bias): export
-    never casts it.
+    never casts it, and the hybrid engine moves it in fp32 whatever the rollout dtype.
+    `te`: the suffix this tensor has when megatron builds the layer with Transformer Engine's spec, where it differs
+    from the local spec's (`megatron`): TE folds a norm into the linear after it (TELayerNormColumnParallelLinear),
+    so `input_layernorm.weight` becomes `self_attention.linear_qkv.layer_norm_weight`. None: the same in both specs.
     """
 
     megatron: str
@@ -87,6 +90,7 @@ class Weight:
     per_expert: bool = False
     layers: Layers = Layers.ALL
     fp32: bool = False
+    te: str | None = None
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,15 @@ class FamilySpec:
                            f"tie_word_embeddings={arch.tie_word_embeddings}"
                            f"{', ' + str(num_experts(arch)) + ' experts' if arch_moe(arch) else ''})")
         return found[0]
+
+    def canonical_suffix(self, arch: "ModelArch", suffix: str) -> str:
+        """A layer's tensor name (after `decoder.layers.<i>.`) as megatron built it, with the local or the Transformer
+        Engine spec -> the table's (local-spec) name. TE's names come from the rows' `te` field, so one table serves
+        both specs (tests/unit/test_te_names.py checks them against megatron's TE spec)."""
+        for w in self.weights(arch):
+            if w.te is not None and w.te == suffix:
+                return w.megatron
+        return suffix
 
     def is_expert(self, arch: "ModelArch", name: str) -> bool:
         """True for a routed expert's tensor (split over the expert groups, not TP)."""

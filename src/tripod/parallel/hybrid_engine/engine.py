@@ -77,8 +77,9 @@ class HybridEngine:
         traffic); the rollout engine only reads them, and only between training phases."""
         p = self.plan
         same_experts = not p.expert_specs or (p.ep == 1 and (p.etp or p.tp) == p.tp)
+        dtypes = p.generation_dtypes()
         return p.pp == 1 and p.tp == p.rollout_tp and same_experts and all(
-            t.dtype == p.dtype for t in train_shard_from_model(model, self.layout, self.arch, p).values())
+            t.dtype == dtypes[n] for n, t in train_shard_from_model(model, self.layout, self.arch, p).items())
 
     def to_rollout(self, model: torch.nn.Module, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Gather this rank's generation shard (in the plan's dtype: the rollout dtype) from the actor's training

@@ -10,7 +10,9 @@ so each ends with all layers of TP slice j and nothing more. The m ranks of a mi
 generation TP rank j; the rollout TP groups are the ranks with the same micro index across j = 0..tg-1.
 
 The gather is a sequence of broadcasts: each member broadcasts its own pieces to its group in buckets flattened per
-dtype (one collective per bucket), and every receiver copies the bucket straight into its generation shard. A rank
+dtype (one collective per bucket), and every receiver copies the bucket straight into its generation shard. Each
+tensor travels in its own dtype: the rollout dtype, except rows the family holds in fp32 (`Weight.fp32`: the MoE
+router's expert bias, which megatron and SGLang keep in fp32), which get fp32 buckets of their own. A rank
 therefore holds at most its generation shard plus one bucket. Bytes received per rank (ideal, paper):
 (t*p - tg)/(tg*t*p) * M, against (t*p - 1)/(t*p) * M for gathering the full model everywhere.
 
@@ -46,6 +48,7 @@ class ParamSpec:
     stage: int                  # PP stage holding it in the training layout
     rule: Split                 # its TP split, from the family's table (over expert TP for an expert tensor)
     expert: int | None = None   # global expert index of a routed-expert tensor
+    fp32: bool = False          # moved in fp32 whatever the rollout dtype (the router's expert bias: Weight.fp32)
 
 
 def actor_param_specs(arch: ModelArch, tp: int, pp: int, vpp: int = 1) -> list[ParamSpec]:
@@ -63,7 +66,8 @@ def actor_param_specs(arch: ModelArch, tp: int, pp: int, vpp: int = 1) -> list[P
         else:
             stage = 0 if name == "embedding.word_embeddings.weight" else pp - 1
         expert = expert_index(name) if getattr(row, "per_expert", False) or ".local_experts." in name else None
-        specs.append(ParamSpec(name, family.padded_shape(arch, name, vocab_rows), stage, row.tp, expert))
+        specs.append(ParamSpec(name, family.padded_shape(arch, name, vocab_rows), stage, row.tp, expert,
+                               fp32=getattr(row, "fp32", False)))
     return specs
 
 
@@ -231,20 +235,27 @@ class ReshardPlan:
     def generation_shapes(self) -> dict[str, tuple[int, ...]]:
         return {s.name: local_shape(s, self.rollout_tp) for s in self.specs}
 
-    def elem_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+    def spec_dtype(self, spec: ParamSpec) -> torch.dtype:
+        """The dtype `spec` travels and lives in on the rollout side."""
+        return torch.float32 if spec.fp32 else self.dtype
+
+    def generation_dtypes(self) -> dict[str, torch.dtype]:
+        return {s.name: self.spec_dtype(s) for s in self.specs}
+
+    def elem_size(self, dtype: torch.dtype | None = None) -> int:
+        return torch.empty((), dtype=dtype or self.dtype).element_size()
 
     def model_bytes(self) -> int:
-        return sum(_prod(s.global_shape) for s in self.specs) * self.elem_size()
+        return sum(_prod(s.global_shape) * self.elem_size(self.spec_dtype(s)) for s in self.specs)
 
     def generation_shard_bytes(self) -> int:
-        return sum(_prod(s) for s in self.generation_shapes().values()) * self.elem_size()
+        return sum(_prod(local_shape(s, self.rollout_tp)) * self.elem_size(self.spec_dtype(s)) for s in self.specs)
 
     def bytes_received(self, rank: int, fast: bool = False) -> int:
         """Exactly what the transport receives on `rank`: every bucket of every other member of its micro-DP group,
         plus the expert pieces it takes from other ranks (`fast`: closed form for those, same number)."""
-        es = self.elem_size()
-        dense = sum(b.numel * es for o in self.micro_dp_group_of(rank) if o != rank for b in self.buckets[o])
+        dense = sum(b.numel * self.elem_size(b.dtype) for o in self.micro_dp_group_of(rank) if o != rank
+                    for b in self.buckets[o])
         if not self.expert_specs:
             return dense
         return dense + (self.expert_bytes_received_fast(rank) if fast else self.expert_bytes_received(rank))
@@ -258,7 +269,11 @@ class ReshardPlan:
         return (t * p - 1) / (t * p) * self.model_bytes()
 
     def max_bucket_bytes(self) -> int:
-        return max((b.numel for bs in self.buckets.values() for b in bs), default=0) * self.elem_size()
+        return max((b.numel * self.elem_size(b.dtype) for bs in self.buckets.values() for b in bs), default=0)
+
+    def max_bucket_numel(self, dtype: torch.dtype) -> int:
+        """Elements of the largest bucket of `dtype` (the transport's reusable buffer of that dtype)."""
+        return max((b.numel for bs in self.buckets.values() for b in bs if b.dtype == dtype), default=0)
 
     def peak_extra_bytes(self) -> int:
         """Generation shard plus the largest bucket: the most a rank holds beyond its training shard."""
@@ -339,8 +354,9 @@ def build_reshard_plan(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: i
     validate_layouts(arch, tp, pp, dp, rollout_tp, world_size, expert_specs, ep, etp)
     dense_specs = [s for s in specs if s.expert is None]
     k = tp // rollout_tp
-    es = torch.empty((), dtype=dtype).element_size()
-    max_numel = max(1, bucket_bytes // es)
+
+    def max_numel(seg_dtype: torch.dtype) -> int:
+        return max(1, bucket_bytes // torch.empty((), dtype=seg_dtype).element_size())
 
     micro, rollout_groups = [], []
     for dp_rank in range(dp):
@@ -359,14 +375,18 @@ def build_reshard_plan(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: i
         for spec in dense_specs:
             if spec.stage != stage or (spec.rule is Split.REPLICATED and q != 0):
                 continue  # replicated params are sent once per stage, by its first TP rank in the group
+            seg_dtype = torch.float32 if spec.fp32 else dtype
             for seg in segments_of(spec, q, k, tp):
-                segs += _split_rows(seg, max_numel)
+                segs += [(seg_dtype, part) for part in _split_rows(seg, max_numel(seg_dtype))]
         out: list[Bucket] = []
-        for seg in segs:
-            if not out or out[-1].numel + seg.numel > max_numel:
-                out.append(Bucket(rank, dtype))
-            out[-1].segments.append(seg)
-            out[-1].numel += seg.numel
+        open_bucket: dict[torch.dtype, Bucket] = {}  # one bucket filling per dtype; send order = creation order
+        for seg_dtype, seg in segs:
+            bucket = open_bucket.get(seg_dtype)
+            if bucket is None or bucket.numel + seg.numel > max_numel(seg_dtype):
+                bucket = open_bucket[seg_dtype] = Bucket(rank, seg_dtype)
+                out.append(bucket)
+            bucket.segments.append(seg)
+            bucket.numel += seg.numel
         buckets[rank] = out
     return ReshardPlan(arch, tp, pp, dp, rollout_tp, bucket_bytes, dtype, specs, micro, rollout_groups, buckets,
                        ep, etp)

@@ -65,8 +65,8 @@ class MicroDPGather:
         self.stats = TransferStats()
 
     def allocate_generation_shard(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        return {n: torch.empty(s, dtype=self.plan.dtype, device=device)
-                for n, s in self.plan.generation_shapes().items()}
+        dtypes = self.plan.generation_dtypes()
+        return {n: torch.empty(s, dtype=dtypes[n], device=device) for n, s in self.plan.generation_shapes().items()}
 
     def gather(self, train_shard: dict[str, torch.Tensor],
                out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -79,11 +79,13 @@ class MicroDPGather:
         q = plan.train_coords(me)[0] % k
         for spec in plan.owned_specs(me):  # own pieces: local copies, no traffic
             _copy_own(spec, q, k, plan.tp, train_shard[spec.name], gen[spec.name])
-        biggest = plan.max_bucket_bytes() // plan.elem_size()
-        buf = torch.empty(biggest, dtype=plan.dtype, device=device)
+        bufs: dict[torch.dtype, torch.Tensor] = {}  # one reusable buffer per dtype (fp32 rows: a small one)
         for owner in self.members:
             for bucket in plan.buckets[owner]:
-                flat = buf[: bucket.numel]
+                if bucket.dtype not in bufs:
+                    bufs[bucket.dtype] = torch.empty(plan.max_bucket_numel(bucket.dtype), dtype=bucket.dtype,
+                                                     device=device)
+                flat = bufs[bucket.dtype][: bucket.numel]
                 if owner == me:
                     _pack(bucket, train_shard, flat)
                 if self.group is not None:
@@ -91,7 +93,7 @@ class MicroDPGather:
                     self.stats.count(flat, received=owner != me)
                 if owner != me:
                     _unpack(bucket, flat, gen)
-        del buf
+        del bufs
         exchange_experts(plan, me, train_shard, gen, self.stats)
         return gen
 
@@ -182,7 +184,8 @@ def naive_full_gather(plan: ReshardPlan, train_shard: dict[str, torch.Tensor], t
                 whole = merge(spec.rule, parts)
                 del parts
         else:
-            whole = torch.empty(spec.global_shape, dtype=plan.dtype, device=next(iter(train_shard.values())).device)
+            whole = torch.empty(spec.global_shape, dtype=plan.spec_dtype(spec),
+                                device=next(iter(train_shard.values())).device)
         if plan.pp > 1:
             dist.broadcast(whole, src=pp_ranks[spec.stage], group=pp_group)
             if spec.stage != stage:
