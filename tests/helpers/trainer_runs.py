@@ -84,6 +84,33 @@ def train(args: list[str], timeout: float = 900, hooks: bool = False, run_env: d
                           text=True, timeout=timeout, **popen)
 
 
+def train_together(runs: dict[str, list[str]], log_dir: str, timeout: float = 900, hooks: bool = False,
+                   run_envs: dict[str, dict] | None = None) -> None:
+    """Start `train(args)` for every {name: args} at once and wait for all; output goes to `log_dir/<name>.log`,
+    whose tail a failure shows. For independent runs whose ranks together fit the machine: with a fixed thread count
+    per rank (`env`) a run's arithmetic does not depend on what runs beside it, only its wall time does."""
+    cmd = HOOKED_TRIPOD if hooks else TRIPOD
+    procs = {}
+    for name, args in runs.items():
+        with open(os.path.join(log_dir, f"{name}.log"), "w") as log:
+            procs[name] = subprocess.Popen(cmd + ["train", "recipes/defaults.yaml", *args], cwd=REPO_ROOT,
+                                           env=(run_envs or {}).get(name) or env(), stdout=log,
+                                           stderr=subprocess.STDOUT, text=True)
+    failed = []
+    for name, proc in procs.items():
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.returncode != 0:
+            failed.append(name)
+    for name in failed:
+        with open(os.path.join(log_dir, f"{name}.log")) as f:
+            print(f"--- {name} (exit {procs[name].returncode}) ---\n{f.read()[-5000:]}")
+    assert not failed, f"training runs {failed} failed (output above and in {log_dir})"
+
+
 def metrics(run_dir: str) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -99,6 +126,17 @@ def export(ckpt: str, out: str) -> dict[str, torch.Tensor]:
 def final_actor_weights(run_dir: str, steps: int) -> dict[str, torch.Tensor]:
     ckpt = os.path.join(run_dir, "checkpoints", f"global_step_{steps}", "actor")
     return export(ckpt, run_dir + "_hf")
+
+
+def final_actor_weights_of(run_steps: dict[str, int]) -> dict[str, dict[str, torch.Tensor]]:
+    """`final_actor_weights` of several runs ({run_dir: steps}) exported in one 1-rank world
+    (tests/multiprocess/workers/export_checkpoints.py): one process start instead of one CLI + one spawn per run."""
+    from tests.helpers.common import run_torchrun
+
+    pairs = [(os.path.join(d, "checkpoints", f"global_step_{s}", "actor"), d + "_hf") for d, s in run_steps.items()]
+    out = run_torchrun("export_checkpoints.py", 1, *[x for pair in pairs for x in pair], timeout=600).stdout
+    assert out.count("EXPORTED ") == len(pairs), out[-3000:]
+    return {d: load_file(os.path.join(d + "_hf", "model.safetensors")) for d in run_steps}
 
 
 class OutOfBounds(AssertionError):
