@@ -130,13 +130,22 @@ def final_actor_weights(run_dir: str, steps: int) -> dict[str, torch.Tensor]:
 
 def final_actor_weights_of(run_steps: dict[str, int]) -> dict[str, dict[str, torch.Tensor]]:
     """`final_actor_weights` of several runs ({run_dir: steps}) exported in one 1-rank world
-    (tests/multiprocess/workers/export_checkpoints.py): one process start instead of one CLI + one spawn per run."""
+    (tests/multiprocess/workers/tripod_commands.py): one process start instead of one CLI + one spawn per run."""
+    commands = [["export", os.path.join(d, "checkpoints", f"global_step_{s}", "actor"), d + "_hf"]
+                for d, s in run_steps.items()]
+    tripod_in_one_world(commands, 1)
+    return {d: load_file(os.path.join(d + "_hf", "model.safetensors")) for d in run_steps}
+
+
+def tripod_in_one_world(commands: list[list[str]], nproc: int, timeout: float = 600) -> str:
+    """Run `tripod <command>` for each command in-process in one `nproc`-rank torchrun world (each command must need
+    that world size); returns the merged output (rank 0 prints the commands' summary lines)."""
     from tests.helpers.common import run_torchrun
 
-    pairs = [(os.path.join(d, "checkpoints", f"global_step_{s}", "actor"), d + "_hf") for d, s in run_steps.items()]
-    out = run_torchrun("export_checkpoints.py", 1, *[x for pair in pairs for x in pair], timeout=600).stdout
-    assert out.count("EXPORTED ") == len(pairs), out[-3000:]
-    return {d: load_file(os.path.join(d + "_hf", "model.safetensors")) for d in run_steps}
+    out = run_torchrun("tripod_commands.py", nproc, json.dumps([[str(a) for a in c] for c in commands]),
+                       timeout=timeout).stdout
+    assert out.count("TRIPOD_COMMAND_OK ") == nproc * len(commands), out[-3000:]
+    return out
 
 
 class OutOfBounds(AssertionError):
