@@ -1,7 +1,9 @@
 """Running `tripod train` from tests, and the cross-layout equivalence check with its arithmetic bounds.
 
 `train(args)` runs the real CLI in a subprocess (optionally through tests/multiprocess/workers/train_with_hooks.py, which can register
-a test reward or plant a bug); `assert_same_training(base, other)` compares two finished runs.
+a test reward or plant a bug), `train_together({name: args})` starts independent runs side by side,
+`final_actor_weights_of` exports several runs' final actor weights in one process, `tripod_in_one_world` runs CLI
+commands in one torchrun world; `assert_same_training(base, other)` compares two finished runs.
 
 Why the bounds are what they are (fp32 everywhere, u = 2**-24 is the unit roundoff):
   * A layout changes only the order of fp32 reductions (TP splits a dot product into partial sums that are then
@@ -123,14 +125,10 @@ def export(ckpt: str, out: str) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(out, "model.safetensors"))
 
 
-def final_actor_weights(run_dir: str, steps: int) -> dict[str, torch.Tensor]:
-    ckpt = os.path.join(run_dir, "checkpoints", f"global_step_{steps}", "actor")
-    return export(ckpt, run_dir + "_hf")
-
-
 def final_actor_weights_of(run_steps: dict[str, int]) -> dict[str, dict[str, torch.Tensor]]:
-    """`final_actor_weights` of several runs ({run_dir: steps}) exported in one 1-rank world
-    (tests/multiprocess/workers/tripod_commands.py): one process start instead of one CLI + one spawn per run."""
+    """The actor weights of several runs ({run_dir: steps}) at their last step, exported (to `<run_dir>_hf`) in one
+    1-rank world (tests/multiprocess/workers/tripod_commands.py): one process start instead of one CLI + one spawn
+    per run."""
     commands = [["export", os.path.join(d, "checkpoints", f"global_step_{s}", "actor"), d + "_hf"]
                 for d, s in run_steps.items()]
     tripod_in_one_world(commands, 1)
