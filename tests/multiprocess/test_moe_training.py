@@ -132,5 +132,6 @@ def test_expert_bias_moves_by_whole_update_steps(setup, runs):
 @pytest.mark.dist
 def test_planted_frozen_expert_bias_fails_the_bias_check(setup, runs):
     w0 = load_file(os.path.join(setup["model"], "model.safetensors"))
-    with pytest.raises(AssertionError, match="the expert bias did not move"):
+    with pytest.raises(AssertionError, match="the expert bias did not move") as failure:
         assert_expert_bias_moved(w0, runs["planted_expert_bias_frozen"][1], 2)
+    print(f"planted expert_bias_frozen: {failure.value}")
