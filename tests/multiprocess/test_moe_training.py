@@ -88,14 +88,17 @@ def _check(setup: dict, runs: dict, got: tuple[list[dict], dict], label: str) ->
                 (label, a["step"], a["actor/moe_aux_loss"], b["actor/moe_aux_loss"])
 
 
-def assert_expert_bias_moved(w0: dict[str, torch.Tensor], final: dict[str, torch.Tensor], opt_steps: int) -> None:
-    """Each MoE layer's expert bias moved, every element by n * BIAS_RATE with an integer |n| <= opt_steps.
+def assert_expert_bias_moved(w0: dict[str, torch.Tensor], final: dict[str, torch.Tensor],
+                             opt_steps: int) -> dict[str, list[int]]:
+    """Each MoE layer's expert bias moved, every element by n * BIAS_RATE with an integer |n| <= opt_steps; returns
+    the n of each bias tensor.
 
     Each step adds sign(.) * rate to an fp32 bias of magnitude <= |b0| + K * rate: rounding <= u * (that + rate)
     per step, so |delta - n * rate| <= K * u * (max|b0| + (K + 1) * rate) -- about 1e-8 here, against a step of 1e-3.
     """
     names = sorted(k for k in w0 if k.endswith("e_score_correction_bias"))
     assert names, "the model has no expert bias: the check is vacuous"
+    whole_steps = {}
     for name in names:
         b0, delta = w0[name].double(), final[name].double() - w0[name].double()
         steps = delta / BIAS_RATE
@@ -104,6 +107,8 @@ def assert_expert_bias_moved(w0: dict[str, torch.Tensor], final: dict[str, torch
         assert float((steps - n).abs().max()) <= rounding, (name, steps.tolist(), "not whole update steps")
         assert float(n.abs().max()) <= opt_steps, (name, n.tolist(), f"more than {opt_steps} update steps")
         assert float(n.abs().max()) >= 1, f"{name}: the expert bias did not move in {opt_steps} optimizer steps"
+        whole_steps[name] = [int(x) for x in n]
+    return whole_steps
 
 
 @pytest.mark.dist
@@ -126,7 +131,7 @@ def test_planted_expert_dp_bug_fails_the_check(setup, runs):
 @pytest.mark.dist
 def test_expert_bias_moves_by_whole_update_steps(setup, runs):
     w0 = load_file(os.path.join(setup["model"], "model.safetensors"))
-    assert_expert_bias_moved(w0, runs["tp1pp1ep1"][1], OPT_STEPS)
+    print(f"expert-bias update steps (x {BIAS_RATE}): {assert_expert_bias_moved(w0, runs['tp1pp1ep1'][1], OPT_STEPS)}")
 
 
 @pytest.mark.dist
