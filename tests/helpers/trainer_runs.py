@@ -1,7 +1,9 @@
 """Running `tripod train` from tests, and the cross-layout equivalence check with its arithmetic bounds.
 
 `train(args)` runs the real CLI in a subprocess (optionally through tests/multiprocess/workers/train_with_hooks.py, which can register
-a test reward or plant a bug); `assert_same_training(base, other)` compares two finished runs.
+a test reward or plant a bug), `train_together({name: args})` starts independent runs side by side,
+`final_actor_weights_of` exports several runs' final actor weights in one process, `tripod_in_one_world` runs CLI
+commands in one torchrun world; `assert_same_training(base, other)` compares two finished runs.
 
 Why the bounds are what they are (fp32 everywhere, u = 2**-24 is the unit roundoff):
   * A layout changes only the order of fp32 reductions (TP splits a dot product into partial sums that are then
@@ -84,6 +86,33 @@ def train(args: list[str], timeout: float = 900, hooks: bool = False, run_env: d
                           text=True, timeout=timeout, **popen)
 
 
+def train_together(runs: dict[str, list[str]], log_dir: str, timeout: float = 900, hooks: bool = False,
+                   run_envs: dict[str, dict] | None = None) -> None:
+    """Start `train(args)` for every {name: args} at once and wait for all; output goes to `log_dir/<name>.log`,
+    whose tail a failure shows. For independent runs whose ranks together fit the machine: with a fixed thread count
+    per rank (`env`) a run's arithmetic does not depend on what runs beside it, only its wall time does."""
+    cmd = HOOKED_TRIPOD if hooks else TRIPOD
+    procs = {}
+    for name, args in runs.items():
+        with open(os.path.join(log_dir, f"{name}.log"), "w") as log:
+            procs[name] = subprocess.Popen(cmd + ["train", "recipes/defaults.yaml", *args], cwd=REPO_ROOT,
+                                           env=(run_envs or {}).get(name) or env(), stdout=log,
+                                           stderr=subprocess.STDOUT, text=True)
+    failed = []
+    for name, proc in procs.items():
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.returncode != 0:
+            failed.append(name)
+    for name in failed:
+        with open(os.path.join(log_dir, f"{name}.log")) as f:
+            print(f"--- {name} (exit {procs[name].returncode}) ---\n{f.read()[-5000:]}")
+    assert not failed, f"training runs {failed} failed (output above and in {log_dir})"
+
+
 def metrics(run_dir: str) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -96,9 +125,25 @@ def export(ckpt: str, out: str) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(out, "model.safetensors"))
 
 
-def final_actor_weights(run_dir: str, steps: int) -> dict[str, torch.Tensor]:
-    ckpt = os.path.join(run_dir, "checkpoints", f"global_step_{steps}", "actor")
-    return export(ckpt, run_dir + "_hf")
+def final_actor_weights_of(run_steps: dict[str, int]) -> dict[str, dict[str, torch.Tensor]]:
+    """The actor weights of several runs ({run_dir: steps}) at their last step, exported (to `<run_dir>_hf`) in one
+    1-rank world (tests/multiprocess/workers/tripod_commands.py): one process start instead of one CLI + one spawn
+    per run."""
+    commands = [["export", os.path.join(d, "checkpoints", f"global_step_{s}", "actor"), d + "_hf"]
+                for d, s in run_steps.items()]
+    tripod_in_one_world(commands, 1)
+    return {d: load_file(os.path.join(d + "_hf", "model.safetensors")) for d in run_steps}
+
+
+def tripod_in_one_world(commands: list[list[str]], nproc: int, timeout: float = 600) -> str:
+    """Run `tripod <command>` for each command in-process in one `nproc`-rank torchrun world (each command must need
+    that world size); returns the merged output (rank 0 prints the commands' summary lines)."""
+    from tests.helpers.common import run_torchrun
+
+    out = run_torchrun("tripod_commands.py", nproc, json.dumps([[str(a) for a in c] for c in commands]),
+                       timeout=timeout).stdout
+    assert out.count("TRIPOD_COMMAND_OK ") == nproc * len(commands), out[-3000:]
+    return out
 
 
 class OutOfBounds(AssertionError):

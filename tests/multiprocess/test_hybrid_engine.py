@@ -31,12 +31,17 @@ def test_reshard_tp2pp2dp2_to_rollout_tp2(tmp_path):
     assert all(r["recv"] == r["plan"] and r["mean"] == r["hybridflow"] > 0 for r in rows)
 
 
+@pytest.fixture(scope="module")
+def dense_round_trips(tmp_path_factory) -> str:
+    """Both rollout TPs around a TP2 x PP2 actor, one after the other in one 4-rank world."""
+    hf = make_tiny_hf_model(tmp_path_factory.mktemp("round_trip"), "qwen2", vocab_size=128)
+    return run_torchrun("hybrid_actor_roundtrip.py", 4, hf, "2,1", timeout=600).stdout
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("rollout_tp", [2, 1])
-def test_round_trip_around_a_megatron_actor(tmp_path, rollout_tp):
-    hf = make_tiny_hf_model(tmp_path, "qwen2", vocab_size=128)
-    out = run_torchrun("hybrid_actor_roundtrip.py", 4, hf, rollout_tp).stdout
-    assert f"OK rollout_tp={rollout_tp}" in out
+def test_round_trip_around_a_megatron_actor(dense_round_trips, rollout_tp):
+    assert f"OK rollout_tp={rollout_tp} layout=2,2,1,None" in dense_round_trips, dense_round_trips[-3000:]
 
 
 @pytest.mark.dist

@@ -4,7 +4,9 @@ Each case of CASES is a 3-step greedy PPO run compared with the same run at (1,1
 grad norms within the fp32 reduction-order bound, and the SGD weight updates within the bound derived in
 tests/helpers/trainer_runs.py. A new layout joins by appending one `Case(name, tp, pp, world, extra_overrides)`.
 The planted-bug tests run the same check on a run with one bug injected (tests/multiprocess/workers/train_with_hooks.py) and
-require it to fail: proof that the check can catch a wrong split rule or a lost gradient.
+require it to fail: proof that the check can catch a wrong split rule or a lost gradient. Every run is made once, by
+the `runs` fixture (independent runs side by side, the final actor weights exported in one 1-rank world); the tests
+assert on its outputs.
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
-from tests.helpers.trainer_runs import (GREEDY, LINEAR_OPTIM, OutOfBounds, assert_same_training, env, final_actor_weights, metrics,
-                          train)
+from tests.helpers.trainer_runs import (GREEDY, LINEAR_OPTIM, OutOfBounds, assert_same_training, env,
+                                        final_actor_weights_of, metrics, train_together)
 
 STEPS = 3
 OPT_STEPS = STEPS * 2  # 2 mini-batches of 2 prompts per step (GREEDY: train_batch_size 4, rollout.n 1)
@@ -59,11 +61,26 @@ def _args(setup: dict, run_dir: str, case: Case) -> list[str]:
     return args + LINEAR_OPTIM + ESTIMATORS[case.estimator] + case.extra
 
 
-def _run(setup: dict, run_dir: str, case: Case, plant: str | None = None) -> str:
-    extra_env = {"TRIPOD_TEST_PLANT": plant} if plant else {}
-    proc = train(_args(setup, run_dir, case), hooks=True, run_env=env(**extra_env))
-    assert proc.returncode == 0, proc.stdout[-5000:]
-    return run_dir
+def _plan() -> dict[str, tuple[Case, str | None]]:
+    """Every run of the module: name -> (case, planted bug)."""
+    plan = {f"base_{e}": (Case("base", 1, 1, 1, estimator=e), None) for e in ESTIMATORS}
+    plan.update({c.name: (c, None) for c in CASES})
+    plan.update({f"planted_{p}": (c, p) for p, c in PLANTED.items()})
+    return plan
+
+
+def _waves(plan: dict[str, tuple[Case, str | None]]) -> list[list[str]]:
+    """Runs started together: the 1- and 2-rank runs in groups of at most 4 ranks, each 4-rank run alone (one
+    thread per rank, so a run's arithmetic does not depend on what runs beside it)."""
+    waves, wave, ranks = [], [], 0
+    for name in sorted(plan, key=lambda n: plan[n][0].world):
+        world = plan[name][0].world
+        if wave and ranks + world > 4:
+            waves.append(wave)
+            wave, ranks = [], 0
+        wave.append(name)
+        ranks += world
+    return waves + [wave]
 
 
 @pytest.fixture(scope="module")
@@ -72,33 +89,35 @@ def setup(tmp_path_factory) -> dict:
     return dict(make_ppo_setup(tmp), root=str(tmp))
 
 
-_baselines: dict[str, tuple[list[dict], dict]] = {}
+@pytest.fixture(scope="module")
+def runs(setup) -> dict[str, tuple[list[dict], dict]]:
+    """Every run of the module made once (independent runs side by side, final actor weights exported in one
+    1-rank world): name -> (metrics, final actor weights)."""
+    plan = _plan()
+    run_dirs = {name: os.path.join(setup["root"], name) for name in plan}
+    for wave in _waves(plan):
+        train_together({name: _args(setup, run_dirs[name], plan[name][0]) for name in wave}, setup["root"],
+                       hooks=True, run_envs={name: env(**({"TRIPOD_TEST_PLANT": plan[name][1]} if plan[name][1]
+                                                            else {})) for name in wave})
+    weights = final_actor_weights_of({d: STEPS for d in run_dirs.values()})
+    out = {name: (metrics(run_dirs[name]), weights[run_dirs[name]]) for name in plan}
+    for e in ESTIMATORS:
+        assert [m["step"] for m in out[f"base_{e}"][0]] == list(range(STEPS + 1))
+    return out
 
 
-def baseline(setup: dict, estimator: str) -> tuple[list[dict], dict]:
-    """The (1,1,1) run of an estimator (run once per module): its metrics and final actor weights."""
-    if estimator not in _baselines:
-        base_case = Case("base", 1, 1, 1, estimator=estimator)
-        run_dir = _run(setup, os.path.join(setup["root"], f"base_{estimator}"), base_case)
-        base = metrics(run_dir)
-        assert [m["step"] for m in base] == list(range(STEPS + 1))
-        _baselines[estimator] = (base, final_actor_weights(run_dir, STEPS))
-    return _baselines[estimator]
-
-
-def check_same_training(setup: dict, run_dir: str, case: Case) -> None:
+def check_same_training(setup: dict, runs: dict, name: str) -> None:
     """Raises OutOfBounds (listing the quantities out of bounds) unless the run trained like (1,1,1)."""
     w0 = load_file(os.path.join(setup["model"], "model.safetensors"))
-    got = (metrics(run_dir), final_actor_weights(run_dir, STEPS))
-    assert_same_training(w0, baseline(setup, case.estimator), got, OPT_STEPS, case.name)
+    case = _plan()[name][0]
+    assert_same_training(w0, runs[f"base_{case.estimator}"], runs[name], OPT_STEPS, case.name)
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_layout_trains_like_one_rank(setup, case):
-    run_dir = _run(setup, os.path.join(setup["root"], case.name), case)
-    check_same_training(setup, run_dir, case)
-    base, _ = baseline(setup, case.estimator)
+def test_layout_trains_like_one_rank(setup, runs, case):
+    check_same_training(setup, runs, case.name)
+    base, _ = runs[f"base_{case.estimator}"]
     last = base[-1]
     assert last["actor/grad_norm"] > 0.0 and last["actor/pg_clipfrac"] == 0.0  # no token at a clip boundary
     if case.estimator == "gae":
@@ -109,10 +128,8 @@ def test_layout_trains_like_one_rank(setup, case):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("plant", sorted(PLANTED))
-def test_planted_bug_fails_the_check(setup, plant):
-    case = PLANTED[plant]
-    run_dir = _run(setup, os.path.join(setup["root"], f"planted_{plant}"), case, plant=plant)
+def test_planted_bug_fails_the_check(setup, runs, plant):
     with pytest.raises(OutOfBounds) as failure:
-        check_same_training(setup, run_dir, case)
+        check_same_training(setup, runs, f"planted_{plant}")
     print(f"planted {plant}: {failure.value}")
     assert failure.value.worst > 10, "the planted bug is caught, but only barely: the bounds are too loose"

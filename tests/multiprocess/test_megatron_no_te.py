@@ -1,6 +1,7 @@
 """Canaries for the megatron-core 0.16.1 bugs without Transformer Engine that parallel/cpu_compat.py works around
 (MoE forward NameError, MLA's TE mock check, MLA core-attention signature, MLA's RoPE-key gradient at TP > 1).
 Each test fails when megatron fixes its bug (then drop the workaround) or when the workaround stops making the model run."""
+import re
 import subprocess
 import sys
 
@@ -34,12 +35,13 @@ def test_moe_and_mla_run_only_with_the_workarounds():
 @pytest.mark.dist
 def test_mla_gradients_at_tp2_match_transformers_only_with_the_rope_key_fix(tmp_path):
     """mla_rope_key_grad (parallel/cpu_compat.py): TP2 gradients (sequence parallel) of a tiny DeepSeek-V3 equal
-    transformers' own backward with the fix; megatron as installed (TP2, no SP) still gets them wrong (the canary)."""
+    transformers' own backward with the fix; megatron as installed (TP2, no SP) still gets them wrong (the canary).
+    Both cases in one 2-rank world, the unfixed one last (undoing the fix lasts for the rest of the process)."""
     from tests.helpers.moe_models import make_tiny_moe_model
 
     hf = make_tiny_moe_model(tmp_path, "deepseek_v3", seed=1)
-    fixed = run_torchrun("mla_tp_grad_worker.py", 2, hf, 1, timeout=300).stdout
-    assert "GRAD_MATCH sp=1" in fixed, fixed[-3000:]
-    raw = run_torchrun("mla_tp_grad_worker.py", 2, hf, 0, "without_fix", timeout=300).stdout
-    assert "GRAD_MISMATCH sp=0" in raw and "linear_kv_down_proj" in raw, (
-        "megatron now gets MLA's RoPE-key gradient right at TP > 1: drop mla_rope_key_grad", raw[-3000:])
+    out = run_torchrun("mla_tp_grad_worker.py", 2, hf, "1", "0:without_fix", timeout=400).stdout
+    assert "GRAD_MATCH sp=1" in out, out[-3000:]
+    raw = re.search(r"GRAD_MISMATCH sp=0 (.*)", out)
+    assert raw and "linear_kv_down_proj" in raw.group(1), (
+        "megatron now gets MLA's RoPE-key gradient right at TP > 1: drop mla_rope_key_grad", out[-3000:])

@@ -3,16 +3,12 @@ expert layouts, DeepSeek MTP layers skipped, and `tripod convert/export --ep --e
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers.moe_models import FAMILIES, hf_moe_model
-from tests.helpers.common import REPO_ROOT
 
 
 @pytest.fixture(scope="module")
@@ -98,27 +94,22 @@ def test_mtp_layers_are_skipped_with_a_logged_line(hf_models, tmp_path, caplog):
     assert f"skipping {len(mtp)} tensor(s) of layer(s) [{arch.num_layers}]" in caplog.text
 
 
-def _tripod(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, "-m", "tripod", *args], cwd=REPO_ROOT, env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout)
-
-
 @pytest.mark.dist
 def test_cli_convert_export_with_expert_parallelism_is_bit_identical(hf_models, tmp_path):
     """DeepSeek-V3 (MLA, dense + MoE layers, expert bias buffer): HF -> TP1xEP2 checkpoint (2 ranks, DP 2) -> HF
     loaded at TP2xEP2 with expert TP 1 (2 ranks, DP 1: each expert on another rank than it was saved from):
-    every tensor back bit for bit, per-expert names. (PP and expert-TP exports: test_moe_parity.py.)"""
+    every tensor back bit for bit, per-expert names. (PP and expert-TP exports: test_moe_parity.py.) Both commands
+    run in one 2-rank torchrun world (the CLI's in-process path; its spawning path: test_checkpoint_cli.py)."""
+    from tests.helpers.trainer_runs import tripod_in_one_world
+
     hf_dir = tmp_path / "hf"
     hf_models["deepseek_v3"].save_pretrained(hf_dir, safe_serialization=True)
     ckpt, out = tmp_path / "ckpt", tmp_path / "back"
-    proc = _tripod("convert", str(hf_dir), str(ckpt), "--ep", "2")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    stdout = tripod_in_one_world([["convert", hf_dir, ckpt, "--ep", "2"],
+                                  ["export", ckpt, out, "--tp", "2", "--ep", "2", "--etp", "1"]], 2)
     meta = json.loads((ckpt / "tripod_checkpoint.json").read_text())
     assert meta["saved_layout"] == {"tp": 1, "pp": 1, "dp": 2, "ep": 2, "etp": 1}, meta
-    proc = _tripod("export", str(ckpt), str(out), "--tp", "2", "--ep", "2", "--etp", "1")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "TP2 x PP1 x EP2, expert TP1" in proc.stdout
+    assert "TP2 x PP1 x EP2, expert TP1" in stdout
     original, back = load_file(hf_dir / "model.safetensors"), load_file(out / "model.safetensors")
     assert sorted(back) == sorted(original)
     assert all(torch.equal(back[k], original[k]) and back[k].dtype == original[k].dtype for k in original)

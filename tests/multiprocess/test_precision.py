@@ -13,15 +13,13 @@ The test also asserts that bf16 is really different from fp32 (so the bound is n
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
-from tests.helpers.trainer_runs import metric_violations
-from tests.helpers.common import DIST_DIR, REPO_ROOT, make_tiny_hf_model, run_torchrun
+from tests.helpers.trainer_runs import env, metric_violations, train_together
+from tests.helpers.common import make_tiny_hf_model, run_torchrun
 
 U_BF16 = 2.0 ** -8
 
@@ -78,62 +76,58 @@ GREEDY = ["actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollou
           "trainer.val_before_train=false"]
 
 
-def _train(args, env=None, timeout=900, hooks=False):
-    run_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
-    run_env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), run_env.get("PYTHONPATH", "")])
-    cli = [str(DIST_DIR / "train_with_hooks.py")] if hooks else ["-m", "tripod"]
-    proc = subprocess.run([sys.executable, *cli, "train", "recipes/defaults.yaml", *args], cwd=REPO_ROOT,
-                          env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-5000:]
-    return proc.stdout
-
-
 def _metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return {m["step"]: m for m in map(json.loads, f)}
 
 
-def _dp2_run(tmp_path, setup, extra=()):
+RECOMPUTE = ["actor_rollout_ref.actor.megatron.recompute_granularity=full",  # same math, less memory
+             "critic.megatron.recompute_granularity=selective"]
+DIST_OPT = ["actor_rollout_ref.actor.megatron.use_distributed_optimizer=true",
+            "critic.megatron.use_distributed_optimizer=true"]
+
+
+def _dp2_args(tmp_path, setup, extra=()):
     """(TP1,PP1,DP2) with the distributed optimizer (auto at DP=2) and activation recomputation, a checkpoint after
-    every step, run under the device guard."""
-    dp_dir = str(tmp_path / "dp2")
-    recompute = ["actor_rollout_ref.actor.megatron.recompute_granularity=full",  # same math, less memory
-                 "critic.megatron.recompute_granularity=selective"]
-    dist_opt = ["actor_rollout_ref.actor.megatron.use_distributed_optimizer=true",
-                "critic.megatron.use_distributed_optimizer=true"]
-    out = _train(tiny_overrides(setup, dp_dir, world=2, steps=2) + GREEDY + recompute + dist_opt + list(extra)
-                 + ["trainer.save_freq=1"],
-                 env={"TRIPOD_CHECK_DEVICES": "1"})
+    every step (run it under the device guard: `_DEVICE_ENV`, checked by `_check_device_guard`)."""
+    return tiny_overrides(setup, str(tmp_path / "dp2"), world=2, steps=2) + GREEDY + RECOMPUTE + DIST_OPT + \
+        list(extra) + ["trainer.save_freq=1"]
+
+
+_DEVICE_ENV = {"TRIPOD_CHECK_DEVICES": "1"}
+
+
+def _check_device_guard(log_dir) -> None:
+    with open(os.path.join(log_dir, "dp2.log")) as f:
+        out = f.read()
     assert out.count("DEVICE_CHECK") == 2 and "ops_off_device=0" in out, out[-2000:]  # every step, rank 0
-    return dp_dir
 
 
 @pytest.mark.dist
 def test_distributed_optimizer_equals_plain_optimizer_across_layouts(tmp_path):
-    """(1,1,1) with the plain optimizer vs (TP1,PP1,DP2) with the distributed optimizer and recomputation."""
+    """(1,1,1) with the plain optimizer vs (TP1,PP1,DP2) with the distributed optimizer and recomputation (the two
+    runs side by side: one thread per rank, so neither's arithmetic depends on the other)."""
     setup = make_ppo_setup(tmp_path)
     base_dir = str(tmp_path / "base")
     # Adam with eps=1 (>> sqrt(v) here) makes each update ~lr * momentum, linear in the gradient, so the rounding-level
     # gradient differences of the two layouts stay rounding-level in the weights (plain Adam would blow a 1e-9
     # difference of a near-zero gradient up to an lr-sized step); metrics then agree within trainer_runs' bound
     linear_adam = ["actor_rollout_ref.actor.optim.eps=1.0", "critic.optim.eps=1.0"]
-    _train(tiny_overrides(setup, base_dir, world=1, steps=2) + GREEDY + linear_adam)
-    base, dp2 = _metrics(base_dir), _metrics(_dp2_run(tmp_path, setup, linear_adam))
+    train_together({"base": tiny_overrides(setup, base_dir, world=1, steps=2) + GREEDY + linear_adam,
+                    "dp2": _dp2_args(tmp_path, setup, linear_adam)}, str(tmp_path), hooks=True,
+                   run_envs={"dp2": env(**_DEVICE_ENV)})
+    _check_device_guard(tmp_path)
+    base, dp2 = _metrics(base_dir), _metrics(str(tmp_path / "dp2"))
     rows = lambda runs: [runs[s] for s in sorted(runs)]  # noqa: E731  (step -> metrics) as logged
     violations = metric_violations(rows(base), rows(dp2))
     assert not violations, violations
 
 
-def _resume(setup, run_dir, ckpt, tp, plant=None):
+def _resume_args(setup, run_dir, ckpt, tp):
     """Resume `ckpt` for its step 2 at TP`tp` x DP`2/tp` with the distributed optimizer (and the DP2 run's
-    recomputation), optionally with a planted bug (tests/multiprocess/workers/train_with_hooks.py); returns the metrics by step."""
-    same = ["actor_rollout_ref.actor.megatron.recompute_granularity=full",
-            "critic.megatron.recompute_granularity=selective",
-            "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true",
-            "critic.megatron.use_distributed_optimizer=true"]
-    _train(tiny_overrides(setup, str(run_dir), world=2, tp=tp, steps=2) + GREEDY + same + [f"trainer.resume={ckpt}"],
-           env={"TRIPOD_TEST_PLANT": plant} if plant else None, hooks=plant is not None)
-    return _metrics(str(run_dir))
+    recomputation)."""
+    return tiny_overrides(setup, str(run_dir), world=2, tp=tp, steps=2) + GREEDY + RECOMPUTE + DIST_OPT + \
+        [f"trainer.resume={ckpt}"]
 
 
 @pytest.mark.dist
@@ -143,16 +137,21 @@ def test_distributed_optimizer_checkpoint_resumes_at_another_layout(tmp_path):
     at TP2 x DP1 within trainer_runs' layout bound. The bound holds with plain Adam here: step 2's first mini-batch
     depends on the loaded weights only (REL), and the one Adam update before its second mini-batch can be amplified
     only on elements whose gradient is at rounding level, which move the metrics by about |g| * lr, far below REL.
-    A planted bug (the shared Adam step megatron's loader leaves behind) breaks that bound."""
+    A planted bug (the shared Adam step megatron's loader leaves behind, tests/multiprocess/workers/train_with_hooks.py)
+    breaks that bound. The resumes are independent: two of them run side by side, then the planted one."""
     setup = make_ppo_setup(tmp_path)
-    dp_dir = _dp2_run(tmp_path, setup)
-    ckpt = os.path.join(dp_dir, "checkpoints", "global_step_1")
-    dp2 = _metrics(dp_dir)
-    same = _resume(setup, tmp_path / "dp2_resumed", ckpt, tp=1)
+    train_together({"dp2": _dp2_args(tmp_path, setup)}, str(tmp_path), run_envs={"dp2": env(**_DEVICE_ENV)})
+    _check_device_guard(tmp_path)
+    ckpt = os.path.join(tmp_path, "dp2", "checkpoints", "global_step_1")
+    dp2 = _metrics(str(tmp_path / "dp2"))
+    resumed = {"dp2_resumed": 1, "tp2_resumed": 2}
+    train_together({name: _resume_args(setup, tmp_path / name, ckpt, tp) for name, tp in resumed.items()},
+                   str(tmp_path))
+    train_together({"tp2_planted": _resume_args(setup, tmp_path / "tp2_planted", ckpt, 2)}, str(tmp_path),
+                   hooks=True, run_envs={"tp2_planted": env(TRIPOD_TEST_PLANT="adam_step_shared")})
+    same, tp2, planted = (_metrics(str(tmp_path / n)) for n in ("dp2_resumed", "tp2_resumed", "tp2_planted"))
     assert sorted(same) == [2], sorted(same)  # started at the saved step, did not redo step 1
     assert {k: same[2][k] for k in COMPARED} == {k: dp2[2][k] for k in COMPARED}
-    tp2 = _resume(setup, tmp_path / "tp2_resumed", ckpt, tp=2)
     violations = metric_violations([dp2[2]], [tp2[2]])
     assert not violations, violations
-    planted = _resume(setup, tmp_path / "tp2_planted", ckpt, tp=2, plant="adam_step_shared")
     assert metric_violations([dp2[2]], [planted[2]]), "the check missed a shared Adam step"

@@ -19,15 +19,13 @@ Bounds, from the arithmetic (float32, unit roundoff u = 6e-8):
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
-from tests.helpers.common import REPO_ROOT, run_torchrun
+from tests.helpers.common import run_torchrun
+from tests.helpers.trainer_runs import final_actor_weights_of, train_together
 
 COMPARED = ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm", "actor/ppo_kl",
             "critic/score/mean", "response_length/mean")
@@ -43,12 +41,6 @@ SETTINGS = ["actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.roll
 SP = ["actor_rollout_ref.actor.megatron.sequence_parallel=true"]
 VPP = ["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"]
 LAYOUTS = {"base": (1, 1, 1, []), "tp2_sp": (2, 1, 2, SP), "pp2_vpp2": (1, 2, 2, VPP)}
-
-
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    return env
 
 
 def _args(setup, run_dir, layout, steps=STEPS):
@@ -72,39 +64,30 @@ def _metric_mismatches(want, got):
     return bad
 
 
-def _export(run_dir, out):
-    ckpt = os.path.join(run_dir, "checkpoints", f"global_step_{STEPS}", "actor")
-    proc = subprocess.run([sys.executable, "-m", "tripod", "export", ckpt, out], cwd=REPO_ROOT, env=_env(),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    return load_file(os.path.join(out, "model.safetensors"))
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """The three layouts' runs (the 1-rank base beside the TP2 run, then the PP2 x VPP2 run: one thread per rank,
+    so no run's arithmetic depends on another) and their final actor weights, exported in one 1-rank world."""
     tmp = tmp_path_factory.mktemp("sp_vpp")
     setup = make_ppo_setup(tmp)
     out = {"setup": setup, "tmp": tmp}
-    for layout in LAYOUTS:
-        run_dir = str(tmp / layout)
-        proc = subprocess.run([sys.executable, "-m", "tripod", "train", "recipes/defaults.yaml",
-                               *_args(setup, run_dir, layout)], cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-5000:]
-        out[layout] = (run_dir, _metrics(run_dir))
+    run_dirs = {layout: str(tmp / layout) for layout in LAYOUTS}
+    for wave in (["base", "tp2_sp"], ["pp2_vpp2"]):
+        train_together({layout: _args(setup, run_dirs[layout], layout) for layout in wave}, str(tmp))
+    weights = final_actor_weights_of({d: STEPS for d in run_dirs.values()})
+    for layout, run_dir in run_dirs.items():
+        out[layout] = (run_dir, _metrics(run_dir), weights[run_dir])
     return out
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("layout", ["tp2_sp", "pp2_vpp2"])
 def test_layout_trains_like_one_rank(runs, layout):
-    base_dir, base = runs["base"]
-    run_dir, metrics = runs[layout]
+    _, base, want = runs["base"]
+    _, metrics, got = runs[layout]
     assert [m["step"] for m in metrics] == [m["step"] for m in base] == list(range(1, STEPS + 1))
     assert not _metric_mismatches(base, metrics), _metric_mismatches(base, metrics)
     assert base[-1]["actor/pg_loss"] != 0.0 and base[-1]["critic/vf_loss"] > 0.0
-    want = _export(base_dir, str(runs["tmp"] / "hf_base"))
-    got = _export(run_dir, str(runs["tmp"] / f"hf_{layout}"))
     start = load_file(os.path.join(runs["setup"]["model"], "model.safetensors"))
     assert got.keys() == want.keys()
     moved = max((want[n] - start[n]).abs().max().item() for n in want)

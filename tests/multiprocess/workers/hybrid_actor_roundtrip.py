@@ -1,6 +1,7 @@
 """torchrun worker (4 ranks): the hybrid engine around a real megatron actor (TP2 x PP2) and the embedded engine.
 
-argv: HF_DIR ROLLOUT_TP [TP PP EP ETP] (default 2 2 1 -; an MoE actor with expert parallelism: e.g. 2 1 2 1).
+argv: HF_DIR ROLLOUT_TPS [TP PP EP ETP] (default 2 2 1 -; an MoE actor with expert parallelism: e.g. 2 1 2 1);
+ROLLOUT_TPS is one rollout TP or several ("2,1"), each checked in turn in this one world around a fresh actor.
 Checks: the generation shard equals the HF checkpoint's rollout-TP slice exactly and the transport received what the
 plan counts (MoE: experts arrive point to point); greedy rollout from the resharded actor == transformers'
 generate; the rollout's
@@ -60,20 +61,26 @@ def check_generation_shard(hf_dir, arch, hybrid, actor):
 
 
 def main():
-    from transformers import AutoModelForCausalLM
-
-    from tripod.engine.rollout import SamplingParams, make_rollout_engine
-    from tripod.engine.workers.batch import build_ppo_batch
     from tripod.parallel.arch import arch_from_hf
-    from tripod.parallel.hybrid_engine.engine import HybridEngine
     from tripod.parallel.layout import ParallelLayout
 
-    hf_dir, tg = sys.argv[1], int(sys.argv[2])
+    hf_dir, rollout_tps = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
     extra = sys.argv[3:7] if len(sys.argv) > 3 else ["2", "2", "1"]
     tp, pp, ep = (int(x) for x in extra[:3])
     etp = int(extra[3]) if len(extra) > 3 and extra[3] != "-" else None
     arch = arch_from_hf(hf_dir)
     layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, name="actor", arch=arch)
+    for tg in rollout_tps:
+        round_trip(hf_dir, arch, layout, tg, label=f"{tp},{pp},{ep},{etp}")
+
+
+def round_trip(hf_dir, arch, layout, tg, label):
+    from transformers import AutoModelForCausalLM
+
+    from tripod.engine.rollout import SamplingParams, make_rollout_engine
+    from tripod.engine.workers.batch import build_ppo_batch
+    from tripod.parallel.hybrid_engine.engine import HybridEngine
+
     actor = make_actor(hf_dir, arch, layout)
     hybrid = HybridEngine(arch, layout, tg, bucket_bytes=16 << 10)
     engine = make_rollout_engine("embedded", arch, hybrid.rollout_tp_group, pad_token_id=0)
@@ -108,7 +115,7 @@ def main():
     for k in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl"):
         assert abs(with_trip[k] - without[k]) <= 1e-6, (k, with_trip[k], without[k])
     if dist.get_rank() == 0:
-        print(f"OK rollout_tp={tg} layout={tp},{pp},{ep},{etp} pg_loss={with_trip['actor/pg_loss']:.6f} "
+        print(f"OK rollout_tp={tg} layout={label} pg_loss={with_trip['actor/pg_loss']:.6f} "
               f"grad_norm={with_trip['actor/grad_norm']:.6f}",
               flush=True)
 

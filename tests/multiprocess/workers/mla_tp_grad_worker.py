@@ -1,10 +1,11 @@
 """torchrun worker (2 ranks): gradients of a tiny MoE megatron model at TP2 against transformers' own backward.
 
-argv: HF_DIR SP(0|1) [without_fix]. The same loss (logits . fixed random weights) is back-propagated through the
+argv: HF_DIR CASE [CASE ...], a CASE being SP (0|1) or SP:without_fix, run in order in this one world (a
+without_fix case undoes the workaround for the rest of the process, so it comes last). The same loss (logits . fixed random weights) is back-propagated through the
 megatron model at TP2 (sequence parallel or not) and through the HF fp32 model; every megatron gradient, merged over TP
 with the family table (SP-tagged replicated grads summed over TP, as finalize_model_grads does), must equal the HF
 gradient mapped by the same table within 1e-5 relative to the tensor's largest HF gradient (fp32 reduction order
-only). Prints GRAD_MATCH sp=1|0 or GRAD_MISMATCH sp=1|0 <names>. `without_fix` skips parallel/cpu_compat.py's
+only). Prints GRAD_MATCH sp=1|0 or GRAD_MISMATCH sp=1|0 <names> per case. `without_fix` skips parallel/cpu_compat.py's
 mla_rope_key_grad workaround: megatron's own TP > 1 MLA gradients must then still MISMATCH (the canary that says
 when the workaround can go).
 """
@@ -49,13 +50,20 @@ def hf_grads(hf_dir, arch, ids, weight):
 def main():
     import sys
 
+    hf_dir, cases = sys.argv[1], [c.split(":") for c in sys.argv[2:]]
+    unfixed = [i for i, c in enumerate(cases) if c[1:] == ["without_fix"]]
+    assert unfixed in ([], [len(cases) - 1]), f"one without_fix case at most, and last: {sys.argv[2:]}"
+    for sp, *without_fix in cases:
+        check_case(hf_dir, sp == "1", bool(without_fix))
+
+
+def check_case(hf_dir, sp, without_fix):
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.convert import family_of, load_hf_weights
     from tripod.parallel.layout import ParallelLayout
     from tripod.parallel.model import build_gpt_model
 
-    hf_dir, sp = sys.argv[1], sys.argv[2] == "1"
-    if len(sys.argv) > 3 and sys.argv[3] == "without_fix":  # the canary: megatron as installed
+    if without_fix:  # the canary: megatron as installed
         from megatron.core.transformer import multi_latent_attention as mla
 
         from tripod.parallel.cpu_compat import apply_no_te_fixes

@@ -9,6 +9,7 @@ here, never by the engine), to prove that the cross-layout equivalence check fai
       adam_step_shared   a resumed distributed optimizer keeps megatron's one shared Adam `step` tensor (the bug
                          engine/checkpoints/manager.py's _unshare_adam_steps fixes)
       adam_exp_avg_sq_on_load   a resumed optimizer's exp_avg_sq is zeroed after loading
+      expert_bias_frozen the router's expert-bias update (megatron's finalize_model_grads step) does nothing
 """
 import os
 import sys
@@ -78,9 +79,18 @@ def _zero_exp_avg_sq_on_load() -> None:
     manager._load_optimizer = load
 
 
+def _freeze_expert_bias() -> None:
+    import importlib
+
+    # the module, not the function megatron.core.distributed re-exports under the same name; finalize_model_grads
+    # looks the helper up in its module globals at call time
+    module = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    module._update_router_expert_bias = lambda model, config: None
+
+
 PLANTS = {"lm_head_tp_split": _flip_lm_head_split, "pp_stage_grads": _drop_first_stage_grads,
           "expert_dp_grads": _sum_expert_dp_grads, "adam_step_shared": _share_adam_step,
-          "adam_exp_avg_sq_on_load": _zero_exp_avg_sq_on_load}
+          "adam_exp_avg_sq_on_load": _zero_exp_avg_sq_on_load, "expert_bias_frozen": _freeze_expert_bias}
 _plant = os.environ.get("TRIPOD_TEST_PLANT")
 if _plant:
     PLANTS[_plant]()
