@@ -190,7 +190,7 @@ def _run_config(config_yaml: str, result_path: str) -> None:
 
 
 def run_config(overrides: list[str], label: str) -> dict:
-    from tripod.engine.cli import run_distributed
+    from tripod.engine.launch import run_distributed
     from tripod.engine.config import load_config
     from tripod.engine.config_loading import config_to_yaml
     from tripod.engine.config_validation import validate_config
