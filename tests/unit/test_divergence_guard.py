@@ -7,24 +7,11 @@ import os
 import random
 
 import pytest
-import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from tripod.engine.checkpoints.manager import COMPLETE, REJECTED
 from tripod.engine.config import TripodConfig
 from tripod.engine.divergence_guard import GOOD, DivergenceError, DivergenceGuard
-
-
-@pytest.fixture(scope="module")
-def world_of_one(tmp_path_factory):
-    """A one-rank gloo world in this process (judge broadcasts rank 0's verdict)."""
-    if dist.is_initialized():
-        yield
-        return
-    store = tmp_path_factory.mktemp("store") / "file"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _checkpoint(root: str, step: int, *markers: str) -> str:

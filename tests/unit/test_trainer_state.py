@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from tripod.engine.algorithms import build_kl_controller
@@ -17,18 +16,6 @@ from tripod.engine.config import TripodConfig
 from tripod.engine.data import PromptDataLoader
 from tripod.engine.divergence_guard import DivergenceGuard
 from tripod.engine.trainer import PPOTrainer
-
-
-@pytest.fixture(scope="module")
-def world_of_one(tmp_path_factory):
-    """A one-rank gloo world in this process (the checkpoint manager and the guard's broadcast need one)."""
-    if dist.is_initialized():
-        yield
-        return
-    store = tmp_path_factory.mktemp("store") / "file"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class _Prompts:
