@@ -53,9 +53,10 @@ def test_every_epoch_visits_every_row_once_per_optimizer_step():
 def test_stop_ends_the_update_after_the_mini_batch_that_tripped_it():
     rng = random.Random(2)
     worker = _Worker(rng)
-    kls = iter([0.001, 0.002, 0.5, 0.001])
+    kls = iter([0.001, 0.002, 0.5] + [rng.uniform(0, 0.01) for _ in range(5)])  # 2 epochs x 4 mini-batches
     out, stopped, steps = run_ppo_epochs(worker, _batch(8, 4), _cfg(2, 1, False), 2,
                                          lambda mb: {"actor/ppo_kl": next(kls)}, "actor",
                                          stop=lambda m: m["actor/ppo_kl"] > 0.1)
-    assert (stopped, steps, len(worker.grad_norms)) == (True, 3, 3)  # stopped in epoch 2, after its optimizer step
+    # stopped at the first epoch's third mini-batch, after its optimizer step
+    assert (stopped, steps, len(worker.grad_norms)) == (True, 3, 3)
     assert out["actor/ppo_kl"] == (0.001 + 0.002 + 0.5) / 3
