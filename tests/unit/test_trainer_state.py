@@ -61,8 +61,8 @@ def _trainer(root: str, guard_enabled: bool = True) -> PPOTrainer:
     return t
 
 
-def _advance(t: PPOTrainer, rng: random.Random) -> None:
-    """Move every part of the state somewhere no fresh trainer starts from."""
+def _advance(t: PPOTrainer, rng: random.Random, rolled_back: bool = True) -> None:
+    """Move every part of the state somewhere no fresh trainer starts from (with `rolled_back`, the guard's too)."""
     for _ in range(rng.randint(7, 11)):  # crosses an epoch of the 5-batch loader
         next(iter(t.loader))
         t.kl_ctrl.update(rng.uniform(0.0, 0.2), n_steps=4)
@@ -70,9 +70,11 @@ def _advance(t: PPOTrainer, rng: random.Random) -> None:
     for w in (t.actor, t.critic):
         for _ in range(rng.randint(3, 9)):
             w.lr_scheduler.step(1)
-    t.guard.rollbacks, t.guard.best_val = 1, rng.uniform(0.2, 0.9)  # as after one rollback
+    t.guard.best_val = rng.uniform(0.2, 0.9)
     t.guard.history = {"actor/grad_norm": [rng.uniform(0.5, 2.0) for _ in range(3)]}
-    t.apply_remedies(t.guard.remedies())
+    if rolled_back:
+        t.guard.rollbacks = 1
+        t.apply_remedies(t.guard.remedies())
     torch.rand(rng.randint(1, 50))
 
 
@@ -126,3 +128,47 @@ def test_load_refuses_a_world_size_mismatch_before_loading(tmp_path, world_of_on
         json.dump(state, f)
     with pytest.raises(ValueError, match="saved by 4 ranks"):
         t.resume(path)
+
+
+def test_trainer_applies_a_guard_rollback(tmp_path, world_of_one, capsys):
+    """judged(): a non-finite step rolls back to the newest GOOD checkpoint (state as saved there, newer checkpoints
+    REJECTED), adds remedy_kl_coef_add to the KL coefficient, halves the LR schedules and caps the clip ratios."""
+    from tripod.engine.divergence_guard import GOOD
+
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    root = str(tmp_path / "checkpoints")
+    t = _trainer(root)
+    t.ckpt.load = lambda mode, models: CheckpointManager.load(t.ckpt, mode, {})  # the fakes have no weights
+    saved = {}
+    for step in (1, 2, 3):
+        _advance(t, rng, rolled_back=False)
+        t.step = step
+        saved[step] = t.state_dict()
+        path = t.ckpt.save(step, saved[step], {})
+        if step < 3:  # global_step_3 is complete but was never marked GOOD
+            t.guard.mark_good(path)
+    _advance(t, rng, rolled_back=False)
+    t.guard.history = {}
+    t.step = 3
+    lr_before, kl_before = t.actor.optimizer.param_groups[0]["lr"], t.kl_ctrl.value
+
+    assert not t.judged({"actor/pg_loss": float("nan"), "actor/grad_norm": rng.uniform(0.5, 2)})
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert t.step == 2 and os.path.exists(os.path.join(root, "global_step_3", "REJECTED"))
+    assert not os.path.exists(os.path.join(root, "global_step_2", "REJECTED"))
+    assert t.loader.state_dict() == saved[2]["data"]
+    assert t.kl_ctrl.kl_coef == pytest.approx(saved[2]["kl_ctrl"]["kl_coef"] + 0.002)
+    # the schedule is back at global_step_2's optimizer step (megatron's loader adds to the live count)
+    assert t.actor.lr_scheduler.num_steps == saved[2]["lr_scheduler"]["actor"]["num_steps"]
+    assert t.actor.lr_scheduler.max_lr == pytest.approx(0.5e-3)
+    lr_after = t.actor.optimizer.param_groups[0]["lr"]
+    assert line == (f"guard: step 3 tripped (non-finite actor/pg_loss=nan); rolled back to global_step_2 (rollback "
+                    f"1/3); clip_ratio 0.2->0.1, kl_coef {kl_before:g}->{t.kl_ctrl.value:g}, actor lr {lr_before:g}->"
+                    f"{lr_after:g}")
+    assert os.path.exists(os.path.join(root, "global_step_2", GOOD))
+
+    metrics = {"actor/pg_loss": rng.uniform(-1, 1), "actor/grad_norm": rng.uniform(0.5, 2)}
+    assert t.judged(metrics)
+    assert metrics["guard/tripped"] == 1.0 and metrics["guard/rollbacks"] == 1.0
+    assert metrics["guard/clip_ratio"] == t.cfg.actor_rollout_ref.actor.clip_ratio == 0.1
+    assert metrics["guard/kl_coef"] == t.kl_ctrl.value

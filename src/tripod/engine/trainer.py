@@ -280,6 +280,7 @@ class PPOTrainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict()`; without "guard" the divergence guard keeps its own state (a rollback)."""
         for name, worker in self.trainable_workers().items():
+            worker.lr_scheduler.num_steps = 0  # megatron's load_state_dict adds the saved count to the live one
             worker.lr_scheduler.load_state_dict(state["lr_scheduler"][name])
         torch.set_rng_state(state["rng"]["torch"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
