@@ -24,7 +24,7 @@ import time
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from tripod.parallel.hybrid_engine.memory import proc_status_kib  # noqa: E402
+from tripod.engine.memory import peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -101,13 +101,12 @@ def logprobs_child(method: str, tokens: int, vocab: int, hidden: int, dtype: str
     w = (torch.randn(vocab, hidden, generator=gen) / hidden ** 0.5).to(DTYPES[dtype]).requires_grad_()
     labels = torch.randint(0, vocab, (tokens,), generator=gen)
     g_logp, g_ent = torch.randn(tokens, generator=gen), torch.randn(tokens, generator=gen)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    base_kib = proc_status_kib("VmRSS")
+    reset_peak_rss()
+    base_kib = rss_bytes() / 1024
     start = time.perf_counter()
     loss_fn(h, w, labels, g_logp, g_ent).backward()
     elapsed = time.perf_counter() - start
-    peak_kib = proc_status_kib("VmHWM")
+    peak_kib = peak_rss_bytes() / 1024
     return {"method": method, "seconds": elapsed, "peak_above_inputs_mib": (peak_kib - base_kib) / 1024,
             "peak_rss_mib": peak_kib / 1024, "input_and_param_mib": base_kib / 1024,
             "grad_norm_h": h.grad.float().norm().item()}

@@ -72,8 +72,8 @@ class StageRSS:
 
     @staticmethod
     def _rss() -> int:
-        from tripod.parallel.hybrid_engine.memory import proc_status_kib
-        return proc_status_kib("VmRSS") * 1024
+        from tripod.engine.memory import rss_bytes
+        return rss_bytes()
 
     def _charge(self, name: str, rss: int) -> None:
         self.peaks[name] = max(self.peaks.get(name, 0), rss)
@@ -107,7 +107,7 @@ class StageRSS:
 def _measure_activations(trainer, measured: dict, stages: "StageRSS") -> None:
     """Wrap the training pipeline runs: per model, the peak saved-activation bytes and the micro-batch shape."""
     from tripod.parallel import pipeline
-    from tripod.parallel.hybrid_engine.memory import SavedTensorBytes
+    from tripod.engine.memory import SavedTensorBytes
 
     original = pipeline.run_pipeline
     names = {id(w.model[0]): name for name, w in (("actor", trainer.actor), ("critic", trainer.critic))
@@ -143,7 +143,7 @@ def _run_config(config_yaml: str, result_path: str) -> None:
 
     from tripod.engine.config import TripodConfig
     from tripod.engine.trainer import PPOTrainer
-    from tripod.parallel.hybrid_engine.memory import proc_status_kib
+    from tripod.engine.memory import peak_rss_bytes, rss_bytes
 
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TripodConfig), OmegaConf.create(config_yaml)))
     stages = StageRSS()
@@ -185,12 +185,12 @@ def _run_config(config_yaml: str, result_path: str) -> None:
         per_model[name].update(got)
     if dist.get_rank() == 0:
         with open(result_path, "w") as f:
-            json.dump({"models": per_model, "rollout": measured, "peak_rss": proc_status_kib("VmHWM") * 1024,
-                       "rss": proc_status_kib("VmRSS") * 1024, "stages": stages.peaks}, f)
+            json.dump({"models": per_model, "rollout": measured, "peak_rss": peak_rss_bytes(),
+                       "rss": rss_bytes(), "stages": stages.peaks}, f)
 
 
 def run_config(overrides: list[str], label: str) -> dict:
-    from tripod.engine.cli import run_distributed
+    from tripod.engine.launch import run_distributed
     from tripod.engine.config import load_config
     from tripod.engine.config_loading import config_to_yaml
     from tripod.engine.config_validation import validate_config

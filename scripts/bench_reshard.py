@@ -72,7 +72,7 @@ def training_groups(plan):
 def run(args: argparse.Namespace) -> None:
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.hybrid_engine import MicroDPGather, TransferStats, build_reshard_plan, naive_full_gather
-    from tripod.parallel.hybrid_engine.memory import measure_peak_memory
+    from tripod.engine.memory import measure_peak_memory
     from tripod.parallel.hybrid_engine.plan import local_shape
 
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""Throughput, MFU and peak memory of a PPO step (perf/* metrics).
+"""Throughput, MFU and peak memory of a PPO step (perf/* metrics; memory read by engine/memory.py).
 
 FLOPs follow the usual dense-transformer count: 2 * params * tokens for a forward, 6 * params * tokens for a
 forward + backward, plus attention (4 * layers * hidden * seq per token forward); the LM head only counts at response
@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from tripod.engine.memory import peak_memory_gb
 from tripod.parallel.arch import ModelArch
 
 CUDA_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
@@ -39,14 +40,6 @@ def measure_peak_flops() -> float:
         a @ b
         best = min(best, time.perf_counter() - t0)
     return 2 * n ** 3 / best
-
-
-def peak_memory_gb() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2 ** 30
-    from tripod.parallel.hybrid_engine.memory import proc_status_kib
-
-    return proc_status_kib("VmHWM") / 2 ** 20
 
 
 class PerfCounter:

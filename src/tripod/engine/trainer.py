@@ -10,6 +10,7 @@ critic entirely; the reference model is only built when a KL term needs it.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,7 @@ from tripod.engine.config import TripodConfig, save_resolved_config
 from tripod.engine.config_validation import CRITIC_ESTIMATORS
 from tripod.engine.data import PromptBatch, PromptDataLoader, PromptDataset
 from tripod.engine.device import DeviceGuard, check_devices_enabled, current_device
-from tripod.engine.divergence_guard import DivergenceGuard
+from tripod.engine.divergence_guard import DivergenceGuard, GuardDecision, Remedies
 from tripod.engine.logging import Timer, Tracker
 from tripod.engine.throughput import PerfCounter
 from tripod.engine.precision import resolve_precision, rollout_dtype
@@ -118,9 +119,9 @@ class PPOTrainer:
         self.weight_sync = WeightSync(self.hybrid, engine, self.actor.model)  # owns resume/load/generate/release
 
         self.run_dir = cfg.trainer.default_local_dir
-        self.ckpt = CheckpointManager(os.path.join(self.run_dir, "checkpoints"), self)
+        self.ckpt = CheckpointManager(os.path.join(self.run_dir, "checkpoints"), self.arch, path)
         self.perf = PerfCounter(self.arch, self.world)
-        self.guard = DivergenceGuard(self)
+        self.guard = DivergenceGuard(cfg.trainer.divergence_guard, actor_cfg, algo.kl_ctrl.target_kl, self.ckpt.root)
         self.step = 0
 
     # ---- rollout -----------------------------------------------------------------------------
@@ -134,16 +135,8 @@ class PPOTrainer:
                               seed=self.cfg.trainer.seed * 1_000_003 + step * 7919 + self.hybrid.rollout_dp_rank)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, timer: Timer | None = None) -> list[list[int]]:
-        """Reshard the actor into the rollout engine, generate this replica's share, share results with all ranks."""
-        timer = timer or Timer()
-        replicas = self.hybrid.rollout_dp_size
-        bounds = [len(prompts) * i // replicas for i in range(replicas + 1)]
-        mine = self.hybrid.rollout_dp_rank
-        out = self.weight_sync.generate(prompts[bounds[mine]:bounds[mine + 1]], params, timer)
-        gathered: list = [None] * self.world
-        dist.all_gather_object(gathered, (mine, out.responses()))
-        by_replica = dict(gathered)
-        return [resp for i in range(replicas) for resp in by_replica[i]]
+        """Every prompt's responses on every rank (the rollout replicas split the prompts: WeightSync.generate_all)."""
+        return self.weight_sync.generate_all(prompts, params, timer or Timer())
 
     def score(self, batch: PromptBatch, responses: list[list[int]], n: int) -> tuple[list[float], dict]:
         payload = [None, None]
@@ -271,11 +264,93 @@ class PPOTrainer:
         out.update({f"val/{s}/reward_mean": sum(v) / len(v) for s, v in by_source.items()})
         return out
 
+    # ---- state -------------------------------------------------------------------------------------
+    def trainable_workers(self) -> dict[str, PolicyWorker | CriticWorker]:
+        """{checkpoint name: worker} of the models a checkpoint holds weights and optimizer states of."""
+        return {name: w for name, w in (("actor", self.actor), ("critic", self.critic)) if w is not None}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resume needs besides the models' weights and optimizer states (which the checkpoint manager
+        takes from `trainable_workers()`): step, data position, KL controller, LR schedules, divergence-guard state
+        and this rank's RNG ("rng", the only per-rank entry)."""
+        return {"step": self.step, "kl_ctrl": self.kl_ctrl.state_dict(), "data": self.loader.state_dict(),
+                "world_size": self.world,
+                "lr_scheduler": {name: w.lr_scheduler.state_dict() for name, w in self.trainable_workers().items()},
+                "guard": self.guard.state_dict(), "rng": {"torch": torch.get_rng_state()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict()`; without "guard" the divergence guard keeps its own state (a rollback)."""
+        for name, worker in self.trainable_workers().items():
+            worker.lr_scheduler.num_steps = 0  # megatron's load_state_dict adds the saved count to the live one
+            worker.lr_scheduler.load_state_dict(state["lr_scheduler"][name])
+        torch.set_rng_state(state["rng"]["torch"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.loader.load_state_dict(state["data"])
+        self.step = int(state["step"])
+        if "guard" in state:
+            self.guard.load_state_dict(state["guard"])
+            self.apply_remedies(self.guard.remedies())
+
+    def resume(self, mode: str | None) -> None:
+        """Continue from the checkpoint `mode` names (trainer.resume: auto, disable or a path), if there is one."""
+        state = self.ckpt.load(mode, self.trainable_workers())
+        if state is not None:
+            self.load_state_dict(state)
+
+    def apply_remedies(self, remedies: Remedies | None) -> None:
+        """Set the actor's clip ratios and KL-loss coefficient and scale the LR schedules (divergence guard)."""
+        if remedies is None:
+            return
+        cfg, a = self.cfg, self.cfg.actor_rollout_ref.actor
+        a.clip_ratio, a.clip_ratio_low, a.clip_ratio_high = remedies.clip_ratios
+        a.kl_loss_coef = remedies.kl_loss_coef
+        scale = remedies.lr_scale
+        for worker, optim in ((self.actor, a.optim), (self.critic, cfg.critic.optim)):
+            if worker is None:
+                continue
+            # the LR scheduler sets every group's lr from the group's max_lr / min_lr at each optimizer step:
+            # scale the schedule, not just this step's lr
+            sched = worker.lr_scheduler
+            sched.max_lr, sched.min_lr = optim.lr * scale, optim.min_lr_ratio * optim.lr * scale
+            for group in worker.optimizer.param_groups:
+                group["max_lr"], group["min_lr"] = sched.max_lr, sched.min_lr
+                group["lr"] = sched.get_lr(group)
+
+    def roll_back(self, step: int, decision: GuardDecision) -> None:
+        """Apply the guard's rollback: reject newer checkpoints, reload the GOOD one, raise the KL coefficient,
+        apply the remedies."""
+        a = self.cfg.actor_rollout_ref.actor
+        actor_lr = lambda: float(self.actor.optimizer.param_groups[0]["lr"])  # noqa: E731
+        self.ckpt.reject_after(decision.checkpoint_step)
+        before = (a.clip_ratio, self.kl_ctrl.value, actor_lr())
+        state = self.ckpt.load(decision.checkpoint, self.trainable_workers())
+        state.pop("guard", None)  # the guard's own count and best validation reward go on across a rollback
+        self.load_state_dict(state)
+        self.kl_ctrl.kl_coef += decision.kl_coef_add
+        self.apply_remedies(decision.remedies)
+        if self.rank == 0:
+            print(f"guard: step {step} tripped ({'; '.join(decision.reasons)}); rolled back to "
+                  f"{os.path.basename(decision.checkpoint)} (rollback {decision.remedies.rollbacks}/"
+                  f"{self.cfg.trainer.divergence_guard.max_rollbacks}); clip_ratio {before[0]:g}->{a.clip_ratio:g}, "
+                  f"kl_coef {before[1]:g}->{self.kl_ctrl.value:g}, actor lr {before[2]:g}->{actor_lr():g}", flush=True)
+
+    def judged(self, metrics: dict[str, float]) -> bool:
+        """The guard's decision on `metrics` applied: True to keep the step (guard/* metrics added to a training
+        step's), False when rolled back (self.step is then the GOOD checkpoint's)."""
+        decision = self.guard.judge(self.step, metrics)
+        if not decision.keep:
+            self.roll_back(self.step, decision)
+            return False
+        if decision.metrics:
+            metrics.update(decision.metrics)
+            metrics["guard/kl_coef"] = float(self.kl_ctrl.value)
+        return True
+
     # ---- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
         cfg = self.cfg
-        self.step = start_step = self.ckpt.resume(cfg.trainer.resume)
-        self.guard.restore(self.ckpt.loaded)
+        self.resume(cfg.trainer.resume)
+        start_step = self.step
         if self.rank == 0:
             save_resolved_config(cfg, self.run_dir)
         tracker = Tracker(self.run_dir, cfg.trainer.logger, resume_step=self.step if self.step else None,
@@ -290,12 +365,12 @@ class PPOTrainer:
             metrics = self.guard.run_step(self.checked_train_step, batch)
             self.step += 1
             done = self.step >= self.total_steps
-            if not self.guard.accept(self.step, metrics):  # rolled back: self.step is the last good checkpoint's
+            if not self.judged(metrics):  # rolled back: self.step is the last good checkpoint's
                 continue
             if self.val_set is not None and ((cfg.trainer.test_freq > 0 and self.step % cfg.trainer.test_freq == 0)
                                              or done):
                 last_val = self.validate()
-                if not self.guard.accept(self.step, last_val):  # validation reward collapsed
+                if not self.judged(last_val):  # validation reward collapsed
                     continue
                 metrics.update(last_val)
             metrics["training/epoch"] = self.loader.epoch
@@ -303,7 +378,7 @@ class PPOTrainer:
             if tracker:
                 tracker.log(metrics, self.step)
             if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or done:
-                saved = self.ckpt.save(self.step)
+                saved = self.ckpt.save(self.step, self.state_dict(), self.trainable_workers())
                 if self.rank == 0:
                     self.guard.mark_good(saved)
         if tracker:

@@ -202,8 +202,8 @@ def runtime_rss() -> int:
     import megatron.core.models.gpt  # noqa: F401
     import transformers  # noqa: F401
 
-    from tripod.parallel.hybrid_engine.memory import proc_status_kib
-    return proc_status_kib("VmRSS") * 1024
+    from tripod.engine.memory import rss_bytes
+    return rss_bytes()
 
 
 def kv_cache_bytes(arch: ModelArch, rollout_tp: int, sequences: int, seq_len: int, dtype: torch.dtype) -> int:

@@ -55,7 +55,7 @@ def record_reads(cfg) -> set[str]:
 
 
 def main(out_path: str, overrides: list[str]) -> None:
-    from tripod.engine.cli import run_distributed
+    from tripod.engine.launch import run_distributed
     from tripod.engine.launch import check_world, detect_launch
     from tripod.engine.preflight import preflight
     from tripod.engine.config import load_config

@@ -37,7 +37,7 @@ def run(hf_dir, arch, layout, batch, dtype, dist_opt):
                       clip_ratio_high=0.2)
     ccfg = CriticConfig(ppo_mini_batch_size=batch.size // 2, ppo_micro_batch_size_per_gpu=2, ppo_epochs=1,
                         use_dynamic_bsz=False)
-    from tripod.parallel.hybrid_engine.memory import SavedTensorBytes
+    from tripod.engine.memory import SavedTensorBytes
 
     exclude = {p.untyped_storage().data_ptr() for p in actor.module.parameters()} | {
         t.untyped_storage().data_ptr() for chunk in actor.model for b in chunk.buffers

@@ -18,7 +18,7 @@ def main(spec_path: str, raw_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tripod.engine.rewards import get_reward_fn
-    from tripod.parallel.hybrid_engine.memory import proc_status_kib
+    from tripod.engine.memory import GiB, peak_rss_bytes
 
     with open(spec_path) as f:
         spec = json.load(f)
@@ -79,8 +79,7 @@ def main(spec_path: str, raw_path: str) -> None:
                         "prompt_tokens": int(enc["attention_mask"].sum()) * n, "response_tokens": int(resp_mask.sum())})
         print(f"hf bench: step {i + 1}/{len(spec['prompts'])} {step_s:.2f} s  gen={gen_s:.2f} "
               f"update_actor={update_s:.2f}", flush=True)
-        raw = {"records": records, "world_size": 1, "ranks": [{"rank": 0, "peak_memory_gb": proc_status_kib(
-            "VmHWM") / 2 ** 20, "threads": torch.get_num_threads(), "peak_flops": None}]}
+        raw = {"records": records, "world_size": 1, "ranks": [{"rank": 0, "peak_memory_gb": peak_rss_bytes() / GiB, "threads": torch.get_num_threads(), "peak_flops": None}]}
         with open(raw_path, "w") as f:  # after every step: a run cut short still leaves its measured steps
             json.dump(raw, f, indent=1)
 

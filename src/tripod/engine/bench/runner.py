@@ -57,7 +57,8 @@ def bench_on_rank(config_yaml: str, steps: int, warmup: int, raw_path: str) -> N
     from omegaconf import OmegaConf
 
     from tripod.engine.config import TripodConfig
-    from tripod.engine.throughput import count_params, peak_memory_gb
+    from tripod.engine.memory import peak_memory_gb
+    from tripod.engine.throughput import count_params
     from tripod.engine.trainer import PPOTrainer
 
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TripodConfig), OmegaConf.create(config_yaml)))

@@ -1,7 +1,8 @@
 """The TRL peer of `tripod bench`: TRL's `GRPOTrainer` on the spec `tripod.engine.bench.baselines` writes, run by the
 python of the separate TRL virtualenv (`python engine/bench/trl_grpo.py SPEC.json RAW.json`).
 
-It imports no tripod code except the reward rule (`tripod.engine.rewards`, pure python), so it measures TRL itself.
+It imports no tripod code except the reward rule (`tripod.engine.rewards`, pure python) and the memory reader
+(`tripod.engine.memory`), so it measures TRL itself.
 Per step it records the wall time of the optimizer step (callback on_step_begin -> on_step_end), the time spent
 in TRL's `_generate` ("gen"), `_calculate_rewards` ("reward"), the rest of `_prepare_inputs` (old log-probs when
 TRL needs them, advantages: "adv"), the forward+backward of the loss ("update_actor"; optimizer step in "other"),
@@ -15,14 +16,6 @@ import sys
 import time
 
 
-def _vmhwm_gb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 2 ** 20
-    return float("nan")
-
-
 def main(spec_path: str, raw_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -33,6 +26,7 @@ def main(spec_path: str, raw_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from tripod.engine.memory import GiB, peak_rss_bytes
     from tripod.engine.rewards import get_reward_fn
 
     rows = [p for step in spec["prompts"] for p in step]
@@ -90,7 +84,7 @@ def main(spec_path: str, raw_path: str) -> None:
             write_raw()  # after every step: a run cut short still leaves its measured steps
 
     def write_raw() -> None:
-        raw = {"records": records, "world_size": 1, "ranks": [{"rank": 0, "peak_memory_gb": _vmhwm_gb(),
+        raw = {"records": records, "world_size": 1, "ranks": [{"rank": 0, "peak_memory_gb": peak_rss_bytes() / GiB,
                                                                "threads": torch.get_num_threads(),
                                                                "peak_flops": None}],
                "versions": {"trl": __import__("trl").__version__,

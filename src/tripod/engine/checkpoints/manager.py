@@ -4,13 +4,13 @@
         actor/            megatron dist checkpoint of the actor model (+ HF config: `tripod export` reads it)
         actor_optim/      megatron dist checkpoint of the actor optimizer (Adam moments, step)
         critic/ critic_optim/   the same for the critic (when there is one)
-        rng/rank_<r>.pt   every rank's torch RNG state
-        trainer_state.json  step, KL controller, data loader position, LR schedulers (megatron's
-                          OptimizerParamScheduler state: step count and schedule, restored exactly)
+        rng/rank_<r>.pt   every rank's RNG state (the trainer state's "rng")
+        trainer_state.json  the rest of the trainer's state object (PPOTrainer.state_dict: step, KL controller,
+                          data loader position, LR schedulers, divergence-guard state)
         COMPLETE          written last
 
 A save goes to `tmp_global_step_<k>` and is renamed when complete, so a run killed mid-save leaves only a
-`tmp_*` directory (or one without COMPLETE), which `resume="auto"` ignores. Every rank calls `save` / `resume`.
+`tmp_*` directory (or one without COMPLETE), which `resume="auto"` ignores. Every rank calls `save` / `load`.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -126,38 +127,35 @@ def _load_optimizer(worker, path: str) -> None:
 
 
 class CheckpointManager:
-    def __init__(self, root: str, trainer):
-        self.root, self.trainer = root, trainer
-        self.loaded: str | None = None  # the checkpoint the last resume() loaded
+    """Saves and loads a trainer's state object (`PPOTrainer.state_dict()`) with the weights and optimizer states of
+    the trainable models it is handed; it knows nothing else of the trainer."""
 
-    def _trainable(self) -> list[tuple[str, object]]:
-        t = self.trainer
-        return [(name, w) for name, w in (("actor", t.actor), ("critic", t.critic)) if w is not None]
+    def __init__(self, root: str, arch, tokenizer_dir: str):
+        self.root, self.arch, self.tokenizer_dir = root, arch, tokenizer_dir
 
-    def save(self, step: int) -> str:
+    def save(self, step: int, state: dict[str, Any], models: dict[str, Any]) -> str:
+        """Write `global_step_<step>`: every worker of `models` ({name: worker}), this rank's `state["rng"]`, and (rank 0)
+        the rest of `state` as trainer_state.json. Every rank calls it; returns the directory."""
         from tripod.parallel.checkpoint import save_model_checkpoint
 
-        t, rank = self.trainer, dist.get_rank()
+        rank = dist.get_rank()
         final = os.path.join(self.root, f"global_step_{step}")
         tmp = os.path.join(self.root, f"tmp_global_step_{step}")
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(os.path.join(tmp, "rng"))
         dist.barrier()
-        for name, worker in self._trainable():
-            save_model_checkpoint(worker.model, os.path.join(tmp, name), t.arch, worker.layout,
-                                  tokenizer_dir=t.cfg.actor_rollout_ref.model.path)
+        for name, worker in models.items():
+            save_model_checkpoint(worker.model, os.path.join(tmp, name), self.arch, worker.layout,
+                                  tokenizer_dir=self.tokenizer_dir)
             if rank == 0:
                 os.makedirs(os.path.join(tmp, f"{name}_optim"), exist_ok=True)
             dist.barrier()
             _save_optimizer(worker, os.path.join(tmp, f"{name}_optim"))
-        torch.save({"torch": torch.get_rng_state()}, os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+        torch.save(state["rng"], os.path.join(tmp, "rng", f"rank_{rank}.pt"))
         if rank == 0:
-            state = {"step": step, "kl_ctrl": t.kl_ctrl.state_dict(), "data": t.loader.state_dict(),
-                     "world_size": dist.get_world_size(),
-                     "lr_scheduler": {name: w.lr_scheduler.state_dict() for name, w in self._trainable()}}
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
-                json.dump(state, f, indent=2)
+                json.dump({k: v for k, v in state.items() if k != "rng"}, f, indent=2)
         dist.barrier()
         if rank == 0:
             with open(os.path.join(tmp, COMPLETE), "w") as f:
@@ -167,37 +165,41 @@ class CheckpointManager:
         dist.barrier()
         return final
 
-    def resume(self, mode: str) -> int:
-        """Load the checkpoint `mode` names ("auto": latest complete one; "disable"; or a path); returns its step."""
+    def load(self, mode: str | None, models: dict[str, Any]) -> dict[str, Any] | None:
+        """Load the checkpoint `mode` names ("auto": latest complete one; "disable"; or a path) into the workers of
+        `models`; returns the saved trainer state with this rank's "rng" (for `PPOTrainer.load_state_dict`), or None
+        when there is nothing to resume."""
         if mode in ("disable", "", None):
-            return 0
+            return None
         path = latest_complete(self.root) if mode == "auto" else mode
         if path is None:
-            return 0
+            return None
         if not os.path.exists(os.path.join(path, COMPLETE)):
             raise ValueError(f"trainer.resume={mode}: {path} is not a complete tripod checkpoint "
                              f"(no {COMPLETE} marker); point it at a global_step_<k> directory or use auto")
         from tripod.parallel.checkpoint import load_model_checkpoint
 
-        t = self.trainer
         with open(os.path.join(path, STATE_FILE)) as f:
             state = json.load(f)
         if state["world_size"] != dist.get_world_size():
             raise ValueError(f"{path} was saved by {state['world_size']} ranks; resume it with the same number "
                              f"of processes (this run has {dist.get_world_size()})")
-        for name, worker in self._trainable():
-            load_model_checkpoint(worker.model, os.path.join(path, name), worker.layout)
-            _load_optimizer(worker, os.path.join(path, f"{name}_optim"))
+        for name in models:
             if name not in state.get("lr_scheduler", {}):
                 raise ValueError(f"{path} has no LR-scheduler state for the {name} (saved by an older tripod); "
                                  "resume it with that version or start over with trainer.resume=disable")
-            worker.lr_scheduler.load_state_dict(state["lr_scheduler"][name])
-        rng = torch.load(os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt"))
-        torch.set_rng_state(rng["torch"])
-        t.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        t.loader.load_state_dict(state["data"])
-        self.loaded = path
+        for name, worker in models.items():
+            load_model_checkpoint(worker.model, os.path.join(path, name), worker.layout)
+            _load_optimizer(worker, os.path.join(path, f"{name}_optim"))
+        state["rng"] = torch.load(os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt"))
         if dist.get_rank() == 0:
             print(f"tripod: resumed from {path} at step {int(state['step'])}", flush=True)
-        return int(state["step"])
+        return state
 
+    def reject_after(self, step: int) -> None:
+        """Mark every checkpoint newer than `step` REJECTED (the divergence guard rolled back past it). Every rank."""
+        if dist.get_rank() == 0:
+            for s, p in checkpoint_steps(self.root):
+                if s > step:
+                    open(os.path.join(p, REJECTED), "w").close()
+        dist.barrier()

@@ -1,7 +1,11 @@
 """The rollout engine's life cycle in one place: resume -> load -> generate -> release, for every backend.
 
     sync = WeightSync(hybrid, rollout_engine, actor_model)
-    out = sync.generate(prompts, params, timer)   # the trainer's only call into the rollout engine
+    responses = sync.generate_all(prompts, params, timer)   # the trainer's only call into the rollout engine
+
+`generate_all` is the rollout boundary: it takes the whole batch's prompts, splits them among the rollout DP
+replicas (each replica = one rollout TP group), generates this replica's share (`generate`) and all-gathers the
+responses, so every rank returns every prompt's responses in prompt order.
 
 `generate` re-reserves the engine's memory (`resume_memory`: SGLang requires it after
 `release_memory_occupation`; the embedded engine re-allocates its weight buffers), gathers the generation shard
@@ -18,6 +22,7 @@ import contextlib
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 
 from tripod.engine.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 
@@ -61,3 +66,30 @@ class WeightSync:
                 out = engine.generate(prompts, params)
             self.events.append("generate")
         return out
+
+    def generate_all(self, prompts: list[list[int]], params: SamplingParams, timer=None) -> list[list[int]]:
+        """The rollout of a whole batch: each rollout DP replica generates its contiguous share of `prompts`
+        (`replica_bounds`), and every rank gets every prompt's responses, in prompt order (n per prompt)."""
+        replicas, mine = self.hybrid.rollout_dp_size, self.hybrid.rollout_dp_rank
+        bounds = replica_bounds(len(prompts), replicas)
+        out = self.generate(prompts[bounds[mine]:bounds[mine + 1]], params, timer)
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (mine, out.responses()))
+        return join_replicas(gathered, replicas)
+
+
+def replica_bounds(num_prompts: int, replicas: int) -> list[int]:
+    """Start offsets of each rollout replica's share of `num_prompts` prompts, plus the end: replica i takes
+    prompts[bounds[i]:bounds[i + 1]] (shares differ by at most one prompt)."""
+    return [num_prompts * i // replicas for i in range(replicas + 1)]
+
+
+def join_replicas(gathered: list[tuple[int, list[list[int]]]], replicas: int) -> list[list[int]]:
+    """Every rank's (replica, responses) -> all responses in replica order (the ranks of one replica hold the same
+    responses; any one of them stands for it)."""
+    by_replica = dict(gathered)
+    missing = [i for i in range(replicas) if i not in by_replica]
+    if missing:
+        raise RuntimeError(f"no responses from rollout replica(s) {missing} of {replicas}")
+    return [resp for i in range(replicas) for resp in by_replica[i]]
+

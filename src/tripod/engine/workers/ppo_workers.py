@@ -8,6 +8,8 @@ gives the mini-batch value whatever the layout: the actor's pg_loss at TP1xPP1 a
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from tripod.engine.algorithms import agg_norm, entropy_loss, kl_loss, masked_mean, policy_loss, value_loss
@@ -33,6 +35,34 @@ def _mini_batch_rows(batch: PPOBatch, mini_rows: int, shuffle: bool, epoch: int)
     seed = int(batch["index"].sum()) * 1009 + epoch
     order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(seed))
     return [order[s] for s in slices]
+
+
+def run_ppo_epochs(worker: MegatronWorker, batch: PPOBatch, cfg, n_samples: int,
+                   update_mini_batch: Callable[[PPOBatch], dict[str, float]], prefix: str,
+                   stop: Callable[[dict[str, float]], bool] | None = None) -> tuple[dict[str, float], bool, int]:
+    """The PPO update loop of the actor and the critic: `cfg.ppo_epochs` epochs over mini-batches of
+    `cfg.ppo_mini_batch_size * n_samples` rows (verl semantics), `update_mini_batch` (forward + backward) then one
+    optimizer step per mini-batch; `stop(metrics)` true after a mini-batch ends the update early.
+    Returns (metrics averaged over the optimizer steps with `{prefix}/grad_norm` and `{prefix}/lr`, stopped early,
+    number of optimizer steps)."""
+    mini_rows = cfg.ppo_mini_batch_size * n_samples
+    per_step, grad_norms = [], []
+    for epoch in range(cfg.ppo_epochs):
+        for rows in _mini_batch_rows(batch, mini_rows, cfg.shuffle, epoch):
+            metrics = update_mini_batch(batch.select(rows))
+            grad_norms.append(worker.step())
+            per_step.append(metrics)
+            if stop is not None and stop(metrics):
+                return _epoch_metrics(worker, per_step, grad_norms, prefix), True, len(grad_norms)
+    return _epoch_metrics(worker, per_step, grad_norms, prefix), False, len(grad_norms)
+
+
+def _epoch_metrics(worker: MegatronWorker, per_step: list[dict[str, float]], grad_norms: list[float],
+                   prefix: str) -> dict[str, float]:
+    out = _mean_dicts(per_step)
+    out[f"{prefix}/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    out[f"{prefix}/lr"] = worker.last_lr  # of this step's last optimizer update
+    return out
 
 
 def _split_mini_batch(worker: MegatronWorker, mini: PPOBatch, cfg):
@@ -85,25 +115,13 @@ class PolicyWorker(MegatronWorker):
         return logp, ent
 
     def update(self, batch: PPOBatch, cfg, temperature: float, n_samples: int) -> dict[str, float]:
-        """PPO epochs over mini-batches of `cfg.ppo_mini_batch_size * n_samples` rows (verl semantics)."""
-        mini_rows = cfg.ppo_mini_batch_size * n_samples
-        per_step, grad_norms, stopped = [], [], False
-        for epoch in range(cfg.ppo_epochs):
-            for rows in _mini_batch_rows(batch, mini_rows, cfg.shuffle, epoch):
-                mini = batch.select(rows)
-                metrics = self._update_mini_batch(mini, cfg, temperature)
-                grad_norms.append(self.step())
-                per_step.append(metrics)
-                if cfg.target_kl is not None and metrics["actor/ppo_kl"] > cfg.target_kl:
-                    stopped = True
-                    break
-            if stopped:
-                break
-        out = _mean_dicts(per_step)
-        out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out["actor/lr"] = self.last_lr  # of this step's last optimizer update
+        """The PPO actor update (`run_ppo_epochs`), stopped early once a mini-batch's actor/ppo_kl > target_kl."""
+        stop = None if cfg.target_kl is None else (lambda m: m["actor/ppo_kl"] > cfg.target_kl)
+        out, stopped, updates = run_ppo_epochs(self, batch, cfg, n_samples,
+                                               lambda mini: self._update_mini_batch(mini, cfg, temperature),
+                                               "actor", stop)
         out["actor/early_stopped"] = float(stopped)
-        out["actor/num_updates"] = float(len(grad_norms))
+        out["actor/num_updates"] = float(updates)
         return out
 
     def _update_mini_batch(self, mini: PPOBatch, cfg, temperature: float) -> dict[str, float]:
@@ -156,15 +174,9 @@ class CriticWorker(MegatronWorker):
         return self.gather_rows(values, (r,), n)
 
     def update(self, batch: PPOBatch, cfg, n_samples: int) -> dict[str, float]:
-        mini_rows = cfg.ppo_mini_batch_size * n_samples
-        per_step, grad_norms = [], []
-        for epoch in range(cfg.ppo_epochs):
-            for rows in _mini_batch_rows(batch, mini_rows, cfg.shuffle, epoch):
-                per_step.append(self._update_mini_batch(batch.select(rows), cfg))
-                grad_norms.append(self.step())
-        out = _mean_dicts(per_step)
-        out["critic/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out["critic/lr"] = self.last_lr  # of this step's last optimizer update
+        """The clipped value-loss update over the PPO epochs and mini-batches (`run_ppo_epochs`)."""
+        out, _, _ = run_ppo_epochs(self, batch, cfg, n_samples, lambda mini: self._update_mini_batch(mini, cfg),
+                                   "critic")
         return out
 
     def _update_mini_batch(self, mini: PPOBatch, cfg) -> dict[str, float]:

@@ -3,7 +3,6 @@
 
 - plan.py       who gathers what from whom; bytes and peak memory per rank; validation (pure arithmetic)
 - transport.py  executing the plan with bucketed broadcasts, and the naive full-gather baseline
-- memory.py     measured peak memory (VmHWM on CPU, the allocator's peak on CUDA)
 - engine.py     `HybridEngine`: the per-step round trip around a rollout engine
 """
 from tripod.parallel.hybrid_engine.plan import ReshardPlan, ReshardPlanError, build_reshard_plan, validate_layouts

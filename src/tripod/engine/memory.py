@@ -1,9 +1,14 @@
-"""Measured host-memory high-water marks (Linux), for the hybrid engine's memory claims and benchmarks.
+"""Memory measurement in one place: what this process holds and held at most, on the host and on CUDA.
 
-`torch` keeps no allocator statistics for CPU tensors, so the measurement is the process' peak resident set size:
-writing 5 to /proc/self/clear_refs resets the kernel's high-water mark (VmHWM) to the current RSS, and VmHWM read
-afterwards is the true peak in between. Free heap is trimmed first (glibc malloc_trim), otherwise memory freed
-earlier and reused inside the block would not count. On CUDA, the allocator's own peak is used instead.
+The throughput metrics (perf/max_memory_allocated_gb), `tripod bench` and its peers (engine/bench/), the memory
+plan's runtime baseline (parallel/memory_plan.py), the hybrid engine's peak-memory checks and the scripts/bench_*
+tools all read memory through here.
+
+Host: `torch` keeps no allocator statistics for CPU tensors, so the measurement is the process' resident set size
+from /proc/self/status (Linux): VmRSS now, VmHWM the high-water mark. Writing 5 to /proc/self/clear_refs resets
+VmHWM to the current RSS, and VmHWM read afterwards is the true peak in between (`measure_peak_memory`). Free heap
+is trimmed first (glibc malloc_trim), otherwise memory freed earlier and reused inside the block would not count.
+On CUDA the allocator's own peak is used instead. `SavedTensorBytes` counts what autograd saves for backward.
 """
 from __future__ import annotations
 
@@ -11,8 +16,11 @@ import contextlib
 import ctypes
 import gc
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
+
+GiB = 2 ** 30
 
 
 def proc_status_kib(field: str) -> int:
@@ -22,6 +30,29 @@ def proc_status_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def rss_bytes() -> int:
+    """This process' resident set size now (VmRSS)."""
+    return proc_status_kib("VmRSS") * 1024
+
+
+def peak_rss_bytes() -> int:
+    """This process' resident set high-water mark (VmHWM): since start, or since the last `reset_peak_rss`."""
+    return proc_status_kib("VmHWM") * 1024
+
+
+def reset_peak_rss() -> None:
+    """Reset the kernel's high-water mark (VmHWM) to the current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_memory_gb() -> float:
+    """The process' peak memory in GiB: the CUDA allocator's peak when CUDA is in use, else the peak RSS."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / GiB
+    return peak_rss_bytes() / GiB
 
 
 def _release_free_heap() -> None:
@@ -84,7 +115,7 @@ class PeakMemory:
 
 
 @contextlib.contextmanager
-def measure_peak_memory(device: torch.device | str = "cpu"):
+def measure_peak_memory(device: torch.device | str = "cpu") -> Iterator[PeakMemory]:
     """`with measure_peak_memory() as m: ...` then `m.extra_bytes` is the peak growth inside the block."""
     m = PeakMemory()
     if torch.device(device).type == "cuda":
@@ -96,8 +127,7 @@ def measure_peak_memory(device: torch.device | str = "cpu"):
         m.peak_bytes = torch.cuda.max_memory_allocated()
         return
     _release_free_heap()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    m.baseline_bytes = proc_status_kib("VmRSS") * 1024
+    reset_peak_rss()
+    m.baseline_bytes = rss_bytes()
     yield m
-    m.peak_bytes = proc_status_kib("VmHWM") * 1024
+    m.peak_bytes = peak_rss_bytes()

@@ -1,0 +1,37 @@
+"""`tripod export CKPT_DIR HF_DIR [--tp --pp --ep --etp --dtype]`: tripod checkpoint -> HF safetensors + config.json."""
+from __future__ import annotations
+
+import argparse
+
+from tripod.engine.cli.convert import add_expert_args, check_parallel_sizes, experts_suffix, say
+from tripod.engine.launch import run_distributed
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from tripod.parallel.checkpoint import checkpoint_arch, check_exportable, export_checkpoint_to_hf, min_world_size
+
+    arch = checkpoint_arch(args.ckpt_dir)
+    check_exportable(args.ckpt_dir)
+    check_parallel_sizes(arch, args.tp, args.pp, args.ep, args.etp)
+    dtype = None if args.dtype is None else getattr(torch, args.dtype)
+    run_distributed(min_world_size(args.tp, args.pp, args.ep, args.etp), export_checkpoint_to_hf, args.ckpt_dir,
+                    args.hf_dir, args.tp, args.pp, dtype, args.ep, args.etp)
+    say(f"tripod export: {args.ckpt_dir} -> {args.hf_dir} ({arch.family}, loaded at TP{args.tp} x PP{args.pp}"
+        f"{experts_suffix(args)})")
+    return 0
+
+
+def add_export_command(subparsers) -> None:
+    p = subparsers.add_parser("export", help="tripod checkpoint -> HF safetensors + config.json",
+                              description="Export a tripod checkpoint (saved at any layout) as a Hugging "
+                                          "Face model directory that AutoModelForCausalLM reads.")
+    p.add_argument("ckpt_dir", help="tripod checkpoint directory")
+    p.add_argument("hf_dir", help="output HF model directory")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size used to load (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size used to load (default 1)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="cast the exported weights (default: as stored)")
+    add_expert_args(p)
+    p.set_defaults(func=cmd_export)

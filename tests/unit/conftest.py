@@ -1,0 +1,17 @@
+"""Fixtures of the in-process unit tests."""
+import pytest
+
+
+@pytest.fixture(scope="module")
+def world_of_one(tmp_path_factory):
+    """A one-rank gloo world in this process, for code that calls torch.distributed (barriers, broadcasts) but
+    needs no peers: the checkpoint manager and the divergence guard's verdict."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    store = tmp_path_factory.mktemp("store") / "file"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
