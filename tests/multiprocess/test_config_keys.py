@@ -140,7 +140,7 @@ def test_reads_in_preflight_do_not_count():
         check_resume(cfg, None, 1)  # preflight: reads trainer.resume ("auto": nothing to check)
         assert reads == set(), f"reads by preflight counted: {sorted(reads)}"
         assert check_world(cfg, Launch("local", 0)) == 1
-        assert reads == {"trainer.nnodes", "trainer.n_gpus_per_node"}, sorted(reads)
+        assert reads == {"trainer", "trainer.nnodes", "trainer.n_gpus_per_node"}, sorted(reads)  # + the section
     finally:
         for cls in classes:
             if "__getattribute__" in vars(cls):
