@@ -109,10 +109,24 @@ def _unknown_source(e):
     return path
 
 
-def _typo_recipe(e):
-    path = str(e["tmp"] / "typo.yaml")
+def _null_ground_truth(e):
+    """Two of eight rows with a null reward_model.ground_truth: str(None) would be trained on with reward 0."""
+    from tripod.engine.data import write_prompt_parquet
+    path = str(e["tmp"] / "null_truth.parquet")
+    rows = [{"data_source": "arithmetic", "prompt": [{"role": "user", "content": f"{i}+1?"}],
+             "reward_model": {"ground_truth": None if i in (3, 6) else str(i + 1)}} for i in range(8)]
+    write_prompt_parquet(rows, path)
+    return path
+
+
+RECIPE_TEXTS = {"recipe_key_typo": "trainer:\n  total_trainig_steps: 3\n",
+                "recipe_not_yaml": "trainer:\n  total_training_steps: 3\n   save_freq: [1\n"}
+
+
+def _recipe(e, row):
+    path = str(e["tmp"] / f"{row}.yaml")
     with open(path, "w") as f:
-        f.write("trainer:\n  total_trainig_steps: 3\n")
+        f.write(RECIPE_TEXTS[row])
     return path
 
 
@@ -125,6 +139,7 @@ ROWS = {
         "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_TASKS": "3",
         "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_TASKS_PER_NODE": "3"}), "srun with 3 tasks"),
     "recipe_key_typo": ("recipe", LOCAL, "did you mean 'trainer.total_training_steps'"),
+    "recipe_not_yaml": ("recipe", LOCAL, "recipe_not_yaml.yaml is not valid YAML at line 3"),
     "override_key_typo": (["actor_rollout_ref.actor.clip_ration=0.1"], LOCAL,
                           "did you mean 'actor_rollout_ref.actor.clip_ratio'"),
     "override_wrong_type": (["data.train_batch_size=many"], LOCAL, "data.train_batch_size"),
@@ -145,6 +160,8 @@ ROWS = {
     "parquet_missing_column": (lambda e: [f"data.train_files={_no_column(e)}"], LOCAL,
                                "no column 'reward_model.ground_truth'"),
     "empty_parquet": (lambda e: [f"data.train_files={_empty(e)}"], LOCAL, "empty.parquet is empty"),
+    "null_ground_truth": (lambda e: [f"data.train_files={_null_ground_truth(e)}"], LOCAL,
+                          "null_truth.parquet: 2 of 8 rows have no reward_model.ground_truth"),
     "unknown_data_source": (lambda e: [f"data.train_files={_unknown_source(e)}"], LOCAL, "no reward function"),
     "prompts_too_long": (["data.max_prompt_length=4"], LOCAL, "data.max_prompt_length"),
     "model_path_missing": (lambda e: [f"actor_rollout_ref.model.path={e['tmp']}/no_model"], LOCAL,
@@ -182,7 +199,7 @@ def test_bad_input_stops_in_preflight_with_one_line(env, row, monkeypatch):
     recipe, run_dir = RECIPE, env["run_dir"]
     args = tiny_overrides(env["setup"], run_dir)
     if overrides == "recipe":
-        recipe = _typo_recipe(env)
+        recipe = _recipe(env, row)
     elif overrides == "read_only":
         os.chmod(run_dir, 0o555)
         if os.geteuid() == 0:  # root writes through file modes: simulate the read-only mount at the OS call

@@ -117,3 +117,31 @@ def test_the_walk_sees_an_unread_key():
     # a read key pulls in what it interpolates: critic.ppo_epochs follows actor.ppo_epochs
     assert "actor_rollout_ref.actor.ppo_epochs" in honoured({"critic.ppo_epochs"})
     assert len(NOT_EXERCISED) <= 6  # SGLang-only, reference-only refusals and the guard's on-trip remedies
+
+
+def test_reads_in_preflight_do_not_count():
+    """Only the engine's use of a key counts: preflight's checks (engine/preflight.py) read keys without honouring
+    them; launch.check_world's reads count (its world size is how many ranks `tripod train` starts)."""
+    import dataclasses
+
+    from tests.multiprocess.workers.config_reads import record_reads
+    from tripod.engine.config import load_config
+    from tripod.engine.launch import Launch, check_world
+    from tripod.engine.preflight import check_resume
+
+    cfg = load_config(str(REPO_ROOT / "recipes" / "defaults.yaml"))
+    classes, todo = set(), [cfg]
+    while todo:
+        obj = todo.pop()
+        classes.add(type(obj))
+        todo += [getattr(obj, f.name) for f in dataclasses.fields(obj) if dataclasses.is_dataclass(getattr(obj, f.name))]
+    try:
+        reads = record_reads(cfg)
+        check_resume(cfg, None, 1)  # preflight: reads trainer.resume ("auto": nothing to check)
+        assert reads == set(), f"reads by preflight counted: {sorted(reads)}"
+        assert check_world(cfg, Launch("local", 0)) == 1
+        assert reads == {"trainer", "trainer.nnodes", "trainer.n_gpus_per_node"}, sorted(reads)  # + the section
+    finally:
+        for cls in classes:
+            if "__getattribute__" in vars(cls):
+                del cls.__getattribute__

@@ -55,10 +55,32 @@ def _run(setup, run_dir, extra, poison_step, per_step=8):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
 
 
+# What step 2's rollout produced, before any update: the prompts (data position), the sampled responses (RNG) and
+# the restored critic's values on them. The guard's remedies (lr, clip ratio, kl_coef) act only after these.
+ROLLOUT = ("prompt_length/mean", "response_length/mean", "critic/score/mean", "critic/values/mean")
+
+
+def _metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def gave_up(tmp_path_factory):
+    """max_rollbacks=0 with the poison in step 3: steps 1 and 2 run clean (the reference for the replayed step 2
+    below, same seed and config), step 3 trips and the run stops."""
+    tmp = tmp_path_factory.mktemp("gave_up")
+    run_dir = str(tmp / "run")
+    proc = _run(_poisoned_setup(tmp), run_dir, ["trainer.divergence_guard.max_rollbacks=0"], poison_step=3)
+    return proc, run_dir
+
+
 @pytest.mark.dist
-def test_nan_reward_rolls_back_recovers_and_finishes(tmp_path):
+def test_nan_reward_rolls_back_recovers_and_finishes(tmp_path, gave_up):
     """Rewards of step 2 are NaN (4 prompts x n=2 = 8 scorer calls per step): step 2 trips, the run reloads
-    global_step_1, halves the lr, clips at 0.1, raises kl_coef by 0.002, replays step 2 cleanly and finishes."""
+    global_step_1, halves the lr, clips at 0.1, raises kl_coef by 0.002, replays step 2 cleanly and finishes.
+    The replay restarts from step 1's data position and RNG: its rollout is bit for bit the clean run's step 2
+    (same process layout and thread count, so the same arithmetic in the same order)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     setup = _poisoned_setup(tmp_path)
@@ -69,9 +91,14 @@ def test_nan_reward_rolls_back_recovers_and_finishes(tmp_path):
     assert len(lines) == 1 and "step 2 tripped (non-finite" in lines[0] and "rolled back to global_step_1" in lines[0]
     assert "clip_ratio 0.2->0.1" in lines[0] and "kl_coef 0.001->0.003" in lines[0]
     assert "actor lr 0.001->0.0005" in lines[0], lines[0]
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        metrics = [json.loads(line) for line in f]
+    metrics = _metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3]
+    clean = {m["step"]: m for m in _metrics(gave_up[1])}
+    assert sorted(clean) == [1, 2], sorted(clean)
+    replayed = {k: metrics[1][k] for k in ROLLOUT}
+    assert replayed == {k: clean[2][k] for k in ROLLOUT}, ("the replayed step 2 did not start from step 1's data "
+                                                           "position and RNG", replayed, clean[2])
+    assert {k: metrics[0][k] for k in ROLLOUT} == {k: clean[1][k] for k in ROLLOUT}  # the runs agree before the trip
     assert [m["guard/rollbacks"] for m in metrics] == [0.0, 1.0, 1.0]
     assert [m["guard/tripped"] for m in metrics] == [0.0, 1.0, 0.0]
     assert metrics[2]["guard/lr_scale"] == 0.5 and metrics[2]["guard/clip_ratio"] == 0.1
@@ -87,12 +114,10 @@ def test_nan_reward_rolls_back_recovers_and_finishes(tmp_path):
 
 
 @pytest.mark.dist
-def test_guard_gives_up_after_max_rollbacks(tmp_path):
-    setup = _poisoned_setup(tmp_path)
-    run_dir = str(tmp_path / "run")
-    proc = _run(setup, run_dir, ["trainer.divergence_guard.max_rollbacks=0"], poison_step=2)
+def test_guard_gives_up_after_max_rollbacks(gave_up):
+    proc, run_dir = gave_up
     assert proc.returncode != 0
     err = [l for l in proc.stdout.splitlines() if l.startswith("tripod train: error:")]
-    assert len(err) == 1 and "step 2 diverged (non-finite" in err[0] and "max_rollbacks" in err[0], proc.stdout[-3000:]
-    assert os.path.exists(os.path.join(run_dir, "checkpoints", "global_step_1", GOOD))
-    assert not os.path.exists(os.path.join(run_dir, "checkpoints", "global_step_2"))
+    assert len(err) == 1 and "step 3 diverged (non-finite" in err[0] and "max_rollbacks" in err[0], proc.stdout[-3000:]
+    assert os.path.exists(os.path.join(run_dir, "checkpoints", "global_step_2", GOOD))
+    assert not os.path.exists(os.path.join(run_dir, "checkpoints", "global_step_3"))

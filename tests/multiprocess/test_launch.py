@@ -146,9 +146,10 @@ def _worker_pids(root_pid):
 
 @pytest.mark.dist
 def test_sigkill_of_one_rank_restarts_the_group_and_resumes_exactly(tmp_path):
-    seed = int(os.environ.get("TRIPOD_TEST_SEED", "0"))
+    # a different kill step from run to run (TRIPOD_TEST_SEED=<seed> replays one); the seed is in the test's output
+    seed = int(os.environ.get("TRIPOD_TEST_SEED", str(time.time_ns() % 1_000_000)))
     kill_step = random.Random(seed).choice([2, 3])  # killed during this step, after checkpoint kill_step - 1
-    print(f"elastic restart: seed {seed}, SIGKILL of local rank 1 during step {kill_step}")
+    print(f"elastic restart: TRIPOD_TEST_SEED={seed}, SIGKILL of local rank 1 during step {kill_step}")
     setup = make_ppo_setup(tmp_path)
     ref, cut = str(tmp_path / "uninterrupted"), str(tmp_path / "killed")
     common = ["trainer.save_freq=1", "data.val_files=[]", "trainer.val_before_train=false"]
@@ -171,4 +172,12 @@ def test_sigkill_of_one_rank_restarts_the_group_and_resumes_exactly(tmp_path):
     code, out = _finish(job)
     assert code == 0, out[-5000:]
     assert "exitcode: -9" in out, out[-3000:]  # the agent saw the SIGKILL, yet the launch succeeded: restarted
+    # Retraining from step 0 after the restart would end with the same weights (the runs are deterministic), so the
+    # restart must show that it resumed: one resume line naming the last complete checkpoint, and the steps after
+    # it logged by a process that started at that step.
+    resumed = [line for line in out.splitlines() if "tripod: resumed from" in line]
+    saved = kill_step - 1
+    assert len(resumed) == 1 and resumed[0].rstrip().endswith(f"global_step_{saved} at step {saved}"), resumed
+    starts = {step: m["training/start_step"] for step, m in _metrics(cut).items()}
+    assert starts == {s: (0 if s <= saved else saved) for s in (1, 2, 3)}, (kill_step, starts)
     _assert_same_run(ref, cut, tmp_path, steps=3)

@@ -70,3 +70,5 @@ def test_packed_model_equals_unpacked_and_catches_a_planted_leak(tmp_path):
     assert any(ln.startswith("PACK planted") for ln in lines), out[-3000:]
     for layout in ("DP2", "PP2", "TP2SP"):
         assert any(ln.startswith(f"PACK {layout} logp_after") for ln in lines), out[-3000:]
+    for router in ("no_router_stats", "aux_loss", "bias_update"):  # MoE packing off when the router keeps stats
+        assert any(ln.startswith(f"PACK moe {router} packed_micro_batches=") for ln in lines), out[-3000:]

@@ -10,6 +10,7 @@ import difflib
 import os
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -62,14 +63,21 @@ def load_structured(schema: type, yaml_path: str | os.PathLike | None = None, ov
     `moved` maps keys left out of the schema on purpose to a pointer at what to set instead.
 
     Raises ConfigError for an unknown key (with the closest valid key), a value of the wrong type, a malformed
-    override, or a missing YAML file.
+    override, a missing YAML file or one that is not valid YAML.
     """
     cfg = OmegaConf.structured(schema)
     if yaml_path is not None:
         yaml_path = os.fspath(yaml_path)
         if not os.path.isfile(yaml_path):
             raise ConfigError(f"config file {yaml_path} does not exist; pass an existing YAML recipe (see recipes/)")
-        loaded = OmegaConf.load(yaml_path)
+        try:
+            loaded = OmegaConf.load(yaml_path)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"config file {yaml_path} is not valid YAML{where}: {problem}; fix the recipe "
+                              "(see recipes/defaults.yaml)") from None
         if not isinstance(loaded, DictConfig):
             raise ConfigError(f"config file {yaml_path} must hold a mapping of keys at the top level")
         cfg = _merge(cfg, loaded, f"config file {yaml_path}", moved or {})

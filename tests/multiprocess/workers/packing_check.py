@@ -6,7 +6,9 @@ every micro-batch of the packed runs must really pack. For each layout, a packed
 and critic built from the same checkpoint must give the same log-probs / entropy / values (response tokens), the
 same pg_loss / vf_loss / grad norms of one update (SGD: no Adam amplification of rounding), and the same log-probs
 after it. Then a planted bug (response blocks see each other's tokens) must be caught by the same comparison.
-Prints `PACK <layout> <quantity> <max diff>` lines and `PACK planted <diff>`.
+Last, an MoE actor (Qwen2-MoE) packs, but not when its router keeps token statistics (aux loss, expert-bias
+update; MegatronWorker.can_pack). Prints `PACK <layout> <quantity> <max diff>` lines, `PACK planted <diff>` and
+`PACK moe <router> packed_micro_batches=<n>`.
 """
 import sys
 
@@ -119,7 +121,46 @@ def main():
             err = ((bad["logp"] - plain["logp"]) * mask).abs().max().item()
             print(f"PACK planted {err:.3e}", flush=True)
             assert err > 100 * TOL, f"the planted mask leak was not caught ({err:.3e})"
+    check_moe_router_runs_do_not_pack(hf_dir, mw)
     dist.barrier()
+
+
+def check_moe_router_runs_do_not_pack(hf_dir, mw) -> None:
+    """An MoE actor packs shared prompts unless its router keeps token statistics (the load-balancing loss or the
+    expert-bias update): packing counts a shared prompt once instead of once per row, which would change them.
+    Qwen2-MoE (plain RoPE) packs by itself, so each refusal below is the router rule's doing."""
+    import os
+
+    from tests.helpers.moe_models import make_tiny_moe_model
+    from tripod.engine.config import OptimConfig
+    from tripod.engine.workers.ppo_workers import PolicyWorker
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.layout import ParallelLayout
+
+    moe_root = os.path.join(os.path.dirname(hf_dir), "moe_packing")
+    if dist.get_rank() == 0:
+        make_tiny_moe_model(moe_root, "qwen2_moe", seed=4, vocab_size=96, max_position_embeddings=128)
+    dist.barrier()
+    moe_dir = os.path.join(moe_root, "qwen2_moe_seed4")
+    arch = arch_from_hf(moe_dir)
+    batch = make_batch(arch, torch.Generator().manual_seed(8))
+    layout = ParallelLayout(name="MOE_DP2", arch=arch, tp=1, pp=1, dp=2, ranks=[0, 1])
+    routers = {"no_router_stats": {}, "aux_loss": dict(moe_router_load_balancing_type="aux_loss",
+                                                       moe_aux_loss_coeff=0.01),
+               "bias_update": dict(moe_router_bias_update_rate=1e-3)}
+    real = mw.pack_shared_prompts
+    for name, overrides in routers.items():
+        made = []
+        mw.pack_shared_prompts = lambda mb, pad_id=0: made.append(real(mb, pad_id)) or made[-1]
+        try:
+            actor = PolicyWorker("actor", arch, layout, moe_dir, optim=OptimConfig(optimizer="sgd", lr=1e-2),
+                                 grad_clip=1e9, share_prompt_prefix=True, config_overrides=overrides)
+            actor.compute_log_probs(batch, 4, 1.0)
+        finally:
+            mw.pack_shared_prompts = real
+        packed = sum(p is not None for p in made)
+        print(f"PACK moe {name} packed_micro_batches={packed}", flush=True)
+        assert (packed > 0) == (name == "no_router_stats"), (name, packed)
 
 
 if __name__ == "__main__":

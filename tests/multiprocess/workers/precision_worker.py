@@ -2,8 +2,9 @@
 driven through the same fixed batch: log-probs / values, then two PPO mini-batch updates each.
 
 Prints one `PREC <json>` line per rank with, for fp32 / bf16 / fp32+distributed-optimizer / fp32 without it: the
-log-probs and values before and after the updates, the losses and grad norms, and the optimizer class names
-(so the test can check that bf16 really kept fp32 main weights and that DP=2 chose the distributed optimizer).
+log-probs and values before and after the updates, the losses and grad norms, the optimizer class names
+(so the test can check that bf16 really kept fp32 main weights and that DP=2 chose the distributed optimizer), and
+the actor's bytes megatron allocated after its update (parameters, grad buffers, main weights, Adam moments).
 """
 import json
 import sys
@@ -22,6 +23,25 @@ def build(kind, hf_dir, arch, layout, dtype, dist_opt, critic=False):
     cls = CriticWorker if critic else PolicyWorker
     return cls(kind, arch, layout, hf_dir, value_head=critic, optim=OptimConfig(lr=1e-4, weight_decay=0.0), grad_clip=1e9,
                precision=PrecisionSettings(param_dtype=dtype, use_distributed_optimizer=dist_opt))
+
+
+def allocated_bytes(worker) -> dict[str, int]:
+    """Bytes megatron really holds for a trained model on this rank, by the memory plan's rows: the module's
+    parameters, the DDP grad buffers, the optimizer's main weights (its fp32 params that are not views of the model's
+    own), and the Adam moments (`step` counters, a few bytes per tensor, are left out as the plan leaves them out)."""
+    model_storages = {p.untyped_storage().data_ptr() for p in worker.module.parameters()}
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for chunk in worker.model for b in chunk.buffers)
+    main, optim = 0, 0
+    for inner in getattr(worker.optimizer, "chained_optimizers", [worker.optimizer]):
+        for group in inner.optimizer.param_groups:
+            for p in group["params"]:
+                if p.untyped_storage().data_ptr() not in model_storages:
+                    main += p.numel() * p.element_size()
+        for state in inner.optimizer.state.values():
+            optim += sum(state[k].numel() * state[k].element_size() for k in ("exp_avg", "exp_avg_sq"))
+    return dict(params=sum(p.numel() * p.element_size() for p in worker.module.parameters()), grads=grads,
+                main_params=main, optim=optim, tensors=sum(1 for _ in worker.module.parameters()),
+                buckets=sum(len(b.buckets) for chunk in worker.model for b in chunk.buffers))
 
 
 def run(hf_dir, arch, layout, batch, dtype, dist_opt):
@@ -54,8 +74,25 @@ def run(hf_dir, arch, layout, batch, dtype, dist_opt):
     return dict(main_dtype=main_dtype, logp0=logp0.tolist(), logp1=logp1.tolist(), values0=values0.tolist(), values1=values1.tolist(),
                 pg_loss=a["actor/pg_loss"], actor_grad_norm=a["actor/grad_norm"], vf_loss=c["critic/vf_loss"],
                 critic_grad_norm=c["critic/grad_norm"], optimizer=opt, saved_bytes=saved.peak,
-                seq=batch["input_ids"].shape[1],
+                seq=batch["input_ids"].shape[1], allocated=allocated_bytes(actor),
                 param_dtype=str(next(actor.module.parameters()).dtype))
+
+
+def logit_scales(hf_dir, prompts, responses, resp_len) -> dict:
+    """The fp32 HF model's logits of every response-predicting position: per token the rms over the vocab ([n,
+    resp_len], 0 past a response's end), and the max |logit| of the batch. A log-prob is a logit minus an fp32
+    logsumexp, so the bf16 run's log-prob errors scale with these logits, not with the log-probs (~ -log V)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    rms = torch.zeros(len(prompts), resp_len)
+    biggest = 0.0
+    with torch.no_grad():
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            z = model(torch.tensor([p + r])).logits[0, len(p) - 1:len(p) + len(r) - 1]
+            rms[i, :len(r)] = z.pow(2).mean(-1).sqrt()
+            biggest = max(biggest, float(z.abs().max()))
+    return dict(logit_rms=rms.tolist(), logit_max=biggest)
 
 
 def main():
@@ -75,7 +112,7 @@ def main():
     batch = build_ppo_batch(prompts, responses, resp_len, 0, list(range(n)))
     batch["advantages"] = torch.randn(n, resp_len, generator=g) * batch["response_mask"]
     batch["returns"] = torch.randn(n, resp_len, generator=g) * batch["response_mask"]
-    out = {}
+    out = logit_scales(hf_dir, prompts, responses, resp_len)
     for name, dtype, dist_opt in (("fp32", torch.float32, False), ("fp32_distopt", torch.float32, True),
                                   ("bf16", torch.bfloat16, True)):
         torch.manual_seed(0)

@@ -128,7 +128,13 @@ class PromptDataset:
         self.max_prompt_length = max_prompt_length
         rows, texts = [], []
         for path in self.files:
-            for i, row in enumerate(_read_rows(path, [prompt_key, reward_fn_key, "reward_model.ground_truth"])):
+            file_rows = _read_rows(path, [prompt_key, reward_fn_key, "reward_model.ground_truth"])
+            no_truth = [i for i, row in enumerate(file_rows) if (row["reward_model"] or {}).get("ground_truth") is None]
+            if no_truth:  # str(None) would be scored as the answer "None": reward 0 for every sample, silently
+                raise ValueError(f"data file {path}: {len(no_truth)} of {len(file_rows)} rows have no "
+                                 f"reward_model.ground_truth (null; first at row {no_truth[0]}); fill it in or drop "
+                                 "those rows")
+            for i, row in enumerate(file_rows):
                 rows.append(row)
                 texts.append(_prompt_text(row[prompt_key], tokenizer, apply_chat_template, f"{path} row {i}"))
         # A chat template already renders BOS etc.; raw text gets the tokenizer's own special tokens.
