@@ -4,6 +4,7 @@
     tripod export CKPT_DIR HF_DIR [--tp --pp --ep --etp]          tripod checkpoint -> safetensors + config.json
     tripod train RECIPE [key=value ...]           PPO training (engine/cli/train.py)
     tripod plan RECIPE [key=value ...]            the hybrid engine's resharding plan
+    tripod report RUN_DIR [--out PNG]             dashboard PNG + health verdict from metrics.jsonl (cli/report.py)
 
 A command that needs a torch.distributed world runs in-process when launched by torchrun or a multi-task
 srun, and otherwise spawns its own local gloo world (engine/launch.py). Bad input is reported as one line
@@ -19,6 +20,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
+from tripod.engine.cli.report import add_report_command
 from tripod.engine.cli.train import add_plan_command, add_train_command
 from tripod.engine.launch import USER_ERRORS, CommandFailed, error_line, is_rank_zero, run_distributed
 
@@ -129,7 +131,7 @@ def add_bench_commands(subparsers) -> None:
 
 
 SUBCOMMANDS: list[Callable[[Any], None]] = [add_convert_command, add_export_command, add_train_command,
-                                             add_plan_command, add_bench_commands]
+                                             add_plan_command, add_bench_commands, add_report_command]
 
 
 def build_parser() -> argparse.ArgumentParser:

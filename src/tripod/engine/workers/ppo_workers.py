@@ -9,6 +9,7 @@ gives the mini-batch value whatever the layout: the actor's pg_loss at TP1xPP1 a
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from tripod.engine.algorithms import agg_norm, entropy_loss, kl_loss, masked_mean, policy_loss, value_loss
 from tripod.engine.data.batching import split_by_token_budget
@@ -96,6 +97,10 @@ class PolicyWorker(MegatronWorker):
                 per_step.append(metrics)
                 if cfg.target_kl is not None and metrics["actor/ppo_kl"] > cfg.target_kl:
                     stopped = True
+                    if dist.get_rank() == 0:
+                        print(f"actor: PPO epochs stopped early after {len(per_step)} of {cfg.ppo_epochs} x "
+                              f"{batch.size // mini_rows} optimizer steps: actor/ppo_kl={metrics['actor/ppo_kl']:.4g}"
+                              f" > actor.target_kl={cfg.target_kl}", flush=True)
                     break
             if stopped:
                 break
