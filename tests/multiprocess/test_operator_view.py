@@ -9,10 +9,10 @@ import subprocess
 
 import pytest
 
+from tests.helpers.common import REPO_ROOT
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
 from tests.helpers.trainer_runs import TRIPOD, env, metrics, train
 from tests.helpers.wandb_offline import history, offline_run_dir, read_records, run_info
-from tests.helpers.common import REPO_ROOT
 
 EPOCHS, MINI_BATCHES = 4, 2  # train_batch_size 4 / ppo_mini_batch_size 2
 STAGES = ("reshard", "gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor",

@@ -8,9 +8,9 @@ import random
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.helpers.wandb_offline import history, offline_run_dir, read_records, run_info
 from tripod.engine.config import TrainerConfig
 from tripod.engine.logging import Tracker
-from tests.helpers.wandb_offline import history, offline_run_dir, read_records, run_info
 
 CONFIG = {"actor_rollout_ref": {"actor": {"optim": {"lr": 3.0e-5}, "ppo_epochs": 2}},
           "trainer": {"project_name": "proj", "experiment_name": "exp", "logger": ["jsonl", "wandb"]}}

@@ -13,10 +13,9 @@ validation samples, timers, reductions, the step profiler (profiler.py) and the 
     tracker.log({**reduce_metrics(micro), **timer.metrics()}, step)
     tracker.close()
 """
-from tripod.engine.logging.progress import ProgressLine, format_metrics
 from tripod.engine.logging.profiler import StepProfiler
-from tripod.engine.logging.tracker import (Timer, Tracker, append_to_dict, reduce_metrics, to_scalar,
-                                           validation_samples)
+from tripod.engine.logging.progress import ProgressLine, format_metrics
+from tripod.engine.logging.tracker import Timer, Tracker, append_to_dict, reduce_metrics, to_scalar, validation_samples
 
 __all__ = ["Tracker", "ProgressLine", "Timer", "append_to_dict", "reduce_metrics", "to_scalar", "format_metrics",
            "StepProfiler", "validation_samples"]
