@@ -17,7 +17,7 @@ from tripod.engine.bench.summary import check_schema, compare, summarize
 
 def _env():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     return env
 
 
@@ -139,7 +139,7 @@ def _on_policy_child(model: str, train: str) -> None:
 
 def test_on_policy_update_skips_the_recompute_with_the_same_gradient(tmp_path):
     setup = make_ppo_setup(tmp_path)
-    code = ("import sys; sys.argv=['x']; from tripod.engine.cli import run_distributed; import test_bench as t; "
+    code = ("import sys; sys.argv=['x']; from tripod.engine.cli import run_distributed; from tests.multiprocess import test_bench as t; "
             f"run_distributed(1, t._on_policy_child, {setup['model']!r}, {setup['train']!r})")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=600)

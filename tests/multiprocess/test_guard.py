@@ -11,7 +11,7 @@ import torch
 
 from tripod.engine.divergence_guard import GOOD, find_reasons
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
-from tests.helpers.common import REPO_ROOT, TESTS_DIR
+from tests.helpers.common import DIST_DIR, REPO_ROOT
 
 RULES = dict(max_kl=0.5, spike=10.0, min_history=3, best_val=None, val_ratio=0.5)
 
@@ -49,9 +49,9 @@ def _run(setup, run_dir, extra, poison_step, per_step=8):
         "trainer.divergence_guard.enabled=true", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                POISON_FROM=str(per_step * (poison_step - 1)), POISON_TO=str(per_step * poison_step),
-               PYTHONPATH=os.pathsep.join([str(TESTS_DIR), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-                           str(TESTS_DIR / "dist" / "guard_poisoned_reward.py"), *args], cwd=REPO_ROOT, env=env,
+                           str(DIST_DIR / "guard_poisoned_reward.py"), *args], cwd=REPO_ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
 
 

@@ -179,7 +179,7 @@ def test_triton_kernels_under_interpreter():
 
 
 def test_vocab_parallel_two_gloo_ranks():
-    script = os.path.join(REPO, "tests", "dist", "tp2_logprobs_check.py")
+    script = os.path.join(REPO, "tests", "multiprocess", "workers", "tp2_logprobs_check.py")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", script], cwd=REPO, capture_output=True, text=True,
                           timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO))

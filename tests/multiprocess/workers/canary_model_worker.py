@@ -6,7 +6,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from common_layout_train import train_step, wrap_for_training
+from tests.multiprocess.workers.common_layout_train import train_step, wrap_for_training
 from tests.helpers.common import dist_worker
 
 

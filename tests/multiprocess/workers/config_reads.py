@@ -18,8 +18,9 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, REPO)
-COUNTED = tuple(os.path.join(REPO, d) + os.sep for d in ("engine", "parallel", "kernels"))
-NOT_COUNTED = tuple(os.path.join(REPO, "engine", f) for f in ("config.py", "config_loading.py", "config_validation.py"))
+PACKAGE = os.path.join(REPO, "src", "tripod")
+COUNTED = tuple(os.path.join(PACKAGE, d) + os.sep for d in ("engine", "parallel", "kernels"))
+NOT_COUNTED = tuple(os.path.join(PACKAGE, "engine", f) for f in ("config.py", "config_loading.py", "config_validation.py"))
 
 
 def record_reads(cfg) -> set[str]:

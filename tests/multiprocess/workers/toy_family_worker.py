@@ -21,7 +21,7 @@ def say(line):
 
 def main():
     from safetensors.torch import load_file
-    from test_toy_family import register_toy_family
+    from tests.multiprocess.test_toy_family import register_toy_family
 
     from tripod.engine.rollout import SamplingParams, make_rollout_engine
     from tests.helpers.model_forward import forward_logits
