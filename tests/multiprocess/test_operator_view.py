@@ -72,7 +72,8 @@ def test_validation_samples_each_validation(run):
     assert [r["step"] for r in rows] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     for r in rows:
         assert set(r) == {"step", "prompt", "response", "score", "reference"}
-        assert "Answer as #### N." in r["prompt"] and r["reference"].lstrip("-").isdigit()
+        # (the tests' character-level tokenizer decodes without the spaces)
+        assert "Answeras####N." in r["prompt"].replace(" ", "") and r["reference"].lstrip("-").isdigit()
 
 
 @pytest.mark.dist
