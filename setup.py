@@ -30,6 +30,8 @@ setup(
         "ray": ["ray"],
         "gpu": ["triton"],  # sglang / transformer-engine are installed by hand on GPU machines
         "test": ["pytest", "pytest-timeout"],
+        "wandb": ["wandb==0.31.0"],  # trainer.logger: [.., wandb]
+        "mlflow": ["mlflow-skinny==3.17.2"],  # trainer.logger: [.., mlflow] (tracking client + local file store)
     },
     entry_points={"console_scripts": ["tripod=tripod.engine.cli:main"]},
 )

@@ -7,7 +7,9 @@
    train split gives a small reward (0.1) for a well-formed wrong answer, the validation split exact matches only.
 3. `tripod train recipes/demo/smollm2-135m-arithmetic.yaml` runs PPO with a GAE critic and k3 KL on 2 local gloo
    ranks (actor, critic and reference each megatron models; rollout on the embedded engine after resharding).
-4. Validation reward (greedy, exact `#### N`) before and after training is printed from outputs/demo/metrics.jsonl.
+4. Validation reward (greedy, exact `#### N`) before and after training, and the best one, is printed from
+   outputs/demo/metrics.jsonl; `tripod report outputs/demo` then writes the dashboard outputs/demo/report.png and
+   its health verdict (outputs/demo/report.txt), and the demo prints its path.
 
 Extra `key=value` arguments are passed to `tripod train`, e.g. `python scripts/demo.py trainer.total_training_steps=4`.
 """
@@ -62,11 +64,15 @@ def main(overrides: list[str]) -> int:
     with open(os.path.join(RUN_DIR, "metrics.jsonl")) as f:
         val = [(m["step"], m["val/reward_mean"]) for m in map(json.loads, f) if "val/reward_mean" in m]
     (s0, before), (s1, after) = val[0], val[-1]
+    s_best, best = max(val, key=lambda sv: sv[1])
     print(f"\nvalidation reward (greedy, exact '#### N' match, {DATA_DIR}/test.parquet):")
     print(f"  before training (step {s0}): {before:.3f}")
     print(f"  after training  (step {s1}): {after:.3f}   change {after - before:+.3f}")
+    print(f"  best            (step {s_best}): {best:.3f}   the run ends {best - after:.3f} below its best")
+    run([py, "-m", "tripod", "report", RUN_DIR])
     print(f"run directory: {RUN_DIR} (config.yaml, metrics.jsonl, tensorboard/, checkpoints/); "
           f"total {time.time() - start:.0f} s")
+    print(f"dashboard: {os.path.join(RUN_DIR, 'report.png')}")
     return 0
 
 

@@ -93,7 +93,8 @@ def test_engine_config_does_not_import_what_imports_it():
 @pytest.mark.parametrize("key, value, expected", [
     ("algorithm.kl_penalty", "k4", "algorithm.kl_penalty='k4' is not one of ['abs', 'k1'"),
     ("actor_rollout_ref.actor.loss_agg_mode", "sum", "['token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean']"),
-    ("trainer.logger", "[wandb]", "use any of ['console', 'tensorboard', 'jsonl']"),
+    ("trainer.logger", "[neptune]", "use any of ['console', 'tensorboard', 'jsonl', 'wandb', 'mlflow']"),
+    ("trainer.profile_tool", "perf", "trainer.profile_tool='perf' is not one of ['torch', 'nsys']"),
 ])
 def test_choice_lists_come_from_the_registries(key, value, expected):
     from tripod.engine.config import load_config

@@ -74,8 +74,8 @@ def test_tracker_writes_jsonl_and_tensorboard_and_resumes(tmp_path):
 
 
 def test_tracker_errors(tmp_path):
-    with pytest.raises(ValueError, match=r"trainer.logger has unknown backends \['wandb'\]"):
-        Tracker(tmp_path, backends=["jsonl", "wandb"])
+    with pytest.raises(ValueError, match=r"trainer.logger has unknown backends \['neptune'\]"):
+        Tracker(tmp_path, backends=["jsonl", "neptune"])
     with Tracker(tmp_path, backends=["jsonl"]) as tracker:
         with pytest.raises(TypeError, match="metric 'actor/entropy' .* not a scalar"):
             tracker.log({"actor/entropy": torch.randn(3)}, 1)

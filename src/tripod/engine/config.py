@@ -570,7 +570,19 @@ class TrainerConfig:
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
     """Run directory: config.yaml, metrics.jsonl, tensorboard/, checkpoints/. verl: trainer.default_local_dir."""
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
-    """Metric sinks (engine.logging BACKENDS). verl: trainer.logger."""
+    """Metric sinks (engine.logging BACKENDS): console, jsonl, tensorboard, wandb (project_name / experiment_name;
+    WANDB_MODE=offline works), mlflow (experiment project_name, run experiment_name; MLFLOW_TRACKING_URI, else a
+    file store under default_local_dir/mlruns). verl: trainer.logger."""
+    log_val_generations: int = 0
+    """Validation samples (prompt, response, score, reference answer) logged each validation to TensorBoard text,
+    default_local_dir/val_generations.jsonl and wandb / MLflow tables; 0: none. verl: trainer.log_val_generations."""
+    profile_steps: list[int] = field(default_factory=list)
+    """PPO steps (1-based) to profile: one trace per rank per step under default_local_dir/profile/, with a named
+    range per stage of the step; empty: off (no cost). verl: global_profiler.steps."""
+    profile_tool: str = "torch"
+    """torch (torch.profiler, Chrome/Perfetto trace files; CPU and CUDA) or nsys (NVTX ranges and
+    cudaProfilerStart/Stop around the chosen steps for `nsys profile --capture-range=cudaProfilerApi`; CUDA only).
+    verl: global_profiler.tool."""
     n_gpus_per_node: int = 1
     """Ranks per node (on CPU: gloo processes). verl: trainer.n_gpus_per_node."""
     nnodes: int = 1
@@ -586,6 +598,8 @@ class TrainerConfig:
     """Divergence detection and rollback (see DivergenceGuardConfig; off by default)."""
 
     def check(self, key: str = "trainer") -> list[str]:
+        from tripod.engine.logging.experiment_trackers import missing_tracker_packages
+        from tripod.engine.logging.profiler import PROFILE_TOOLS
         from tripod.engine.logging.tracker import BACKENDS
 
         e = _positive({f"{key}.total_epochs": self.total_epochs})
@@ -596,6 +610,14 @@ class TrainerConfig:
         bad = [b for b in self.logger if b not in BACKENDS]
         if bad:
             e.append(f"{key}.logger has unknown backends {bad}; use any of {list(BACKENDS)}")
+        e += missing_tracker_packages(self.logger, f"{key}.logger")
+        if self.log_val_generations < 0:
+            e.append(f"{key}.log_val_generations={self.log_val_generations} must be >= 0 (0: none)")
+        if any(s < 1 for s in self.profile_steps):
+            e.append(f"{key}.profile_steps={list(self.profile_steps)} must hold PPO step numbers >= 1")
+        e += _choice(f"{key}.profile_tool", self.profile_tool, PROFILE_TOOLS)
+        if self.profile_tool == "nsys" and self.profile_steps and self.device != "cuda":
+            e.append(f"{key}.profile_tool=nsys records CUDA ranges; use {key}.profile_tool=torch on {self.device}")
         e += _choice(f"{key}.device", self.device, DEVICES)
         e += self.divergence_guard.check(f"{key}.divergence_guard")
         if self.divergence_guard.enabled and self.save_freq <= 0:

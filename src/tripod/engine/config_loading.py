@@ -106,6 +106,11 @@ def config_to_yaml(cfg: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg) if not isinstance(cfg, DictConfig) else cfg, resolve=True)
 
 
+def config_to_dict(cfg: Any) -> dict:
+    """The fully resolved config as plain nested dicts (a tracker's run config)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg) if not isinstance(cfg, DictConfig) else cfg, resolve=True)
+
+
 def save_resolved_config(cfg: Any, run_dir: str | os.PathLike) -> str:
     """Write the fully resolved config to `run_dir/config.yaml` (load it back with `load_config`); returns the path."""
     os.makedirs(run_dir, exist_ok=True)

@@ -18,11 +18,12 @@ import torch.distributed as dist
 from tripod.engine.algorithms import apply_kl_penalty, build_kl_controller, compute_advantage, masked_mean
 from tripod.engine.checkpoints import CheckpointManager
 from tripod.engine.config import TripodConfig, save_resolved_config
+from tripod.engine.config_loading import config_to_dict
 from tripod.engine.config_validation import CRITIC_ESTIMATORS
 from tripod.engine.data import PromptBatch, PromptDataLoader, PromptDataset
 from tripod.engine.device import DeviceGuard, check_devices_enabled, current_device
 from tripod.engine.divergence_guard import DivergenceGuard, GuardDecision, Remedies
-from tripod.engine.logging import Timer, Tracker
+from tripod.engine.logging import StepProfiler, Timer, Tracker, validation_samples
 from tripod.engine.throughput import PerfCounter
 from tripod.engine.precision import resolve_precision, rollout_dtype
 from tripod.engine.rewards import RewardPool
@@ -122,6 +123,8 @@ class PPOTrainer:
         self.ckpt = CheckpointManager(os.path.join(self.run_dir, "checkpoints"), self.arch, path)
         self.perf = PerfCounter(self.arch, self.world)
         self.guard = DivergenceGuard(cfg.trainer.divergence_guard, actor_cfg, algo.kl_ctrl.target_kl, self.ckpt.root)
+        self.profiler = StepProfiler(self.run_dir, cfg.trainer.profile_steps, cfg.trainer.profile_tool, self.rank)
+        self.val_samples: list[dict] = []  # of the last validation, for the tracker (trainer.log_val_generations)
         self.step = 0
 
     # ---- rollout -----------------------------------------------------------------------------
@@ -150,7 +153,7 @@ class PPOTrainer:
 
     # ---- one PPO step ----------------------------------------------------------------------------
     def train_step(self, prompts: PromptBatch) -> dict[str, float]:
-        cfg, timer = self.cfg, Timer()
+        cfg, timer = self.cfg, Timer(self.profiler.range)
         arc, algo = cfg.actor_rollout_ref, cfg.algorithm
         n, temperature = arc.rollout.n, arc.rollout.temperature
         with timer("step"):
@@ -253,9 +256,14 @@ class PPOTrainer:
         size = self.cfg.data.val_batch_size or len(self.val_set)
         scores: list[float] = []
         by_source: dict[str, list[float]] = {}
+        self.val_samples = []
+        want = self.cfg.trainer.log_val_generations if self.rank == 0 else 0
         for start in range(0, len(self.val_set), size):
             prompts = self.val_set.batch(list(range(start, min(start + size, len(self.val_set)))))
-            batch_scores, _ = self.score(prompts, self.generate(prompts.input_ids, params), params.n)
+            responses = self.generate(prompts.input_ids, params)
+            batch_scores, _ = self.score(prompts, responses, params.n)
+            self.val_samples += validation_samples(self.tokenizer, prompts.input_ids, responses, batch_scores, params.n,
+                                                   prompts.ground_truths, limit=want - len(self.val_samples))
             scores += batch_scores
             rep_sources = [s for s in prompts.data_sources for _ in range(params.n)]
             for s, x in zip(rep_sources, batch_scores):
@@ -354,13 +362,17 @@ class PPOTrainer:
         if self.rank == 0:
             save_resolved_config(cfg, self.run_dir)
         tracker = Tracker(self.run_dir, cfg.trainer.logger, resume_step=self.step if self.step else None,
-                          total_steps=self.total_steps) if self.rank == 0 else None
+                          total_steps=self.total_steps, project_name=cfg.trainer.project_name,
+                          experiment_name=cfg.trainer.experiment_name, config=config_to_dict(cfg)) \
+            if self.rank == 0 else None
         last_val: dict[str, float] = {}
         if self.step == 0 and cfg.trainer.val_before_train and self.val_set is not None:
             last_val = self.validate()
             if tracker:
                 tracker.log(last_val, 0)
+                tracker.log_samples(self.val_samples, 0)
         while self.step < self.total_steps:
+            self.profiler.begin_step(self.step + 1)  # traces of trainer.profile_steps (logging/profiler.py)
             batch = next(iter(self.loader))
             metrics = self.guard.run_step(self.checked_train_step, batch)
             self.step += 1
@@ -369,7 +381,8 @@ class PPOTrainer:
                 continue
             if self.val_set is not None and ((cfg.trainer.test_freq > 0 and self.step % cfg.trainer.test_freq == 0)
                                              or done):
-                last_val = self.validate()
+                with self.profiler.range("validation"):
+                    last_val = self.validate()
                 if not self.judged(last_val):  # validation reward collapsed
                     continue
                 metrics.update(last_val)
@@ -377,10 +390,13 @@ class PPOTrainer:
             metrics["training/start_step"] = start_step  # where this process began: 0, or the resumed step
             if tracker:
                 tracker.log(metrics, self.step)
+                tracker.log_samples(self.val_samples if "val/reward_mean" in metrics else [], self.step)
             if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or done:
-                saved = self.ckpt.save(self.step, self.state_dict(), self.trainable_workers())
+                with self.profiler.range("checkpoint"):
+                    saved = self.ckpt.save(self.step, self.state_dict(), self.trainable_workers())
                 if self.rank == 0:
                     self.guard.mark_good(saved)
+        self.profiler.end_step()
         if tracker:
             tracker.close()
         if self.rewards is not None:

@@ -5,6 +5,7 @@
     tripod train RECIPE [key=value ...]           PPO training (train.py)
     tripod plan RECIPE [key=value ...]            the hybrid engine's resharding and memory plan (plan.py)
     tripod bench RECIPE [key=value ...] --steps N --out DIR [--baseline trl hf]   throughput vs peers (bench.py)
+    tripod report RUN_DIR [--out PNG]             dashboard PNG + health verdict from metrics.jsonl (report.py)
 
 A command that needs a torch.distributed world runs in-process when launched by torchrun or a multi-task
 srun, and otherwise spawns its own local gloo world (engine/launch.py). Bad input is reported as one line
@@ -24,11 +25,12 @@ from tripod.engine.cli.bench import add_bench_command
 from tripod.engine.cli.convert import add_convert_command
 from tripod.engine.cli.export import add_export_command
 from tripod.engine.cli.plan import add_plan_command
+from tripod.engine.cli.report import add_report_command
 from tripod.engine.cli.train import add_train_command
 from tripod.engine.launch import USER_ERRORS, CommandFailed, error_line, is_rank_zero
 
 SUBCOMMANDS: list[Callable[[Any], None]] = [add_convert_command, add_export_command, add_train_command,
-                                             add_plan_command, add_bench_command]
+                                             add_plan_command, add_bench_command, add_report_command]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,11 +5,17 @@ timing_s/gen, perf/throughput, ...). One `log(metrics, step)` call per training 
 
 - `run_dir/metrics.jsonl`: one JSON object per call, {"step": step, **metrics}, appended and flushed,
 - `run_dir/tensorboard/`: one scalar per numeric metric (tensorboard --logdir run_dir/tensorboard),
-- the console: a `ProgressLine` with step/total, ETA and a few key metrics.
+- the console: a `ProgressLine` with step/total, ETA and a few key metrics,
+- wandb / mlflow (logging/experiment_trackers.py): a run named project_name / experiment_name with `config` as its
+  config, the same scalars per step.
+
+`log_samples(samples, step)` writes validation samples (trainer.log_val_generations) as one JSON line each to
+`run_dir/val_generations.jsonl`, a markdown table in TensorBoard's text tab (`val/generations`) and a
+`val/generations` table in wandb / MLflow.
 
 Resuming: `Tracker(run_dir, resume_step=k)` drops every metrics.jsonl entry with step > k and tells TensorBoard to
 purge events after k, so the resumed run's history has no duplicated or orphaned steps. `resume_step=None` is a
-fresh run and clears both.
+fresh run and clears both (and val_generations.jsonl likewise).
 """
 from __future__ import annotations
 
@@ -19,12 +25,13 @@ import numbers
 import os
 import time
 from collections import defaultdict
-from contextlib import contextmanager
-from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Optional, Sequence
 
 from tripod.engine.logging.progress import DEFAULT_KEYS, ProgressLine
 
-BACKENDS = ("console", "tensorboard", "jsonl")
+BACKENDS = ("console", "tensorboard", "jsonl", "wandb", "mlflow")
+SAMPLE_COLUMNS = ("prompt", "response", "score", "reference")
 
 
 def to_scalar(value: Any, key: str = "?") -> float | int | str | bool:
@@ -47,7 +54,8 @@ class Tracker:
 
     def __init__(self, run_dir: str | os.PathLike, backends: Sequence[str] = BACKENDS,
                  resume_step: Optional[int] = None, total_steps: Optional[int] = None,
-                 console_keys: Sequence[str] = DEFAULT_KEYS, console: Any = None) -> None:
+                 console_keys: Sequence[str] = DEFAULT_KEYS, console: Any = None, project_name: str = "tripod",
+                 experiment_name: str = "run", config: Optional[Mapping[str, Any]] = None) -> None:
         unknown = [b for b in backends if b not in BACKENDS]
         if unknown:
             raise ValueError(f"trainer.logger has unknown backends {unknown}; use any of {list(BACKENDS)}")
@@ -55,9 +63,11 @@ class Tracker:
         os.makedirs(self.run_dir, exist_ok=True)
         self.backends = tuple(backends)
         self.jsonl_path = os.path.join(self.run_dir, "metrics.jsonl")
+        self.samples_path = os.path.join(self.run_dir, "val_generations.jsonl")
         self._jsonl = self._writer = self._progress = None
         if "jsonl" in self.backends:
-            self._truncate_jsonl(resume_step)
+            _truncate_jsonl(self.jsonl_path, resume_step)
+            _truncate_jsonl(self.samples_path, resume_step)
             self._jsonl = open(self.jsonl_path, "a")
         if "tensorboard" in self.backends:
             from torch.utils.tensorboard import SummaryWriter
@@ -67,24 +77,10 @@ class Tracker:
         if "console" in self.backends:
             self._progress = ProgressLine(total_steps or 0, console_keys, initial_step=resume_step or 0,
                                           console=console)
+        from tripod.engine.logging.experiment_trackers import SINKS
 
-    def _truncate_jsonl(self, resume_step: Optional[int]) -> None:
-        if not os.path.exists(self.jsonl_path):
-            return
-        kept = []
-        if resume_step is not None:
-            with open(self.jsonl_path) as f:
-                for line in f:
-                    try:
-                        entry = json.loads(line)
-                    except json.JSONDecodeError:  # a line cut short by a crash
-                        continue
-                    if entry.get("step", math.inf) <= resume_step:
-                        kept.append(line if line.endswith("\n") else line + "\n")
-        tmp = self.jsonl_path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(kept)
-        os.replace(tmp, self.jsonl_path)
+        self._sinks = [SINKS[b](self.run_dir, project_name, experiment_name, config)
+                       for b in self.backends if b in SINKS]
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         scalars = {str(k): to_scalar(v, str(k)) for k, v in metrics.items()}
@@ -98,8 +94,32 @@ class Tracker:
             self._writer.flush()
         if self._progress is not None:
             self._progress.update(int(step), scalars)
+        numeric = {k: v for k, v in scalars.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for sink in self._sinks:
+            sink.log(numeric, int(step))
+
+    def log_samples(self, samples: Sequence[Mapping[str, Any]], step: int, name: str = "val/generations") -> None:
+        """Validation samples: dicts with prompt, response, score and (when the data has one) reference."""
+        if not samples:
+            return
+        columns = [c for c in SAMPLE_COLUMNS if any(c in s for s in samples)]
+        rows = [[s.get(c) for c in columns] for s in samples]
+        if "jsonl" in self.backends:
+            with open(self.samples_path, "a") as f:
+                f.writelines(json.dumps({"step": int(step), **dict(zip(columns, row))}) + "\n" for row in rows)
+        if self._writer is not None:
+            cell = lambda v: str(v).replace("|", "\\|").replace("\n", "\\n")  # noqa: E731  one table row per sample
+            table = "\n".join(["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+                              + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
+            self._writer.add_text(name, table, global_step=int(step))
+            self._writer.flush()
+        for sink in self._sinks:
+            sink.log_table(name, columns, rows, int(step))
 
     def close(self) -> None:
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
@@ -117,20 +137,59 @@ class Tracker:
         self.close()
 
 
+def validation_samples(tokenizer: Any, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                       scores: Sequence[float], n: int, references: Optional[Sequence[Any]] = None,
+                       limit: int = 0) -> list[dict[str, Any]]:
+    """Up to `limit` sample dicts for `Tracker.log_samples` from one validation batch: `responses` and `scores` are
+    prompt-major (`n` per prompt); the reference answer is included where `references` has one."""
+    out = []
+    for i, (response, score) in enumerate(zip(responses[:max(limit, 0)], scores)):
+        sample = {"prompt": tokenizer.decode(prompts[i // n], skip_special_tokens=True),
+                  "response": tokenizer.decode(response, skip_special_tokens=True), "score": float(score)}
+        reference = references[i // n] if references else None
+        if reference not in (None, ""):
+            sample["reference"] = str(reference)
+        out.append(sample)
+    return out
+
+
+def _truncate_jsonl(path: str, resume_step: Optional[int]) -> None:
+    """Keep the entries with step <= resume_step (none when None): a resumed run rewrites the steps after it."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    if resume_step is not None:
+        with open(path) as f:
+            for line in f:
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a crash
+                    continue
+                if entry.get("step", math.inf) <= resume_step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
 class Timer:
     """Wall-clock sections of a step: `with timer("gen"): ...` then `timer.metrics()` -> {"timing_s/gen": s}.
 
     A name timed more than once in a step is summed; `metrics()` returns the step's timings and starts a new step.
+    `ranges(name)`, when given, is entered around each section too (a profiler's named range: logging/profiler.py).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ranges: Optional[Callable[[str], ContextManager]] = None) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.ranges = ranges
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
         try:
-            yield
+            with self.ranges(name) if self.ranges is not None else nullcontext():
+                yield
         finally:
             self.seconds[name] += time.perf_counter() - start
 

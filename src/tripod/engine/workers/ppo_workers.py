@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from tripod.engine.algorithms import agg_norm, entropy_loss, kl_loss, masked_mean, policy_loss, value_loss
 from tripod.engine.data.batching import split_by_token_budget
@@ -115,11 +116,21 @@ class PolicyWorker(MegatronWorker):
         return logp, ent
 
     def update(self, batch: PPOBatch, cfg, temperature: float, n_samples: int) -> dict[str, float]:
-        """The PPO actor update (`run_ppo_epochs`), stopped early once a mini-batch's actor/ppo_kl > target_kl."""
-        stop = None if cfg.target_kl is None else (lambda m: m["actor/ppo_kl"] > cfg.target_kl)
+        """The PPO actor update (`run_ppo_epochs`), stopped early once a mini-batch's actor/ppo_kl > target_kl (rank 0
+        says so, with the numbers)."""
+        last: dict[str, float] = {}
+
+        def stop(metrics: dict[str, float]) -> bool:
+            last.update(metrics)
+            return metrics["actor/ppo_kl"] > cfg.target_kl
+
         out, stopped, updates = run_ppo_epochs(self, batch, cfg, n_samples,
                                                lambda mini: self._update_mini_batch(mini, cfg, temperature),
-                                               "actor", stop)
+                                               "actor", None if cfg.target_kl is None else stop)
+        if stopped and dist.get_rank() == 0:
+            print(f"actor: PPO epochs stopped early after {updates} of {cfg.ppo_epochs} x "
+                  f"{batch.size // (cfg.ppo_mini_batch_size * n_samples)} optimizer steps: "
+                  f"actor/ppo_kl={last['actor/ppo_kl']:.4g} > actor.target_kl={cfg.target_kl}", flush=True)
         out["actor/early_stopped"] = float(stopped)
         out["actor/num_updates"] = float(updates)
         return out
