@@ -106,8 +106,8 @@ class StageRSS:
 
 def _measure_activations(trainer, measured: dict, stages: "StageRSS") -> None:
     """Wrap the training pipeline runs: per model, the peak saved-activation bytes and the micro-batch shape."""
-    from tripod.parallel import pipeline
     from tripod.engine.memory import SavedTensorBytes
+    from tripod.parallel import pipeline
 
     original = pipeline.run_pipeline
     names = {id(w.model[0]): name for name, w in (("actor", trainer.actor), ("critic", trainer.critic))
@@ -142,8 +142,8 @@ def _run_config(config_yaml: str, result_path: str) -> None:
     from omegaconf import OmegaConf
 
     from tripod.engine.config import TripodConfig
-    from tripod.engine.trainer import PPOTrainer
     from tripod.engine.memory import peak_rss_bytes, rss_bytes
+    from tripod.engine.trainer import PPOTrainer
 
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TripodConfig), OmegaConf.create(config_yaml)))
     stages = StageRSS()
@@ -190,10 +190,10 @@ def _run_config(config_yaml: str, result_path: str) -> None:
 
 
 def run_config(overrides: list[str], label: str) -> dict:
-    from tripod.engine.launch import run_distributed
     from tripod.engine.config import load_config
     from tripod.engine.config_loading import config_to_yaml
     from tripod.engine.config_validation import validate_config
+    from tripod.engine.launch import run_distributed
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.memory_plan import activation_bytes, kv_cache_bytes, plan_from_config
 

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 
-
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tp", type=int, default=2)
@@ -70,9 +69,9 @@ def training_groups(plan):
 
 
 def run(args: argparse.Namespace) -> None:
+    from tripod.engine.memory import measure_peak_memory
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.hybrid_engine import MicroDPGather, TransferStats, build_reshard_plan, naive_full_gather
-    from tripod.engine.memory import measure_peak_memory
     from tripod.parallel.hybrid_engine.plan import local_shape
 
     torch.set_num_threads(1)

@@ -133,7 +133,6 @@ def test_mla_softmax_scale_is_hf(rope):
     """deepseek.softmax_scale (what megatron's MLA computes from rotary_scaling_factor / mscale_all_dim, and what a
     rollout decoder needs) equals HF's attention scaling, with and without YaRN."""
     from tests.helpers.moe_models import YARN
-
     from tripod.parallel.families.deepseek import softmax_scale
 
     model = hf_moe_model("deepseek_v3", 0, **({"rope_parameters": YARN} if rope == "yarn" else {}))

@@ -30,8 +30,18 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
-from tests.helpers.trainer_runs import (GREEDY, LINEAR_OPTIM, REL, U32, OutOfBounds, assert_same_training, env,
-                                        final_actor_weights_of, metrics, train_together)
+from tests.helpers.trainer_runs import (
+    GREEDY,
+    LINEAR_OPTIM,
+    REL,
+    U32,
+    OutOfBounds,
+    assert_same_training,
+    env,
+    final_actor_weights_of,
+    metrics,
+    train_together,
+)
 
 STEPS = 3
 OPT_STEPS = STEPS * 2

@@ -32,9 +32,9 @@ import re
 import pytest
 import torch
 
+from tests.helpers.common import make_tiny_hf_model, run_torchrun
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
 from tests.helpers.trainer_runs import env, metric_violations, train_together
-from tests.helpers.common import make_tiny_hf_model, run_torchrun
 
 U_BF16 = 2.0 ** -8
 LAMBDA = 5.0

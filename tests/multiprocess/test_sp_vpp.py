@@ -23,8 +23,8 @@ import os
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
 from tests.helpers.common import run_torchrun
+from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
 from tests.helpers.trainer_runs import final_actor_weights_of, train_together
 
 COMPARED = ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm", "actor/ppo_kl",

@@ -102,9 +102,10 @@ def test_plan_counts_the_attention_that_runs():
     eager = activation_bytes(arch, 4, 2, 4, 1536, torch.bfloat16)
     fused = activation_bytes(arch, 4, 2, 4, 1536, torch.bfloat16, fused_attention=True)
     assert fused < eager / 2
-    from tripod.engine.cli import main
     import contextlib
     import io
+
+    from tripod.engine.cli import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):

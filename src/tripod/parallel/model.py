@@ -34,7 +34,6 @@ from tripod.parallel.convert import padded_vocab_size
 from tripod.parallel.families import get_family
 from tripod.parallel.layout import ParallelLayout
 
-
 USE_TE_CHOICES = ("auto", "true", "false")
 
 

@@ -61,8 +61,8 @@ def hybridflow_mean_bytes(full, tp, pp, rollout_tp):
 
 
 def check(plan, full, tag, measure_memory):
-    from tripod.parallel.hybrid_engine import MicroDPGather
     from tripod.engine.memory import measure_peak_memory
+    from tripod.parallel.hybrid_engine import MicroDPGather
     rank = dist.get_rank()
     shard = train_shard_from_full(plan, full, rank)
     before = {n: t.clone() for n, t in shard.items()}

@@ -10,7 +10,7 @@ from tripod.engine.launch import run_distributed
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from tripod.parallel.checkpoint import checkpoint_arch, check_exportable, export_checkpoint_to_hf, min_world_size
+    from tripod.parallel.checkpoint import check_exportable, checkpoint_arch, export_checkpoint_to_hf, min_world_size
 
     arch = checkpoint_arch(args.ckpt_dir)
     check_exportable(args.ckpt_dir)

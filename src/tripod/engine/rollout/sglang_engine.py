@@ -39,8 +39,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tripod.engine.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutEngine, RolloutOutput, SamplingParams,
-                                        tp_size_and_rank, validate_rollout_tp)
+from tripod.engine.rollout.base import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    RolloutEngine,
+    RolloutOutput,
+    SamplingParams,
+    tp_size_and_rank,
+    validate_rollout_tp,
+)
 from tripod.parallel.arch import ModelArch
 
 SGLANG_RELEASE = "0.5.5"

@@ -217,8 +217,11 @@ class MegatronWorker:
                 self._move_params(torch.device("cpu"))
 
     def _wrap_for_training(self, chunks, optim: OptimConfig, grad_clip: float):
-        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                               finalize_model_grads)
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         model, prec = chunks[0], self.precision
