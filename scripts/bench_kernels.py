@@ -25,6 +25,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from tripod.parallel.hybrid_engine.memory import proc_status_kib  # noqa: E402
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 
-
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tp", type=int, default=2)

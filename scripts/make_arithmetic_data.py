@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-
 
 from tripod.engine.data.arithmetic import INSTRUCTION, OPERATORS, make_arithmetic_splits
 from tripod.engine.data.dataset import write_prompt_parquet

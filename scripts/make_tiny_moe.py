@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-
 
 from tripod.engine.data.char_tokenizer import char_tokenizer  # noqa: E402
 

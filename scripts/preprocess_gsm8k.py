@@ -13,9 +13,7 @@ import argparse
 import json
 import os
 import re
-import sys
 from typing import Any
-
 
 from tripod.engine.data.dataset import write_prompt_parquet
 

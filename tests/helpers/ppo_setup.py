@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from tripod.engine.data.char_tokenizer import char_tokenizer
 from tests.helpers.common import make_tiny_hf_model
+from tripod.engine.data.char_tokenizer import char_tokenizer
 
 
 def make_ppo_setup(tmp_path, *, family: str = "qwen2", n_train: int = 32, n_val: int = 8, **model_overrides) -> dict:

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
+from tests.helpers.common import REPO_ROOT, make_tiny_hf_model
+from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
 from tripod.engine.launch import Launch, detect_launch, error_line
 from tripod.engine.preflight import prepare_train
 from tripod.engine.rewards import RewardPool, register_reward
-from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
-from tests.helpers.common import REPO_ROOT, make_tiny_hf_model
 
 RECIPE = str(REPO_ROOT / "recipes" / "defaults.yaml")
 LOCAL = Launch("local", 0)
@@ -165,6 +165,7 @@ ROWS = {
 def _forbid_heavy_work(monkeypatch) -> None:
     """Preflight must refuse before any process group, model or rank process exists."""
     import torch.distributed as dist
+
     import tripod.parallel.model as model
 
     def heavy(what):

@@ -9,9 +9,8 @@ import sys
 
 import pytest
 
-from tests.helpers.ppo_setup import make_ppo_setup
 from tests.helpers.common import REPO_ROOT
-
+from tests.helpers.ppo_setup import make_ppo_setup
 from tripod.engine.bench.summary import check_schema, compare, summarize
 
 
@@ -81,8 +80,8 @@ def test_bench_on_a_tiny_model_writes_schema_and_counts_tokens(tmp_path):
     assert "| tripod |" in (out / "bench.md").read_text() and "| tripod |" in proc.stdout
 
     # prompt tokens: the tiny char tokenizer's own count of the first 2+1 prompts, times n, per step
-    from transformers import AutoTokenizer
     import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(setup["model"])
     rows = pq.read_table(setup["train"]).to_pylist()

@@ -18,8 +18,8 @@ import sys
 
 import pytest
 
-from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
 from tests.helpers.common import DIST_DIR, REPO_ROOT
+from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
 
 NOT_EXERCISED = {
     "actor_rollout_ref.rollout.mem_fraction_static": "SGLang backend only (needs a GPU and sglang)",

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from tripod.engine.divergence_guard import GOOD, find_reasons
-from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
 from tests.helpers.common import REPO_ROOT, TESTS_DIR
+from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
+from tripod.engine.divergence_guard import GOOD, find_reasons
 
 RULES = dict(max_kl=0.5, spike=10.0, min_history=3, best_val=None, val_ratio=0.5)
 

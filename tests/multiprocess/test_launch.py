@@ -18,8 +18,10 @@ import time
 import pytest
 import torch
 
+from tests.helpers.common import REPO_ROOT
+from tests.helpers.common import free_port as _free_port
+from tests.helpers.common import launch_env as _env
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
-from tests.helpers.common import REPO_ROOT, free_port as _free_port, launch_env as _env
 
 LAUNCHER = str(REPO_ROOT / "recipes" / "launch_torchrun.sh")
 COMPARED = ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm", "actor/ppo_kl",

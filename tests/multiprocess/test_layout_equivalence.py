@@ -15,8 +15,16 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
-from tests.helpers.trainer_runs import (GREEDY, LINEAR_OPTIM, OutOfBounds, assert_same_training, env, final_actor_weights, metrics,
-                          train)
+from tests.helpers.trainer_runs import (
+    GREEDY,
+    LINEAR_OPTIM,
+    OutOfBounds,
+    assert_same_training,
+    env,
+    final_actor_weights,
+    metrics,
+    train,
+)
 
 STEPS = 3
 OPT_STEPS = STEPS * 2  # 2 mini-batches of 2 prompts per step (GREEDY: train_batch_size 4, rollout.n 1)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers.moe_models import FAMILIES, hf_moe_model
 from tests.helpers.common import REPO_ROOT
+from tests.helpers.moe_models import FAMILIES, hf_moe_model
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,6 @@ def test_mla_softmax_scale_is_hf(rope):
     """deepseek.softmax_scale (what megatron's MLA computes from rotary_scaling_factor / mscale_all_dim, and what a
     rollout decoder needs) equals HF's attention scaling, with and without YaRN."""
     from tests.helpers.moe_models import YARN
-
     from tripod.parallel.families.deepseek import softmax_scale
 
     model = hf_moe_model("deepseek_v3", 0, **({"rope_parameters": YARN} if rope == "yarn" else {}))

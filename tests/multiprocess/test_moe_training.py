@@ -20,8 +20,17 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
-from tests.helpers.trainer_runs import (GREEDY, LINEAR_OPTIM, REL, OutOfBounds, assert_same_training, env, final_actor_weights,
-                          metrics, train)
+from tests.helpers.trainer_runs import (
+    GREEDY,
+    LINEAR_OPTIM,
+    REL,
+    OutOfBounds,
+    assert_same_training,
+    env,
+    final_actor_weights,
+    metrics,
+    train,
+)
 
 STEPS = 3
 OPT_STEPS = STEPS * 2

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from tests.helpers.common import make_tiny_hf_model, run_torchrun
-
 from tripod.engine.workers.batch import build_ppo_batch
 from tripod.engine.workers.packing import pack_shared_prompts, prompt_groups
 

@@ -19,9 +19,9 @@ import sys
 import pytest
 import torch
 
+from tests.helpers.common import DIST_DIR, REPO_ROOT, make_tiny_hf_model, run_torchrun
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
 from tests.helpers.trainer_runs import metric_violations
-from tests.helpers.common import DIST_DIR, REPO_ROOT, make_tiny_hf_model, run_torchrun
 
 U_BF16 = 2.0 ** -8
 

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import sys
 
 import pytest
 import torch
 
 from tests.helpers.common import run_torchrun
 from tests.multiprocess.workers import hf_rollout_reference as ref
-
 from tripod.engine.rollout import SamplingParams, make_rollout_engine, validate_rollout_tp  # noqa: E402
 from tripod.engine.rollout.sampling import sample_next_token  # noqa: E402
 
@@ -58,8 +56,7 @@ def test_tp2_greedy_sampling_and_stops_in_one_launch(tmp_path):
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, -1, 0.8), (1.5, 3, 1.0), (1.0, 4, 0.6)])
 def test_sampling_distribution_matches_hf_warpers(temperature, top_k, top_p):
-    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                        TopPLogitsWarper)
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     logits = torch.randn(1, 7, generator=torch.Generator().manual_seed(int(temperature * 10 + top_k)))
     expected = TemperatureLogitsWarper(temperature)(None, logits.clone())

@@ -11,8 +11,10 @@ import sys
 
 import pytest
 
+from tests.helpers.common import REPO_ROOT
+from tests.helpers.common import free_port as _free_port
+from tests.helpers.common import launch_env as _env
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
-from tests.helpers.common import REPO_ROOT, free_port as _free_port, launch_env as _env
 
 pytestmark = [pytest.mark.slurm,
               pytest.mark.skipif(shutil.which("sbatch") is None, reason="no SLURM here (bash scripts/slurm_local.sh)")]

@@ -23,11 +23,10 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
-from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
 from tests.helpers.common import REPO_ROOT, run_torchrun
+from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
 
 COMPARED = ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm", "actor/ppo_kl",
             "critic/score/mean", "response_length/mean")

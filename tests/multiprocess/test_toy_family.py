@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from tests.helpers.common import run_torchrun
-
 from tripod.parallel.arch import ModelArch
 from tripod.parallel.families import FamilySpec, Fuse, Split, Weight, register_family, unregister_family
 from tripod.parallel.families.llama import local_gpt_layer_spec

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
+from tests.helpers.common import REPO_ROOT
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
 from tests.helpers.trainer_runs import GREEDY, TRIPOD, env, export, metrics, train
-from tests.helpers.common import REPO_ROOT
 
 COMPARED = ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm", "actor/ppo_kl",
             "critic/score/mean", "response_length/mean", "actor/lr", "critic/lr")

@@ -9,8 +9,15 @@ import torch
 import transformers
 
 from tripod.parallel.arch import arch_from_hf
-from tripod.parallel.convert import (canonical_names, family_of, hf_to_megatron, megatron_to_hf, pad_vocab,
-                              padded_vocab_size, unpad_vocab)
+from tripod.parallel.convert import (
+    canonical_names,
+    family_of,
+    hf_to_megatron,
+    megatron_to_hf,
+    pad_vocab,
+    padded_vocab_size,
+    unpad_vocab,
+)
 
 
 def tp_shard(arch, name, full, tp, rank):

@@ -11,8 +11,17 @@ import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from tripod.engine.data import (PromptDataLoader, PromptDataset, make_arithmetic_rows, pad_input, pad_sequences,
-                         packed_position_ids, split_by_token_budget, unpad_input, write_prompt_parquet)
+from tripod.engine.data import (
+    PromptDataLoader,
+    PromptDataset,
+    make_arithmetic_rows,
+    packed_position_ids,
+    pad_input,
+    pad_sequences,
+    split_by_token_budget,
+    unpad_input,
+    write_prompt_parquet,
+)
 from tripod.engine.rewards import check_data_sources, get_reward_fn
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

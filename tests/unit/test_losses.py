@@ -9,8 +9,18 @@ import pytest
 import torch
 
 from tripod.engine.algorithms import (
-    AGG_MODES, AdaptiveKLController, FixedKLController, agg_loss, apply_kl_penalty, build_kl_controller,
-    entropy_loss, kl_loss, kl_penalty, list_kl_kinds, policy_loss, value_loss,
+    AGG_MODES,
+    AdaptiveKLController,
+    FixedKLController,
+    agg_loss,
+    apply_kl_penalty,
+    build_kl_controller,
+    entropy_loss,
+    kl_loss,
+    kl_penalty,
+    list_kl_kinds,
+    policy_loss,
+    value_loss,
 )
 
 

@@ -24,8 +24,8 @@ def test_stage_numel_matches_the_hf_model(tmp_path, tie):
 
 
 def test_optimizer_byte_rules():
-    from tripod.parallel.memory_plan import ModelMemory
     from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.memory_plan import ModelMemory
 
     arch = arch_from_hf(dict(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=96,
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))

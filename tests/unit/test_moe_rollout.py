@@ -106,7 +106,8 @@ def test_expert_plan_delivers_each_element_once_and_counts_bytes(tp, pp, dp, ep,
 
 
 def test_planted_overlap_bug_fails_the_coverage_check(monkeypatch):
-    from tripod.parallel.hybrid_engine import experts, plan as plan_mod
+    from tripod.parallel.hybrid_engine import experts
+    from tripod.parallel.hybrid_engine import plan as plan_mod
 
     original = experts.overlap_segments.__wrapped__
 

@@ -7,8 +7,15 @@ import time
 
 import pytest
 
-from tripod.engine.rewards import RewardPool, check_data_sources, get_reward_fn, register_reward, registered_data_sources
-from tripod.engine.rewards import arithmetic, gsm8k
+from tripod.engine.rewards import (
+    RewardPool,
+    arithmetic,
+    check_data_sources,
+    get_reward_fn,
+    gsm8k,
+    register_reward,
+    registered_data_sources,
+)
 
 GSM8K_TEST = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "..", "shared", "data",
                           "gsm8k", "test.jsonl")  # ../shared beside the checkout (CI lays a copy there)

@@ -10,8 +10,8 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from common_layout_train import train_step, wrap_for_training
+
 from tests.helpers.common import dist_worker
 
 
@@ -29,10 +29,10 @@ def expect_error(fn, *needles):
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
+    from tests.helpers.model_forward import forward_logits, gather_vocab_logits
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.convert import load_hf_weights
     from tripod.parallel.layout import ParallelLayout
-    from tests.helpers.model_forward import forward_logits, gather_vocab_logits
     from tripod.parallel.model import build_gpt_model
 
     hf_dir = sys.argv[1]

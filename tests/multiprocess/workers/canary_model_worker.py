@@ -5,17 +5,17 @@ import sys
 
 import torch
 import torch.nn.functional as F
-
 from common_layout_train import train_step, wrap_for_training
+
 from tests.helpers.common import dist_worker
 
 
 def main() -> None:
+    from tests.helpers.model_forward import gather_vocab_logits
     from tripod.parallel import cpu_compat
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.convert import load_hf_weights
     from tripod.parallel.layout import ParallelLayout
-    from tests.helpers.model_forward import gather_vocab_logits
     from tripod.parallel.model import build_gpt_model, causal_attention_mask
 
     assert cpu_compat.cpu_compat_applied() and cpu_compat.apply_cpu_compat(trace=True)  # idempotent

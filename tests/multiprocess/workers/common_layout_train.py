@@ -7,8 +7,7 @@ import torch
 
 def wrap_for_training(model, layout, *, distributed_optimizer: bool = False, lr: float = 1e-3):
     """(ddp_model, optimizer) for `model`; grad clipping at 1e9 so the grad norm is computed but inert."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     with layout.activate():

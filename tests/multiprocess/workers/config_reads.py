@@ -55,10 +55,10 @@ def record_reads(cfg) -> set[str]:
 
 def main(out_path: str, overrides: list[str]) -> None:
     from tripod.engine.cli import run_distributed
-    from tripod.engine.launch import check_world, detect_launch
-    from tripod.engine.preflight import preflight
     from tripod.engine.config import load_config
     from tripod.engine.config_validation import validate_config
+    from tripod.engine.launch import check_world, detect_launch
+    from tripod.engine.preflight import preflight
     from tripod.engine.trainer import PPOTrainer
 
     cfg = load_config(os.path.join(REPO, "recipes", "defaults.yaml"), overrides)

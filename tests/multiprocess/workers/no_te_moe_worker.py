@@ -5,6 +5,7 @@ FIXED_FORWARD <name> <max|logit|> when the model runs with the fixes (see parall
 """
 import torch
 import torch.nn.functional as F
+
 from tests.helpers.common import dist_worker
 
 

@@ -16,10 +16,10 @@ TOLERANCE = 1e-5
 
 
 def main() -> None:
+    from tests.helpers.model_forward import forward_logits
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.convert import load_hf_weights
     from tripod.parallel.layout import ParallelLayout
-    from tests.helpers.model_forward import forward_logits
     from tripod.parallel.model import build_gpt_model, padded_vocab_size
 
     cases = torch.load(sys.argv[1])

@@ -15,8 +15,8 @@ from tests.helpers.common import dist_worker
 
 
 def build(kind, hf_dir, arch, layout, dtype, dist_opt, critic=False):
-    from tripod.engine.precision import PrecisionSettings
     from tripod.engine.config import OptimConfig
+    from tripod.engine.precision import PrecisionSettings
     from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
 
     cls = CriticWorker if critic else PolicyWorker

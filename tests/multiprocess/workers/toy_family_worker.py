@@ -23,8 +23,8 @@ def main():
     from safetensors.torch import load_file
     from test_toy_family import register_toy_family
 
-    from tripod.engine.rollout import SamplingParams, make_rollout_engine
     from tests.helpers.model_forward import forward_logits
+    from tripod.engine.rollout import SamplingParams, make_rollout_engine
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.convert import family_of, hf_to_megatron, load_hf_weights
     from tripod.parallel.families.spec import Split, pad_rows, shard

@@ -20,9 +20,15 @@ from tests.helpers.common import dist_worker
 def main():
     from safetensors.torch import load_file
 
-    from tripod.engine.rollout import SamplingParams, make_rollout_engine
-    from tripod.engine.rollout.weight_sync import WeightSync, flatten_by_dtype, gather_bucket_full, hf_buckets, unflatten
     from tripod.engine.config import OptimConfig
+    from tripod.engine.rollout import SamplingParams, make_rollout_engine
+    from tripod.engine.rollout.weight_sync import (
+        WeightSync,
+        flatten_by_dtype,
+        gather_bucket_full,
+        hf_buckets,
+        unflatten,
+    )
     from tripod.engine.workers.ppo_workers import PolicyWorker
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.convert import family_of
