@@ -28,7 +28,7 @@ from tripod.engine.rewards import RewardPool
 from tripod.engine.rollout import SamplingParams, make_rollout_engine
 from tripod.engine.rollout.weight_sync import WeightSync
 from tripod.engine.workers.batch import PPOBatch, build_ppo_batch
-from tripod.engine.workers.megatron_worker import moe_config_overrides
+from tripod.engine.workers.moe_config import moe_config_overrides
 from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
 from tripod.parallel.arch import arch_from_hf
 from tripod.parallel.hybrid_engine.engine import HybridEngine

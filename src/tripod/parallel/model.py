@@ -33,14 +33,12 @@ from tripod.parallel.arch import ModelArch
 from tripod.parallel.convert import padded_vocab_size
 from tripod.parallel.families import get_family
 from tripod.parallel.layout import ParallelLayout
+from tripod.parallel.megatron_patches import transformer_engine_installed
 
 
-def _transformer_engine_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
+def uses_transformer_engine() -> bool:
+    """Whether models are built with Transformer Engine layer specs: TE installed (megatron_patches) and CUDA."""
+    return transformer_engine_installed() and torch.cuda.is_available()
 
 
 def transformer_config_from_arch(arch: ModelArch, layout: ParallelLayout, *,
@@ -155,7 +153,7 @@ def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool
     config = transformer_config_from_arch(arch, layout, params_dtype=params_dtype,
                                           sequence_parallel=sequence_parallel, **config_overrides)
     family = get_family(arch.family)
-    use_te = _transformer_engine_available()
+    use_te = uses_transformer_engine()
     vpp = virtual_pipeline_size or 1
     first = layout.is_first_stage and (vp_stage or 0) == 0
     last = layout.is_last_stage and (vp_stage or 0) == vpp - 1
