@@ -122,7 +122,7 @@ class MegatronWorker:
                                                finalize_model_grads)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        model, prec = chunks[0], self.precision
+        prec = self.precision
         if prec.use_distributed_optimizer:
             from tripod.parallel.megatron_patches.gloo_collectives import install_inplace_gloo_collectives
             install_inplace_gloo_collectives()  # gloo's reduce-scatter / all-gather would copy the whole buffer

@@ -8,8 +8,6 @@ earlier and reused inside the block would not count. On CUDA, the allocator's ow
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import gc
 from dataclasses import dataclass
 
 import torch
@@ -22,15 +20,6 @@ def proc_status_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _release_free_heap() -> None:
-    """Hand freed heap pages back to the OS first, so that reusing them later still shows up as growth."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the measurement may then under-count reused memory
-        pass
 
 
 class SavedTensorBytes:
@@ -95,7 +84,9 @@ def measure_peak_memory(device: torch.device | str = "cpu"):
         torch.cuda.synchronize()
         m.peak_bytes = torch.cuda.max_memory_allocated()
         return
-    _release_free_heap()
+    from tripod.engine.device import release_free_heap
+
+    release_free_heap()  # freed pages back to the OS first, so that reusing them later still shows up as growth
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     m.baseline_bytes = proc_status_kib("VmRSS") * 1024
