@@ -24,8 +24,12 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from tripod.engine.config_loading import (ConfigError, config_to_yaml, load_structured,  # noqa: F401 (re-exported)
-                                   save_resolved_config)
+from tripod.engine.config_loading import (  # noqa: F401 (re-exported)
+    ConfigError,
+    config_to_yaml,
+    load_structured,
+    save_resolved_config,
+)
 
 OPTIMIZERS = ("adam", "sgd")  # megatron-core OptimizerConfig.optimizer
 DEVICES = ("cpu", "cuda")

@@ -11,7 +11,13 @@
             checkpoint["data"] = loader.state_dict()   # restore with loader.load_state_dict(...)
 """
 from tripod.engine.data.arithmetic import make_arithmetic_rows, make_arithmetic_splits
-from tripod.engine.data.batching import pad_input, pad_sequences, packed_position_ids, split_by_token_budget, unpad_input
+from tripod.engine.data.batching import (
+    packed_position_ids,
+    pad_input,
+    pad_sequences,
+    split_by_token_budget,
+    unpad_input,
+)
 from tripod.engine.data.dataset import PromptBatch, PromptDataLoader, PromptDataset, write_prompt_parquet
 
 __all__ = ["PromptBatch", "PromptDataLoader", "PromptDataset", "write_prompt_parquet", "make_arithmetic_rows",
