@@ -6,8 +6,13 @@
 - memory.py     measured peak memory (VmHWM on CPU, the allocator's peak on CUDA)
 - engine.py     `HybridEngine`: the per-step round trip around a rollout engine
 """
-from tripod.parallel.hybrid_engine.plan import (ReshardPlan, ReshardPlanError, build_reshard_plan,
-                                                reshard_plan_from_config, validate_layouts)
+from tripod.parallel.hybrid_engine.plan import (
+    ReshardPlan,
+    ReshardPlanError,
+    build_reshard_plan,
+    reshard_plan_from_config,
+    validate_layouts,
+)
 from tripod.parallel.hybrid_engine.transport import MicroDPGather, TransferStats, naive_full_gather
 
 __all__ = ["ReshardPlan", "ReshardPlanError", "build_reshard_plan", "reshard_plan_from_config", "validate_layouts", "MicroDPGather",
