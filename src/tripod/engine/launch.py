@@ -27,6 +27,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+
 class TrainingStopped(RuntimeError):
     """A run that stopped itself for a reason its message states (e.g. the divergence guard gave up)."""
 

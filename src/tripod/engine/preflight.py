@@ -114,6 +114,7 @@ def check_resume(cfg, arch, world: int) -> None:
 def preflight(cfg, world: int) -> None:
     """Everything that can be checked without a model: model files, layouts, rollout TP, data, rewards, resume
     checkpoint and run directory."""
+    import torch
     from transformers import AutoTokenizer
 
     from tripod.engine.data import PromptDataset
@@ -121,8 +122,6 @@ def preflight(cfg, world: int) -> None:
     from tripod.engine.rollout import validate_rollout_tp
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.hybrid_engine import validate_layouts
-
-    import torch
 
     if cfg.trainer.device == "cuda" and torch.cuda.device_count() < min(world, cfg.trainer.n_gpus_per_node):
         raise ValueError(f"trainer.device=cuda needs {min(world, cfg.trainer.n_gpus_per_node)} CUDA devices per node, "

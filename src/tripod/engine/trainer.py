@@ -21,11 +21,11 @@ from tripod.engine.data import PromptBatch, PromptDataLoader, PromptDataset
 from tripod.engine.device import DeviceGuard, check_devices_enabled, current_device
 from tripod.engine.divergence_guard import DivergenceGuard
 from tripod.engine.logging import Timer, Tracker
-from tripod.engine.throughput import PerfCounter
 from tripod.engine.precision import resolve_precision, rollout_dtype
 from tripod.engine.rewards import RewardPool
 from tripod.engine.rollout import SamplingParams, make_rollout_engine
 from tripod.engine.rollout.weight_sync import WeightSync
+from tripod.engine.throughput import PerfCounter
 from tripod.engine.workers.batch import PPOBatch, build_ppo_batch
 from tripod.engine.workers.moe_config import moe_config_overrides
 from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker

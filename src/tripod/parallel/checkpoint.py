@@ -24,8 +24,15 @@ import torch
 import torch.distributed as dist
 
 from tripod.parallel.arch import ModelArch, arch_from_hf
-from tripod.parallel.convert import (TOKENIZER_FILES, family_of, load_hf_weights, model_chunks, padded_vocab_size,
-                              save_hf_checkpoint, write_hf_config)
+from tripod.parallel.convert import (
+    TOKENIZER_FILES,
+    family_of,
+    load_hf_weights,
+    model_chunks,
+    padded_vocab_size,
+    save_hf_checkpoint,
+    write_hf_config,
+)
 
 METADATA_FILE = "tripod_checkpoint.json"
 MODEL_SUBDIR = "model"

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tripod.parallel.arch import ModelArch
+from tripod.parallel.convert.common import padded_vocab_size
 from tripod.parallel.families.spec import local_shape as split_local_shape
 from tripod.parallel.hybrid_engine.plan import actor_param_specs, local_shape
-from tripod.parallel.convert.common import padded_vocab_size
 
 
 def _prod(shape) -> int:

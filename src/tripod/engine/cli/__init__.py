@@ -71,7 +71,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from tripod.parallel.checkpoint import checkpoint_arch, check_exportable, export_checkpoint_to_hf, min_world_size
+    from tripod.parallel.checkpoint import check_exportable, checkpoint_arch, export_checkpoint_to_hf, min_world_size
 
     arch = checkpoint_arch(args.ckpt_dir)
     check_exportable(args.ckpt_dir)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 from tripod import CHECKOUT
 from tripod.engine.launch import detect_launch, run_distributed

@@ -15,13 +15,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tripod.engine.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutEngine, RolloutOutput, SamplingParams,
-                                 tp_size_and_rank, validate_rollout_tp)
+from tripod.engine.rollout.base import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    RolloutEngine,
+    RolloutOutput,
+    SamplingParams,
+    tp_size_and_rank,
+    validate_rollout_tp,
+)
 from tripod.engine.rollout.sampling import sample_next_token
 from tripod.engine.rollout.tp_decoder import KVCache
 from tripod.parallel.arch import ModelArch
 from tripod.parallel.families import get_family
-
 
 DENSE_DECODER = "tripod.engine.rollout.tp_decoder:TPDecoder"
 MOE_DECODER = "tripod.engine.rollout.moe_decoder:MoEDecoder"

@@ -26,8 +26,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tripod.engine.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutEngine, RolloutOutput, SamplingParams,
-                                 tp_size_and_rank, validate_rollout_tp)
+from tripod.engine.rollout.base import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    RolloutEngine,
+    RolloutOutput,
+    SamplingParams,
+    tp_size_and_rank,
+    validate_rollout_tp,
+)
 from tripod.parallel.arch import ModelArch
 
 SGLANG_FIX = ("install it on a CUDA machine (`pip install \"sglang[all]\" torch_memory_saver`, see docs/rollout.md) "

@@ -34,8 +34,11 @@ from tripod.engine.workers.lr_schedule import build_lr_scheduler
 from tripod.engine.workers.moe_config import MOE_AUX_LOSS_NAMES
 from tripod.engine.workers.packing import pack_shared_prompts
 from tripod.parallel.arch import ModelArch
-from tripod.parallel.megatron_patches.gpt_model import (bypass_output_layer, cast_floating_params,
-                                                        rope_with_slot_positions)
+from tripod.parallel.megatron_patches.gpt_model import (
+    bypass_output_layer,
+    cast_floating_params,
+    rope_with_slot_positions,
+)
 
 
 def _unwrap(model):
@@ -118,8 +121,11 @@ class MegatronWorker:
                 self._move_params(torch.device("cpu"))
 
     def _wrap_for_training(self, chunks, optim: OptimConfig, grad_clip: float):
-        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                               finalize_model_grads)
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         prec = self.precision

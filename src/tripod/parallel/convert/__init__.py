@@ -21,11 +21,24 @@ import torch
 import torch.distributed as dist
 
 from tripod.parallel.arch import ModelArch
-from tripod.parallel.convert.common import (EMBEDDING, FINAL_NORM, LAYER_PREFIX, OUTPUT_LAYER, HFExpertViews,
-                                     check_hf_names, fuse_to_megatron, hf_names_for, hf_to_megatron_state,
-                                     is_replicated,
-                                     megatron_names, megatron_to_hf_tensor, pad_vocab, padded_vocab_size,
-                                     split_layer_name, unpad_vocab)
+from tripod.parallel.convert.common import (
+    EMBEDDING,
+    FINAL_NORM,
+    LAYER_PREFIX,
+    OUTPUT_LAYER,
+    HFExpertViews,
+    check_hf_names,
+    fuse_to_megatron,
+    hf_names_for,
+    hf_to_megatron_state,
+    is_replicated,
+    megatron_names,
+    megatron_to_hf_tensor,
+    pad_vocab,
+    padded_vocab_size,
+    split_layer_name,
+    unpad_vocab,
+)
 from tripod.parallel.families import FamilySpec, get_family
 from tripod.parallel.families.spec import expert_index
 

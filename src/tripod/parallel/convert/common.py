@@ -25,8 +25,19 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from tripod.parallel.arch import ModelArch
-from tripod.parallel.families.spec import (EMBEDDING, FINAL_NORM, LAYER_PREFIX, OUTPUT_LAYER, FamilySpec, Fuse, Split,
-                                    check_tp_size, pad_rows, padded_vocab_size, unpad_rows)
+from tripod.parallel.families.spec import (
+    EMBEDDING,
+    FINAL_NORM,
+    LAYER_PREFIX,
+    OUTPUT_LAYER,
+    FamilySpec,
+    Fuse,
+    Split,
+    check_tp_size,
+    pad_rows,
+    padded_vocab_size,
+    unpad_rows,
+)
 
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # HF buffers some older checkpoints carry; they are recomputed, never loaded.

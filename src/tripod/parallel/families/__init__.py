@@ -5,8 +5,17 @@ import line at the bottom of this file (docs/extending.md walks through one).
 """
 from __future__ import annotations
 
-from tripod.parallel.families.spec import (EMBEDDING, FINAL_NORM, LAYER_PREFIX, OUTPUT_LAYER, FamilySpec, Fuse, Layers,
-                                           Split, Weight)
+from tripod.parallel.families.spec import (
+    EMBEDDING,
+    FINAL_NORM,
+    LAYER_PREFIX,
+    OUTPUT_LAYER,
+    FamilySpec,
+    Fuse,
+    Layers,
+    Split,
+    Weight,
+)
 
 _BY_NAME: dict[str, FamilySpec] = {}
 _BY_MODEL_TYPE: dict[str, FamilySpec] = {}

@@ -23,8 +23,12 @@ from typing import Any
 
 from tripod.parallel.arch import ModelArch
 from tripod.parallel.families.llama import dense_gpt_weights
-from tripod.parallel.families.moe_common import (check_moe_supported, moe_block_spec, moe_megatron_fields,
-                                                 routed_expert_weights)
+from tripod.parallel.families.moe_common import (
+    check_moe_supported,
+    moe_block_spec,
+    moe_megatron_fields,
+    routed_expert_weights,
+)
 from tripod.parallel.families.spec import FamilySpec, Split, Weight
 
 
