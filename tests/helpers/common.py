@@ -130,7 +130,7 @@ def dist_worker(main: Callable[[], None]) -> None:
     try:
         from datetime import timedelta
         dist.init_process_group(backend="gloo", timeout=timedelta(minutes=3))
-        from tripod.parallel.cpu_compat import apply_cpu_compat
+        from tripod.parallel.megatron_patches.cpu_compat import apply_cpu_compat
         apply_cpu_compat()
         main()
         dist.barrier()

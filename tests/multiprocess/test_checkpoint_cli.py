@@ -20,7 +20,7 @@ pytestmark = pytest.mark.dist
 
 
 def _tripod(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     return subprocess.run([sys.executable, "-m", "tripod", *args], cwd=REPO_ROOT, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout)
 

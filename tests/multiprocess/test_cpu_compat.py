@@ -1,5 +1,5 @@
-"""Canary for parallel/cpu_compat.py: megatron-core must reach no CUDA call site that is not in the
-documented allow-list during a TP2xPP2 (+sequence parallel, +full recomputation, +distributed optimizer) train
+"""Canary for parallel/megatron_patches/cpu_compat.py: megatron-core must reach no CUDA call site that is not in
+the documented allow-list during a TP2xPP2 (+sequence parallel, +full recomputation, +distributed optimizer) train
 step."""
 import re
 
@@ -10,7 +10,7 @@ from tests.helpers.common import make_tiny_hf_model, run_torchrun
 
 
 def test_apply_is_idempotent_and_cpu_only():
-    from tripod.parallel.cpu_compat import apply_cpu_compat, cpu_compat_applied
+    from tripod.parallel.megatron_patches.cpu_compat import apply_cpu_compat, cpu_compat_applied
 
     if torch.cuda.is_available():
         assert apply_cpu_compat() is False and not cpu_compat_applied()
@@ -34,5 +34,6 @@ def test_no_unlisted_cuda_call_site_in_a_tp2_pp2_sp_distopt_step(tmp_path):
     assert {"current_device", "cuda_device_arg", "tensor_type", "sp_torch_norm", "rng_tracker",
             "recompute_rng"} <= shims, shims
     unexpected = sorted(set(re.findall(r"UNEXPECTED (.*)", out)))
-    assert not unexpected, ("megatron reached CUDA call sites not in parallel.cpu_compat.ALLOWED_CALL_SITES "
-                            "(check they are safe on CPU, then list them):\n" + "\n".join(unexpected))
+    assert not unexpected, ("megatron reached CUDA call sites not in "
+                            "parallel.megatron_patches.cpu_compat.ALLOWED_CALL_SITES (check they are safe on CPU, then "
+                            "list them):\n" + "\n".join(unexpected))

@@ -171,7 +171,7 @@ def test_bad_inputs_name_the_argument():
 def test_triton_kernels_under_interpreter():
     """Runs this file as a script with TRITON_INTERPRET=1 (must be set before triton is imported)."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "triton-interpreter"], env=env,
                           cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -182,7 +182,7 @@ def test_vocab_parallel_two_gloo_ranks():
     script = os.path.join(REPO, "tests", "multiprocess", "workers", "tp2_logprobs_check.py")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", script], cwd=REPO, capture_output=True, text=True,
-                          timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO))
+                          timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("TP2-LOGPROBS-OK") == 2, proc.stdout[-3000:]
 

@@ -1,5 +1,5 @@
-"""Canaries for the megatron-core 0.16.1 bugs without Transformer Engine that parallel/cpu_compat.py works around
-(MoE forward NameError, MLA's TE mock check, MLA core-attention signature, MLA's RoPE-key gradient at TP > 1).
+"""Canaries for the megatron-core 0.16.1 bugs without Transformer Engine that parallel/megatron_patches/cpu_compat.py
+works around (MoE forward NameError, MLA's TE mock check, MLA core-attention signature, MLA's RoPE-key gradient at TP > 1).
 Each test fails when megatron fixes its bug (then drop the workaround) or when the workaround stops making the model run."""
 import re
 import subprocess
@@ -20,7 +20,7 @@ def test_unpatched_megatron_still_has_the_bugs():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "True"], (
         "megatron-core now defines moe_utils.te_general_gemm or sets multi_latent_attention.HAVE_TE=False without "
-        f"TE ({out.stdout!r}): drop the matching workaround in parallel/cpu_compat.py")
+        f"TE ({out.stdout!r}): drop the matching workaround in parallel/megatron_patches/cpu_compat.py")
 
 
 @pytest.mark.dist
@@ -34,7 +34,7 @@ def test_moe_and_mla_run_only_with_the_workarounds():
 
 @pytest.mark.dist
 def test_mla_gradients_at_tp2_match_transformers_only_with_the_rope_key_fix(tmp_path):
-    """mla_rope_key_grad (parallel/cpu_compat.py): TP2 gradients (sequence parallel) of a tiny DeepSeek-V3 equal
+    """mla_rope_key_grad (parallel/megatron_patches/cpu_compat.py): TP2 gradients (sequence parallel) of a tiny DeepSeek-V3 equal
     transformers' own backward with the fix; megatron as installed (TP2, no SP) still gets them wrong (the canary).
     Both cases in one 2-rank world, the unfixed one last (undoing the fix lasts for the rest of the process)."""
     from tests.helpers.moe_models import make_tiny_moe_model

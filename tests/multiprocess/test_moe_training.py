@@ -2,7 +2,7 @@
 routing with an expert bias, a shared expert, a dense first layer; actor, critic and reference all MoE) train alike
 at (TP, PP, EP) = (1,1,1), (1,1,2) and (2,1,2) with expert TP 1 and sequence parallel, where the experts' gradients
 also reduce over an expert-data-parallel group of 2. This test found megatron's MLA RoPE-key gradient bug at TP > 1
-(parallel/cpu_compat.py mla_rope_key_grad: the (2,1,2) run drifted 14x past its bound before the fix).
+(parallel/megatron_patches/cpu_compat.py mla_rope_key_grad: the (2,1,2) run drifted 14x past its bound before the fix).
 
 Bounds: those of tests/helpers/trainer_runs.py (fp32 reduction order, SGD weight updates), unchanged. Routing adds one
 discontinuity: a token's top-k (or top group) flips only where two router scores lie within the layout's

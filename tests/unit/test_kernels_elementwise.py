@@ -96,8 +96,9 @@ def random_log_probs(shape, gen):
 @pytest.mark.parametrize("T", [1, 7, 45])
 def test_gae_matches_reference_loop(backend, T, monkeypatch):
     if backend == "triton":  # small blocks: T=45 walks 3 blocks (the last one partial) with carries
-        from tripod import kernels
-        monkeypatch.setattr(kernels._triton_gae, "BLOCK_SIZE", 16)
+        from tripod.kernels import _triton_gae
+
+        monkeypatch.setattr(_triton_gae, "BLOCK_SIZE", 16)
     gen = torch.Generator().manual_seed(T)
     B = 5
     rewards, values = torch.randn(B, T, generator=gen), torch.randn(B, T, generator=gen)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tripod.engine.config import OptimConfig
-from tripod.engine.workers.megatron_worker import build_lr_scheduler, warmup_steps
+from tripod.engine.workers.lr_schedule import build_lr_scheduler, warmup_steps
 
 
 def closed_form(style: str, k: int, lr: float, min_lr: float, warmup: int, total: int) -> float:

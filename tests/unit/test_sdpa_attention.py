@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
     import os, sys
     import torch
     import torch.distributed as dist
-    from tripod.parallel.cpu_compat import apply_cpu_compat
+    from tripod.parallel.megatron_patches.cpu_compat import apply_cpu_compat
     apply_cpu_compat()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
     dist.init_process_group("gloo", rank=0, world_size=1)

@@ -14,7 +14,7 @@ SCRIPT = textwrap.dedent("""
     import sys, types
     import torch
     from megatron.core.transformer.spec_utils import build_module
-    from tripod.parallel import cpu_compat
+    from tripod.parallel.megatron_patches import cpu_compat
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.model import model_layer_spec, transformer_config_from_arch
 

@@ -24,16 +24,20 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from tripod.engine.config_loading import ConfigError, config_to_yaml, load_structured, save_resolved_config  # noqa: F401 (re-exported)
+from tripod.engine.config_loading import (  # noqa: F401 (re-exported)
+    ConfigError,
+    config_to_yaml,
+    load_structured,
+    save_resolved_config,
+)
 
 OPTIMIZERS = ("adam", "sgd")  # megatron-core OptimizerConfig.optimizer
 DEVICES = ("cpu", "cuda")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")  # of megatron's OptimizerParamScheduler styles, those offered
-PARAM_DTYPES = ("fp32", "bf16", "fp16")
-ROLLOUT_DTYPES = ("fp32", "bf16", "fp16")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 MOE_LOAD_BALANCING_TYPES = ("none", "aux_loss", "seq_aux_loss")  # megatron's moe_router_load_balancing_type
+CRITIC_ESTIMATORS = ("gae",)  # the advantage estimators that read values: only these runs build a critic
 
 
 def _choice(key: str, value: Any, allowed) -> list[str]:
@@ -186,6 +190,11 @@ class MegatronConfig:
     """megatron's layer spec: auto (Transformer Engine when it imports and CUDA is visible; MLA models keep the
     local spec) | true (TE, else one clear error) | false (the local spec: PyTorch SDPA attention, torch norms).
     Megatron-LM: --transformer-impl transformer_engine|local."""
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP = world / (TP * PP) of this model (every model's layout spans the whole world). TP * PP < 1 is
+        `check()`'s to report; it counts as 1 here so that validation can go on."""
+        return world_size // max(self.tensor_model_parallel_size * self.pipeline_model_parallel_size, 1)
 
     def check(self, key: str) -> list[str]:
         e = [f"{key}.{n}={v} must be >= 1" for n, v in (("tensor_model_parallel_size", self.tensor_model_parallel_size),
@@ -641,6 +650,16 @@ class TripodConfig:
     """Reward scoring."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The loop: steps, validation, checkpoints, logging, world."""
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the run builds and trains a critic: its advantage estimator reads values (CRITIC_ESTIMATORS)."""
+        return self.algorithm.adv_estimator in CRITIC_ESTIMATORS
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the run builds the reference model: a KL term needs it (in the reward, or the actor's KL loss)."""
+        return self.algorithm.use_kl_in_reward or self.actor_rollout_ref.actor.use_kl_loss
 
 
 # ---------------------------------------------------------------------------------------------- loading

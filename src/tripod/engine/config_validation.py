@@ -14,13 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from tripod.engine.config import ConfigError, MegatronConfig, TripodConfig
 
-CRITIC_ESTIMATORS = ("gae",)  # the estimators that read values (the trainer builds a critic only for these)
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # need rollout.n >= 2
-
-
-def data_parallel_size(megatron: MegatronConfig, world_size: int) -> int:
-    """DP = world / (TP * PP) of one model (actor, critic or reference)."""
-    return world_size // (megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size)
 
 
 def _layout_fits(errors: list[str], key: str, m: MegatronConfig, world_size: int) -> bool:
@@ -67,8 +61,7 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
         cfg = OmegaConf.to_object(cfg)
     d, arr, alg, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
     actor, rollout, ref, critic = arr.actor, arr.rollout, arr.ref, cfg.critic
-    use_critic = alg.adv_estimator in CRITIC_ESTIMATORS
-    use_ref = actor.use_kl_loss or alg.use_kl_in_reward
+    use_critic, use_ref = cfg.uses_critic, cfg.uses_reference
 
     e: list[str] = []
     if world_size < 1:
@@ -122,7 +115,7 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
     for key, m in models:
         if layout_ok.get(key, False):
             _check_batches(e, key, m.ppo_mini_batch_size, m.ppo_micro_batch_size_per_gpu, m.use_dynamic_bsz,
-                           d.train_batch_size, rollout.n, data_parallel_size(m.megatron, world_size))
+                           d.train_batch_size, rollout.n, m.megatron.data_parallel_size(world_size))
         if m.use_dynamic_bsz and m.ppo_max_token_len_per_gpu < seq_len:
             e.append(f"{key}.ppo_max_token_len_per_gpu={m.ppo_max_token_len_per_gpu} is below one full sequence "
                      f"(data.max_prompt_length + rollout.response_length = {seq_len}); raise it to >= {seq_len}")

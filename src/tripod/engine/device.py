@@ -132,8 +132,13 @@ def trim_host_heap(device: torch.device) -> None:
     the heap as resident holes that the next stage's large tensors (fresh mmaps) cannot reuse, so the peak RSS would
     carry every earlier stage's garbage. Called between stages (MegatronWorker), never in a hot loop; a no-op on CUDA
     (its caching allocator reuses its own blocks) and off glibc."""
-    if device.type != "cpu":
-        return
+    if device.type == "cpu":
+        release_free_heap()
+
+
+def release_free_heap() -> None:
+    """gc, then glibc's malloc_trim(0): freed heap pages go back to the OS (a no-op off glibc, where memory
+    measurements may then under-count reused memory)."""
     import ctypes
     import gc
 

@@ -188,7 +188,7 @@ def _run_in_world(fn: Callable[..., Any], args: tuple) -> None:
             store, rank, world = next(dist.rendezvous("env://"))
             dist.init_process_group(backend=backend, store=dist.PrefixStore(f"tripod/attempt_{attempt}", store),
                                     rank=rank, world_size=world)
-    from tripod.parallel.cpu_compat import apply_cpu_compat
+    from tripod.parallel.megatron_patches.cpu_compat import apply_cpu_compat
 
     if device.type == "cpu":
         apply_cpu_compat(force=True)

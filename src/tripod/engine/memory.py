@@ -13,8 +13,6 @@ On CUDA the allocator's own peak is used instead. `SavedTensorBytes` counts what
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import gc
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -53,15 +51,6 @@ def peak_memory_gb() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / GiB
     return peak_rss_bytes() / GiB
-
-
-def _release_free_heap() -> None:
-    """Hand freed heap pages back to the OS first, so that reusing them later still shows up as growth."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the measurement may then under-count reused memory
-        pass
 
 
 class SavedTensorBytes:
@@ -126,7 +115,9 @@ def measure_peak_memory(device: torch.device | str = "cpu") -> Iterator[PeakMemo
         torch.cuda.synchronize()
         m.peak_bytes = torch.cuda.max_memory_allocated()
         return
-    _release_free_heap()
+    from tripod.engine.device import release_free_heap
+
+    release_free_heap()  # freed pages back to the OS first, so that reusing them later still shows up as growth
     reset_peak_rss()
     m.baseline_bytes = rss_bytes()
     yield m

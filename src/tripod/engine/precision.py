@@ -90,13 +90,13 @@ def rollout_dtype(name: Optional[str], device: torch.device | str) -> torch.dtyp
 def precision_problems(cfg, world_size: int, models: list[tuple[str, Any, bool]]) -> list[str]:
     """One line per bad precision / memory key. `models`: (config key, MegatronConfig, trainable) of the models
     the run builds."""
-    from tripod.engine.config import PARAM_DTYPES, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ROLLOUT_DTYPES
+    from tripod.engine.config import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 
     e: list[str] = []
     on_cpu = cfg.trainer.device != "cuda"
     for key, m, trainable in models:
-        if m.param_dtype not in PARAM_DTYPES:
-            e.append(f"{key}.param_dtype={m.param_dtype!r} is not one of {list(PARAM_DTYPES)}")
+        if m.param_dtype not in DTYPES:
+            e.append(f"{key}.param_dtype={m.param_dtype!r} is not one of {list(DTYPES)}")
         if m.recompute_granularity is not None and m.recompute_granularity not in RECOMPUTE_GRANULARITIES:
             e.append(f"{key}.recompute_granularity={m.recompute_granularity!r} is not one of "
                      f"{list(RECOMPUTE_GRANULARITIES)} (or null for off)")
@@ -121,17 +121,16 @@ def precision_problems(cfg, world_size: int, models: list[tuple[str, Any, bool]]
                 e.append(f"{key}.optimizer_offload=true needs trainer.device=cuda (megatron's HybridDeviceOptimizer "
                          "runs on CUDA streams; on CPU the optimizer states already live in host memory); set it "
                          "to false")
-            tp_pp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
             dist_opt = m.use_distributed_optimizer is not False  # null = auto: on at DP > 1 with Adam
-            if not dist_opt or world_size // max(tp_pp, 1) <= 1:
+            if not dist_opt or m.data_parallel_size(world_size) <= 1:
                 e.append(f"{key}.optimizer_offload=true needs the distributed optimizer (megatron offloads its "
                          f"shards); set {key}.use_distributed_optimizer=true")
         if m.param_dtype == "fp16" and on_cpu:
             e.append(f"{key}.param_dtype=fp16 needs trainer.device=cuda (CPU kernels lack fp16 matmuls); use bf16 "
                      "or fp32 on CPU")
     rdt = cfg.actor_rollout_ref.rollout.dtype
-    if rdt is not None and rdt not in ROLLOUT_DTYPES:
-        e.append(f"actor_rollout_ref.rollout.dtype={rdt!r} is not one of {list(ROLLOUT_DTYPES)} (or null for bf16 "
+    if rdt is not None and rdt not in DTYPES:
+        e.append(f"actor_rollout_ref.rollout.dtype={rdt!r} is not one of {list(DTYPES)} (or null for bf16 "
                  "on CUDA, fp32 on CPU)")
     elif rdt == "fp16" and on_cpu:
         e.append("actor_rollout_ref.rollout.dtype=fp16 needs trainer.device=cuda; use bf16 or fp32 on CPU")

@@ -128,13 +128,13 @@ def preflight(cfg, world: int) -> None:
                          f"this machine has {torch.cuda.device_count()}; set trainer.device=cpu or launch fewer ranks")
     arc = cfg.actor_rollout_ref
     check_model_dir(arc.model.path, "actor_rollout_ref.model.path")
-    if cfg.algorithm.adv_estimator == "gae" and cfg.critic.model.path != arc.model.path:
+    if cfg.uses_critic and cfg.critic.model.path != arc.model.path:
         check_model_dir(cfg.critic.model.path, "critic.model.path")
     arch = arch_from_hf(arc.model.path)
     m = arc.actor.megatron
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     validate_rollout_tp(arch, arc.rollout.tensor_model_parallel_size)
-    validate_layouts(arch, tp, pp, world // (tp * pp), arc.rollout.tensor_model_parallel_size, world)
+    validate_layouts(arch, tp, pp, m.data_parallel_size(world), arc.rollout.tensor_model_parallel_size, world)
     tokenizer_dir = cfg.data.tokenizer or arc.model.path
     if not os.path.isdir(tokenizer_dir):
         raise FileNotFoundError(f"data.tokenizer={tokenizer_dir} does not exist; point it at a tokenizer directory")

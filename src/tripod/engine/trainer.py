@@ -19,7 +19,6 @@ from tripod.engine.algorithms import apply_kl_penalty, build_kl_controller, comp
 from tripod.engine.checkpoints import CheckpointManager
 from tripod.engine.config import TripodConfig, save_resolved_config
 from tripod.engine.config_loading import config_to_dict
-from tripod.engine.config_validation import CRITIC_ESTIMATORS
 from tripod.engine.data import PromptBatch, PromptDataLoader, PromptDataset
 from tripod.engine.device import DeviceGuard, check_devices_enabled, current_device
 from tripod.engine.divergence_guard import DivergenceGuard, GuardDecision, Remedies
@@ -30,7 +29,7 @@ from tripod.engine.rollout import SamplingParams, make_rollout_engine
 from tripod.engine.rollout.weight_sync import WeightSync
 from tripod.engine.throughput import PerfCounter
 from tripod.engine.workers.batch import PPOBatch, build_ppo_batch
-from tripod.engine.workers.megatron_worker import moe_config_overrides
+from tripod.engine.workers.moe_config import moe_config_overrides
 from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
 from tripod.parallel.arch import arch_from_hf
 from tripod.parallel.hybrid_engine.engine import HybridEngine
@@ -76,8 +75,7 @@ class PPOTrainer:
                                   cfg.reward_model.use_ray, data_sources=sources) if self.rank == 0 else None
 
         algo = cfg.algorithm
-        self.use_critic = algo.adv_estimator in CRITIC_ESTIMATORS
-        self.use_ref = algo.use_kl_in_reward or actor_cfg.use_kl_loss
+        self.use_critic, self.use_ref = cfg.uses_critic, cfg.uses_reference
         self.kl_ctrl = build_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl,
                                            algo.kl_ctrl.horizon, warmup_steps=algo.kl_ctrl.warmup_steps)
 
@@ -204,7 +202,7 @@ class PPOTrainer:
         metrics.update(self.batch_metrics(batch, scores))
         metrics.update(timings)
         metrics.update(self.perf.metrics(batch, timings, arc.actor.ppo_epochs,
-                                         recomputed_old_log_probs="old_log_probs" in batch.tensors,
+                                         recomputed_old_log_probs=batch.recomputed_old_log_probs,
                                          shared_prompts=self.actor.share_prompt_prefix and self.actor.can_pack))
         return metrics
 

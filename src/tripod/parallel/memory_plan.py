@@ -221,15 +221,14 @@ def generation_shard_bytes(arch: ModelArch, rollout_tp: int, dtype: torch.dtype)
 
 
 def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelArch | None = None) -> MemoryPlan:
-    """The memory plan of a (resolved) TripodConfig on `world_size` ranks."""
+    """The memory plan of a (resolved) `TripodConfig` on `world_size` ranks."""
     from tripod.engine.precision import resolve_precision, rollout_dtype
 
-    arc, algo = cfg.actor_rollout_ref, cfg.algorithm
+    arc = cfg.actor_rollout_ref
     device = "cuda" if cfg.trainer.device == "cuda" else "cpu"
 
     def model(name, m, trainable, value_head=False, offloaded=False, optimizer="adam"):
-        tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-        dp = world_size // (tp * pp)
+        tp, pp, dp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.data_parallel_size(world_size)
         prec = resolve_precision(m, dp, trainable, optimizer)
         return ModelMemory(name, tp, pp, dp, prec.param_dtype, trainable, prec.use_distributed_optimizer,
                            offloaded, value_head, m.expert_model_parallel_size, m.expert_tensor_parallel_size,
@@ -242,9 +241,9 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
         return max(c.ppo_max_token_len_per_gpu // seq, 1) if c.use_dynamic_bsz else c.ppo_micro_batch_size_per_gpu
 
     models = [model("actor", arc.actor.megatron, True, optimizer=arc.actor.optim.optimizer)]
-    if algo.adv_estimator == "gae":
+    if cfg.uses_critic:
         models.append(model("critic", cfg.critic.megatron, True, value_head=True, optimizer=cfg.critic.optim.optimizer))
-    if algo.use_kl_in_reward or arc.actor.use_kl_loss:
+    if cfg.uses_reference:
         models.append(model("reference", arc.ref.megatron, False, offloaded=arc.ref.offload and device == "cuda"))
     r = arc.rollout
     gdt = rollout_dtype(r.dtype, device)

@@ -33,16 +33,14 @@ from tripod.parallel.arch import ModelArch
 from tripod.parallel.convert import padded_vocab_size
 from tripod.parallel.families import get_family
 from tripod.parallel.layout import ParallelLayout
+from tripod.parallel.megatron_patches import transformer_engine_installed
 
 USE_TE_CHOICES = ("auto", "true", "false")
 
 
-def _transformer_engine_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
+def uses_transformer_engine() -> bool:
+    """Whether models are built with Transformer Engine layer specs: TE installed (megatron_patches) and CUDA."""
+    return transformer_engine_installed() and torch.cuda.is_available()
 
 
 def resolve_use_te(setting: str | bool, arch: ModelArch, key: str = "megatron.use_te") -> bool:
@@ -50,14 +48,14 @@ def resolve_use_te(setting: str | bool, arch: ModelArch, key: str = "megatron.us
 
     auto: when TE imports and CUDA is visible, except for MLA models (TE's spec replicates MLA's down projections,
     which the family table splits over TP; they keep the local spec). true: TE, or one clear line saying why not.
-    false: the local (torch) spec: SDPA attention and the local norms (parallel/cpu_compat.py's no-TE fixes)."""
+    false: the local (torch) spec: SDPA attention and the local norms (parallel/megatron_patches/cpu_compat.py's no-TE fixes)."""
     value = str(setting).strip().lower()
     if value not in USE_TE_CHOICES:
         raise ValueError(f"{key}={setting!r} must be one of {', '.join(USE_TE_CHOICES)}")
     if value == "false":
         return False
     if value == "true":
-        if not _transformer_engine_available():
+        if not uses_transformer_engine():
             why = "is not importable" if torch.cuda.is_available() else "needs CUDA, and this torch sees no GPU"
             raise ValueError(f"{key}=true but Transformer Engine {why}; install transformer_engine on a CUDA "
                              "machine or set it to auto/false")
@@ -65,7 +63,7 @@ def resolve_use_te(setting: str | bool, arch: ModelArch, key: str = "megatron.us
             raise ValueError(f"{key}=true: {arch.family} uses MLA, whose down projections TE's spec replicates "
                              "while tripod's table splits them over TP; set it to auto or false")
         return True
-    return _transformer_engine_available() and arch.mla is None
+    return uses_transformer_engine() and arch.mla is None
 
 
 def transformer_config_from_arch(arch: ModelArch, layout: ParallelLayout, *,
@@ -145,13 +143,13 @@ class ValueHead(torch.nn.Module):
 
 
 def model_layer_spec(arch: ModelArch, use_te: bool, config, vp_stage: int | None = None, sdpa: bool = False):
-    """The family's layer spec (or decoder block spec) for `config`. The local spec first gets parallel/cpu_compat.py's
+    """The family's layer spec (or decoder block spec) for `config`. The local spec first gets parallel/megatron_patches/cpu_compat.py's
     no-TE fixes, on CPU and GPU alike: its norm (WrappedTorchNorm) refuses sequence parallelism otherwise, and every
     MoE model at TP > 1 runs with it. `sdpa`: the local spec's core attention runs PyTorch SDPA
     (parallel/sdpa_attention.py; build_gpt_model asks for it on CUDA)."""
     family = get_family(arch.family)
     if not use_te:
-        from tripod.parallel.cpu_compat import apply_no_te_fixes
+        from tripod.parallel.megatron_patches.cpu_compat import apply_no_te_fixes
         apply_no_te_fixes()
     spec = family.block_spec(arch, use_te, config, vp_stage) if family.block_spec is not None else \
         family.layer_spec(arch, use_te)

@@ -12,10 +12,10 @@ from tests.multiprocess.workers.common_layout_train import train_step, wrap_for_
 
 def main() -> None:
     from tests.helpers.model_forward import gather_vocab_logits
-    from tripod.parallel import cpu_compat
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.convert import load_hf_weights
     from tripod.parallel.layout import ParallelLayout
+    from tripod.parallel.megatron_patches import cpu_compat
     from tripod.parallel.model import build_gpt_model, causal_attention_mask
 
     assert cpu_compat.cpu_compat_applied() and cpu_compat.apply_cpu_compat(trace=True)  # idempotent

@@ -5,8 +5,8 @@ what megatron's parallel_state says about its expert groups next to what the lay
 """
 import torch.distributed as dist
 
-from tripod.parallel import cpu_compat  # noqa: F401  (megatron on CPU)
 from tripod.parallel.layout import ParallelLayout
+from tripod.parallel.megatron_patches import cpu_compat  # noqa: F401  (megatron on CPU)
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ without_fix case undoes the workaround for the rest of the process, so it comes 
 megatron model at TP2 (sequence parallel or not) and through the HF fp32 model; every megatron gradient, merged over TP
 with the family table (SP-tagged replicated grads summed over TP, as finalize_model_grads does), must equal the HF
 gradient mapped by the same table within 1e-5 relative to the tensor's largest HF gradient (fp32 reduction order
-only). Prints GRAD_MATCH sp=1|0 or GRAD_MISMATCH sp=1|0 <names> per case. `without_fix` skips parallel/cpu_compat.py's
+only). Prints GRAD_MATCH sp=1|0 or GRAD_MISMATCH sp=1|0 <names> per case. `without_fix` skips parallel/megatron_patches/cpu_compat.py's
 mla_rope_key_grad workaround: megatron's own TP > 1 MLA gradients must then still MISMATCH (the canary that says
 when the workaround can go).
 """
@@ -66,7 +66,7 @@ def check_case(hf_dir, sp, without_fix):
     if without_fix:  # the canary: megatron as installed
         from megatron.core.transformer import multi_latent_attention as mla
 
-        from tripod.parallel.cpu_compat import apply_no_te_fixes
+        from tripod.parallel.megatron_patches.cpu_compat import apply_no_te_fixes
         apply_no_te_fixes()  # installs the fix (idempotent), then undo it
         mla.gather_from_tensor_model_parallel_region, mla.MLASelfAttention.get_query_key_value_tensors = \
             mla._tripod_unfixed

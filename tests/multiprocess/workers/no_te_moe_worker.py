@@ -1,7 +1,7 @@
 """One gloo rank: megatron-core MoE and MLA layers without Transformer Engine, with and without tripod's fixes.
 
 Prints BUG_STILL_PRESENT <name> for each megatron bug that still reproduces once its fix is taken away, and
-FIXED_FORWARD <name> <max|logit|> when the model runs with the fixes (see parallel/cpu_compat.py).
+FIXED_FORWARD <name> <max|logit|> when the model runs with the fixes (see parallel/megatron_patches/cpu_compat.py).
 """
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,7 @@ def _forward(layout, mla: bool, fix_spec: bool) -> float:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from tripod.parallel.cpu_compat import mla_local_core_attention
+    from tripod.parallel.megatron_patches.cpu_compat import mla_local_core_attention
 
     config = _config(mla)
     with layout.activate():

@@ -70,7 +70,7 @@ def markdown(doc: dict[str, Any]) -> str:
                 + ", ".join(f"{x:.2f}" for x in s["peak_memory_gb"])
                 + (f"; `tripod plan`: model {run['plan']['model_gb']:.2f} GB, resharding peak extra "
                    f"{run['plan']['reshard_peak_extra_gb']:.3f} GB per rank" if run.get("plan") else "")
-                + (f"; old log-probs taken from the on-policy update's forward (not recomputed)"
+                + ("; old log-probs taken from the on-policy update's forward (not recomputed)"
                    if run.get("on_policy_old_log_probs_skipped") else ""), ""]
     out += ["![stages and tokens/s per step](bench.png)", ""]
     if doc.get("sweep"):

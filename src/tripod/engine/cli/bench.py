@@ -74,13 +74,9 @@ def versions() -> dict:
 def plan_prediction(cfg, world: int) -> dict | None:
     """`tripod plan`'s prediction for the recipe: resharding bytes and peak extra memory per rank."""
     from tripod.parallel.arch import arch_from_hf
-    from tripod.parallel.hybrid_engine import build_reshard_plan
+    from tripod.parallel.hybrid_engine import reshard_plan_from_config
 
-    m = cfg.actor_rollout_ref.actor.megatron
-    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-    plan = build_reshard_plan(arch_from_hf(cfg.actor_rollout_ref.model.path), tp, pp, world // (tp * pp),
-                              cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, bucket_bytes=64 << 20,
-                              world_size=world)
+    plan = reshard_plan_from_config(cfg, world, arch_from_hf(cfg.actor_rollout_ref.model.path))
     return {"model_gb": plan.model_bytes() / 2 ** 30, "generation_shard_gb": plan.generation_shard_bytes() / 2 ** 30,
             "reshard_peak_extra_gb": plan.peak_extra_bytes() / 2 ** 30,
             "reshard_received_gb_per_rank": [plan.bytes_received(r) / 2 ** 30 for r in range(world)]}

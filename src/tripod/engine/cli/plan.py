@@ -45,9 +45,8 @@ def plan_model_config(path: str, key: str = "actor_rollout_ref.model.path") -> s
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from tripod.engine.config import load_config
-    from tripod.engine.precision import rollout_dtype
     from tripod.parallel.arch import arch_from_hf
-    from tripod.parallel.hybrid_engine import build_reshard_plan
+    from tripod.parallel.hybrid_engine import reshard_plan_from_config
 
     cfg = load_config(args.config, args.overrides)
     world = _world_size(cfg)
@@ -59,18 +58,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     source = plan_model_config(cfg.actor_rollout_ref.model.path)
     arch = arch_from_hf(source)
     print(f"architecture: {source}")
-    rollout_tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
-    plan = build_reshard_plan(arch, tp, pp, world // (tp * pp), rollout_tp,
-                              bucket_bytes=int(args.bucket_mb * (1 << 20)), world_size=world,
-                              vpp=m.virtual_pipeline_model_parallel_size or 1, ep=m.expert_model_parallel_size,
-                              etp=m.expert_tensor_parallel_size,
-                              dtype=rollout_dtype(cfg.actor_rollout_ref.rollout.dtype,
-                                                  "cuda" if cfg.trainer.device == "cuda" else "cpu"))
+    plan = reshard_plan_from_config(cfg, world, arch, bucket_bytes=int(args.bucket_mb * (1 << 20)))
     print(plan.describe())
     from tripod.parallel.memory_plan import plan_from_config
 
     critic_arch = arch_from_hf(plan_model_config(cfg.critic.model.path, "critic.model.path")) \
-        if cfg.algorithm.adv_estimator == "gae" and cfg.critic.model.path else None
+        if cfg.uses_critic and cfg.critic.model.path else None
     print("\nmemory per rank (parallel/memory_plan.py):")
     print(plan_from_config(cfg, world, arch, critic_arch).describe())
     return 0

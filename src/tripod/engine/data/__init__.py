@@ -12,7 +12,7 @@
 """
 from tripod.engine.data.arithmetic import make_arithmetic_rows, make_arithmetic_splits
 from tripod.engine.data.batching import (
-           packed_position_ids,
+    packed_position_ids,
            pad_input,
            pad_sequences,
            split_by_token_budget,

@@ -4,7 +4,7 @@ See engine/rollout/base.py for the interface, engine/rollout/factory.py for pick
 docs/rollout.md for the design.
 """
 from tripod.engine.rollout.base import (
-                                 FINISH_LENGTH,
+    FINISH_LENGTH,
                                  FINISH_STOP,
                                  ROLLOUT_NAMES,
                                  RolloutEngine,

@@ -147,10 +147,7 @@ def validate_rollout_tp(arch: ModelArch, tg: int) -> None:
         raise ValueError(f"{key}={tg}: must be >= 1")
     sizes = [("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
              ("intermediate_size", arch.ffn_hidden_size)]
-    from tripod.parallel.moe_arch import mla_from_hf, moe_from_hf
-
-    moe = getattr(arch, "moe", None) or moe_from_hf(arch.hf_config)
-    mla = getattr(arch, "mla", None) or mla_from_hf(arch.hf_config)
+    moe, mla = arch.moe, arch.mla
     if moe is not None:  # the embedded engine cuts every expert over the rollout TP group (moe_decoder.py)
         sizes.append(("moe_intermediate_size", moe.expert_ffn_hidden_size))
         if moe.shared_expert_ffn_hidden_size:

@@ -34,15 +34,7 @@ import torch.nn.functional as F
 
 from tripod.engine.rollout.tp_decoder import KVCache, TPDecoder, rms_norm
 from tripod.parallel.arch import ModelArch
-from tripod.parallel.moe_arch import MLAArch, MoEArch, mla_from_hf, moe_from_hf
-
-
-def moe_of(arch: ModelArch) -> MoEArch | None:
-    return getattr(arch, "moe", None) or moe_from_hf(arch.hf_config)
-
-
-def mla_of(arch: ModelArch) -> MLAArch | None:
-    return getattr(arch, "mla", None) or mla_from_hf(arch.hf_config)
+from tripod.parallel.moe_arch import MoEArch
 
 
 def route(logits: torch.Tensor, moe: MoEArch, expert_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +60,7 @@ class MoEDecoder(TPDecoder):
 
     def __init__(self, arch: ModelArch, tp_group: Any, tp_size: int, tp_rank: int) -> None:
         super().__init__(arch, tp_group, tp_size, tp_rank)
-        self.moe, self.mla = moe_of(arch), mla_of(arch)
+        self.moe, self.mla = arch.moe, arch.mla
         self.softmax_scale = None
         if self.mla is not None:  # RoPE (incl. YaRN) over the qk_rope_head_dim dims: ModelArch.head_dim is that
             from tripod.parallel.families.deepseek import softmax_scale

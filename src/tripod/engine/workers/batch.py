@@ -24,6 +24,12 @@ class PPOBatch:
     def size(self) -> int:
         return self.tensors["input_ids"].shape[0]
 
+    @property
+    def recomputed_old_log_probs(self) -> bool:
+        """Whether the trainer computed old log-probs for these rows. It skips them when the actor update is exactly
+        on-policy (`PPOTrainer.on_policy_update`); the update then takes its own forward's, detached."""
+        return "old_log_probs" in self.tensors
+
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.tensors[key]
 

@@ -13,8 +13,10 @@ Rows that share a prompt (GRPO's n samples) run it through the model once when `
 (engine/workers/packing.py); the heads read the outputs that predict each response token from either layout.
 
 Policy heads never materialise [tokens, vocab] logits: the output layer is bypassed (it returns the hidden state)
-and `tripod.kernels.logprobs_from_hidden` computes log-probs / entropy of the sampled tokens straight from the hidden state
-and the vocab-parallel LM-head weight.
+and `tripod.kernels.logprobs_from_hidden` computes log-probs / entropy of the sampled tokens straight from the hidden
+state and the vocab-parallel LM-head weight. That bypass and the other per-model megatron patches live in
+parallel/megatron_patches/gpt_model.py; the LR schedule in engine/workers/lr_schedule.py; the MoE router keys'
+translation in engine/workers/moe_config.py.
 """
 from __future__ import annotations
 
@@ -24,122 +26,25 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from tripod.engine.config import LR_DECAY_STYLES, OptimConfig
+from tripod.engine.config import OptimConfig
 from tripod.engine.device import current_device, to_device, trim_host_heap
 from tripod.engine.precision import PrecisionSettings
 from tripod.engine.workers.batch import PPOBatch, split_rows
+from tripod.engine.workers.lr_schedule import build_lr_scheduler
+from tripod.engine.workers.moe_config import MOE_AUX_LOSS_NAMES
 from tripod.engine.workers.packing import pack_shared_prompts
 from tripod.parallel.arch import ModelArch
-
-
-def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
-    """optim.lr_warmup_steps, or lr_warmup_steps_ratio of `total_steps` when it is < 0 (verl's rule)."""
-    return optim.lr_warmup_steps if optim.lr_warmup_steps >= 0 else int(optim.lr_warmup_steps_ratio * total_steps)
-
-
-def build_lr_scheduler(optimizer, optim: OptimConfig, total_steps: int, key: str = "optim"):
-    """megatron-core's OptimizerParamScheduler over `total_steps` optimizer steps: linear warm-up from 0 to optim.lr,
-    then `optim.lr_decay_style` down to optim.min_lr_ratio * lr at the last step. Step it once per optimizer step;
-    the k-th optimizer step (k = 0, 1, ...) runs with the LR of scheduler step k (as in Megatron-LM)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    warmup = warmup_steps(optim, total_steps)
-    total = max(total_steps, warmup + 1)  # megatron needs warm-up < decay steps; past the end it holds min_lr
-    if optim.lr_decay_style not in LR_DECAY_STYLES:
-        raise ValueError(f"{key}.lr_decay_style={optim.lr_decay_style!r} is not one of {list(LR_DECAY_STYLES)}")
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=optim.lr, min_lr=optim.min_lr_ratio * optim.lr, lr_warmup_steps=warmup,
-        lr_decay_steps=total, lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay,
-        end_wd=optim.weight_decay, wd_incr_steps=total, wd_incr_style="constant")
-
-
-def _bypass_output_layer(model, tp_group) -> None:
-    """Make GPTModel return hidden states [b, s, h] (the LM head is applied by the fused log-prob kernel).
-
-    With sequence parallel the hidden state is gathered over the sequence first; that gather's backward
-    reduce-scatters, so it also sums the vocab-parallel partial gradients (see `token_logprobs`)."""
-    sequence_parallel = model.config.sequence_parallel
-
-    def forward(hidden, weight=None, runtime_gather_output=None):
-        if sequence_parallel:
-            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
-            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
-        return hidden, None
-
-    model.output_layer.forward = forward
-
-
-# megatron's tracker name of each load-balancing loss (transformer/moe/router.py)
-MOE_AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
-
-
-def moe_config_overrides(megatron_cfg, arch: ModelArch, key: str) -> dict:
-    """TransformerConfig fields from `{key}.megatron.moe_*` for an MoE model; {} for a dense one (which must leave
-    them at their defaults: one clear line naming the key otherwise)."""
-    from tripod.parallel.moe_arch import moe_from_hf
-
-    moe = getattr(arch, "moe", None) or moe_from_hf(arch.hf_config)
-    m = megatron_cfg
-    lb, coeff, rate = m.moe_router_load_balancing_type, m.moe_aux_loss_coeff, m.moe_router_bias_update_rate
-    if moe is None:
-        if lb != "none" or coeff or rate:
-            raise ValueError(f"{key}.megatron.moe_router_load_balancing_type={lb!r} / moe_aux_loss_coeff={coeff} / "
-                             f"moe_router_bias_update_rate={rate}: the {arch.family} model has no experts; "
-                             "leave them at none / 0 / 0")
-        return {}
-    if rate and not moe.expert_bias:
-        raise ValueError(f"{key}.megatron.moe_router_bias_update_rate={rate}: this {arch.family} router has no expert "
-                         "bias (only DeepSeek-V3's sigmoid router does); set it to 0")
-    out = dict(moe_router_load_balancing_type=lb, moe_aux_loss_coeff=float(coeff))
-    if moe.expert_bias:
-        out["moe_router_bias_update_rate"] = float(rate)
-    return out
-
-
-def _rope_with_slot_positions(model) -> bool:
-    """Let `model.rotary_pos_emb.tripod_positions` ([S] positions, or None for megatron's 0..S-1) choose the RoPE
-    position of each sequence slot: what a packed micro-batch needs. False (nothing installed) for models whose
-    rotary embedding is not megatron's plain RoPE."""
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-    rope = getattr(model, "rotary_pos_emb", None)
-    if type(rope) is not RotaryEmbedding or rope.rotary_interleaved or model.config.multi_latent_attention \
-            or model.config.context_parallel_size > 1:
-        return False
-    if hasattr(rope, "tripod_positions"):
-        return True
-    megatron_forward = rope.forward
-    rope.tripod_positions = None
-
-    def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
-        positions = rope.tripod_positions
-        if positions is None:
-            return megatron_forward(max_seq_len, offset, packed_seq, cp_group)
-        if positions.shape[0] != max_seq_len:
-            raise RuntimeError(f"packed RoPE positions cover {positions.shape[0]} slots, the model runs {max_seq_len}")
-        seq = positions.to(rope.inv_freq.device, rope.inv_freq.dtype)  # as get_freqs_non_repeated, per slot
-        if rope.seq_len_interpolation_factor is not None:
-            seq = seq * (1 / rope.seq_len_interpolation_factor)
-        freqs = torch.outer(seq, rope.inv_freq)
-        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
-
-    rope.forward = forward
-    return True
+from tripod.parallel.megatron_patches.gpt_model import (
+    bypass_output_layer,
+    cast_floating_params,
+    rope_with_slot_positions,
+)
 
 
 def _unwrap(model):
     while not hasattr(model, "rotary_pos_emb") and hasattr(model, "module"):
         model = model.module
     return model
-
-
-def _cast_floating_params(model, dtype: torch.dtype) -> None:
-    """Every parameter in `dtype`. megatron's CPU (local-spec) RMSNorm builds fp32 weights whatever params_dtype is,
-    where TE's norm uses params_dtype; megatron's Float16 optimizer checkpoints assume all params are 16-bit."""
-    for p in model.parameters():
-        if p.is_floating_point() and p.dtype != dtype:
-            p.data = p.data.to(dtype)
 
 
 class MegatronWorker:
@@ -170,16 +75,16 @@ class MegatronWorker:
         with layout.activate():
             load_hf_weights(self.chunks, hf_dir, arch, layout)
         for chunk in self.chunks:
-            _cast_floating_params(chunk, self.precision.param_dtype)
+            cast_floating_params(chunk, self.precision.param_dtype)
         if not value_head and layout.is_last_stage:
-            _bypass_output_layer(model, layout.tp_group)
+            bypass_output_layer(model, layout.tp_group)
         self.module = model
         # a packed prompt counts once, not once per row: that would change what the router's load-balancing loss and
         # expert-bias update see (both are statistics over the micro-batch's tokens), so those runs do not pack
         router_stats = (config_overrides or {}).get("moe_router_load_balancing_type", "none") != "none" or \
             (config_overrides or {}).get("moe_router_bias_update_rate", 0.0) > 0
         self.can_pack = not model.tripod_use_te and not router_stats and \
-            all(_rope_with_slot_positions(c) for c in self.chunks)
+            all(rope_with_slot_positions(c) for c in self.chunks)
         self.share_prompt_prefix = share_prompt_prefix
         self.model, self.optimizer, self.lr_scheduler = list(self.chunks), None, None
         if trainable:
@@ -224,9 +129,9 @@ class MegatronWorker:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        model, prec = chunks[0], self.precision
+        prec = self.precision
         if prec.use_distributed_optimizer:
-            from tripod.parallel.gloo_collectives import install_inplace_gloo_collectives
+            from tripod.parallel.megatron_patches.gloo_collectives import install_inplace_gloo_collectives
             install_inplace_gloo_collectives()  # gloo's reduce-scatter / all-gather would copy the whole buffer
         with self.layout.activate():
             ddp = [DistributedDataParallel(  # gradients reduced (and, for bf16 params, accumulated) in fp32

@@ -144,7 +144,7 @@ class PolicyWorker(MegatronWorker):
             mask = mb["response_mask"]
             logp, ent = self.token_logprobs(output, mb, temperature, need_entropy)
             # exactly on-policy (the trainer skipped the recompute): old log-probs are this forward's, detached
-            old = mb["old_log_probs"] if "old_log_probs" in mb.tensors else logp.detach()
+            old = mb["old_log_probs"] if mb.recomputed_old_log_probs else logp.detach()
             pg, m = policy_loss(old, logp, mb["advantages"], mask, cfg.clip_ratio_low,
                                 cfg.clip_ratio_high, cfg.clip_ratio_c, agg, global_norm=norm)
             loss = pg

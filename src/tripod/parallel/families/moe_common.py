@@ -4,7 +4,7 @@ Owns the HF <-> megatron names of a routed-expert MLP (router, expert bias buffe
 experts), the megatron decoder block spec of MoE / MLA models (dense and MoE layers mixed as HF mixes them) and
 the TransformerConfig fields an MoE family adds. Which router settings reproduce HF exactly is
 parallel/moe_arch.py's business; the CPU workarounds for megatron without Transformer Engine are
-parallel/cpu_compat.py's.
+parallel/megatron_patches/cpu_compat.py's.
 
 Megatron side (local spec, `SequentialMLP`, grouped GEMM off), per MoE layer i:
   mlp.router.weight [E, H] and mlp.router.expert_bias [E] (a persistent fp32 buffer) -- replicated;
@@ -73,7 +73,7 @@ def moe_block_spec(arch: ModelArch, use_te: bool, config: Any, vp_stage: int | N
     `arch.mla` (local core attention patched for MLA's extra kwargs when Transformer Engine is absent)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from tripod.parallel.cpu_compat import apply_no_te_fixes, mla_local_core_attention
+    from tripod.parallel.megatron_patches.cpu_compat import apply_no_te_fixes, mla_local_core_attention
 
     apply_no_te_fixes()
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",

@@ -5,8 +5,14 @@
 - transport.py  executing the plan with bucketed broadcasts, and the naive full-gather baseline
 - engine.py     `HybridEngine`: the per-step round trip around a rollout engine
 """
-from tripod.parallel.hybrid_engine.plan import ReshardPlan, ReshardPlanError, build_reshard_plan, validate_layouts
+from tripod.parallel.hybrid_engine.plan import (
+    ReshardPlan,
+    ReshardPlanError,
+    build_reshard_plan,
+    reshard_plan_from_config,
+    validate_layouts,
+)
 from tripod.parallel.hybrid_engine.transport import MicroDPGather, TransferStats, naive_full_gather
 
-__all__ = ["ReshardPlan", "ReshardPlanError", "build_reshard_plan", "validate_layouts", "MicroDPGather",
+__all__ = ["ReshardPlan", "ReshardPlanError", "build_reshard_plan", "reshard_plan_from_config", "validate_layouts", "MicroDPGather",
            "TransferStats", "naive_full_gather"]

@@ -390,3 +390,17 @@ def build_reshard_plan(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: i
         buckets[rank] = out
     return ReshardPlan(arch, tp, pp, dp, rollout_tp, bucket_bytes, dtype, specs, micro, rollout_groups, buckets,
                        ep, etp)
+
+
+def reshard_plan_from_config(cfg, world_size: int, arch: ModelArch, *, bucket_bytes: int = 64 << 20) -> ReshardPlan:
+    """The plan of a resolved `TripodConfig` on `world_size` ranks (`tripod plan`, the bench's prediction): the
+    actor's TP / PP / virtual stages / EP / ETP, DP = world / (TP*PP), the rollout TP and the rollout dtype."""
+    from tripod.engine.precision import rollout_dtype
+
+    m, r = cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.rollout
+    return build_reshard_plan(arch, m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                              m.data_parallel_size(world_size), r.tensor_model_parallel_size,
+                              bucket_bytes=bucket_bytes, world_size=world_size,
+                              vpp=m.virtual_pipeline_model_parallel_size or 1, ep=m.expert_model_parallel_size,
+                              etp=m.expert_tensor_parallel_size,
+                              dtype=rollout_dtype(r.dtype, "cuda" if cfg.trainer.device == "cuda" else "cpu"))

@@ -70,6 +70,8 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
+from tripod.parallel.megatron_patches import transformer_engine_installed
+
 _MEGATRON_MARK = os.sep + "megatron" + os.sep + "core" + os.sep
 
 # (shim, megatron/core file, function) pairs that are known and shimmed on purpose.
@@ -295,19 +297,13 @@ def apply_cpu_compat(trace: bool | None = None, force: bool = False) -> bool:
     return True
 
 
-def _te_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
 def apply_no_te_fixes() -> bool:
     """Install the workarounds for megatron's local (non-TE) spec (idempotent): the sequence-parallel local norm
     always (the local spec can be chosen with TE installed: megatron.use_te=false), the MoE / MLA ones when TE is
     not installed. Returns True when those are active, False when TE is installed (megatron then takes its TE paths).
     """
     _allow_sequence_parallel_torch_norm()
-    if _te_installed():
+    if transformer_engine_installed():
         return False
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils

@@ -1,0 +1,45 @@
+"""Every change tripod makes to megatron-core 0.16.1's behaviour, in one room: what each patch fixes, on which
+device, and the canary test (under tests/multiprocess/) that fails when the patch breaks (or, for upstream bugs,
+once megatron fixes them and the patch can go).
+
+patch (module: name)             fixes                                              device       canary
+-------------------------------  -------------------------------------------------  -----------  ----------------
+cpu_compat: rng_tracker,         the CUDA RNG tracker; recompute's CUDA RNG save /  CPU          test_cpu_compat.py
+  recompute_rng                    restore
+cpu_compat: current_device,      torch.cuda.current_device() / synchronize()        CPU          test_cpu_compat.py
+  synchronize                      hard-codes
+cpu_compat: cuda_device_arg,     device="cuda", Tensor.cuda(), asserts on           CPU          test_cpu_compat.py
+  tensor_type                      'torch.cuda.*Tensor' types
+cpu_compat: sp_torch_norm        the local-spec norm refuses sequence parallel      CPU          test_cpu_compat.py,
+                                                                                                 test_sp_vpp.py
+cpu_compat: moe_te_gemm,         upstream bugs: MoE NameError, MLA isinstance       without TE   test_megatron_no_te.py
+  mla_have_te, mla_core_attn       TypeError, MLA core-attention kwargs TypeError                  (fails once fixed)
+cpu_compat: mla_rope_key_grad    MLA's k_pos_emb gradient is a TP partial sum       without TE   test_megatron_no_te.py,
+                                   (wrong gradients with TP > 1)                                 test_moe_training.py
+gloo_collectives: in-place       gloo's reduce-scatter / all-gather copy the whole  gloo groups  test_precision.py
+  reduce-scatter / all-gather      DDP bucket (1.5x / 1x its size in temporaries)   (CPU runs)   (dist. opt.)
+gpt_model: bypass_output_layer   GPTModel returns hidden states: the fused log-     all          test_layouts.py,
+                                   prob kernel applies the LM head (no logits)                   test_sp_vpp.py
+gpt_model:                       RoPE position per sequence slot, for shared-       without TE   test_packing.py
+  rope_with_slot_positions         prompt packing
+gpt_model: cast_floating_params  the local-spec RMSNorm builds fp32 weights         without TE   test_precision.py (bf16
+                                   whatever params_dtype is                                        against fp32)
+
+Where they are installed: `apply_cpu_compat()` by the launcher (engine/launch.py) and the test helpers when CUDA is
+absent (it also calls `apply_no_te_fixes()`, which the MoE / MLA layer specs call on GPU machines without TE);
+`install_inplace_gloo_collectives()` by a worker that uses the distributed optimizer; the gpt_model patches by
+engine/workers/megatron_worker.py on each model it builds.
+
+`transformer_engine_installed()` is the one answer to "does megatron see Transformer Engine" (it imports TE the way
+megatron's own modules do); parallel/model.py builds TE layer specs only when it is True and CUDA is present.
+"""
+from __future__ import annotations
+
+
+def transformer_engine_installed() -> bool:
+    """True when `transformer_engine` imports: megatron then takes its TE paths (and the no-TE fixes stay off)."""
+    try:
+        import transformer_engine  # noqa: F401  # pyright: ignore[reportMissingImports]
+    except ImportError:
+        return False
+    return True
