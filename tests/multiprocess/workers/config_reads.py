@@ -62,6 +62,7 @@ def record_reads(cfg) -> set[str]:
 
 
 def main(out_path: str, overrides: list[str]) -> None:
+    from tripod.engine.cli.train import rank_environment
     from tripod.engine.config import load_config
     from tripod.engine.config_validation import validate_config
     from tripod.engine.launch import check_world, detect_launch, run_distributed
@@ -74,6 +75,7 @@ def main(out_path: str, overrides: list[str]) -> None:
     world = check_world(cfg, detect_launch())
     assert world == 1  # (trainer.n_gpus_per_node * trainer.nnodes without a launcher)
     preflight(cfg, world)
+    os.environ.update(rank_environment(cfg))  # as `tripod train` does before it starts the ranks
     with socket.socket() as s:  # then run in this process, as under torchrun
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

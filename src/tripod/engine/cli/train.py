@@ -31,14 +31,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     from tripod.engine.preflight import prepare_train
 
     cfg, world = prepare_train(args.config, args.overrides, detect_launch())  # every rank: same verdict
-    from tripod.engine.device import DEVICE_ENV
-
-    os.environ[DEVICE_ENV] = cfg.trainer.device  # read by engine.device.select_device on every rank
-    if cfg.actor_rollout_ref.rollout.name == "sglang":  # SGLang rewrites these where it starts: agree everywhere
-        from tripod.engine.rollout.sglang_engine import sglang_process_env
-        os.environ.update(sglang_process_env(dict(cfg.actor_rollout_ref.rollout.engine_kwargs or {})))
+    os.environ.update(rank_environment(cfg))
     run_distributed(world, _train_on_rank, config_to_yaml(cfg))
     return 0
+
+
+def rank_environment(cfg) -> dict[str, str]:
+    """What every rank's process environment must agree on before the process group starts: the device
+    (`trainer.device`, read by engine.device.select_device) and, for SGLang, the NCCL variables it would otherwise
+    rewrite only in the process that creates its engine."""
+    from tripod.engine.device import DEVICE_ENV
+
+    env = {DEVICE_ENV: cfg.trainer.device}
+    if cfg.actor_rollout_ref.rollout.name == "sglang":
+        from tripod.engine.rollout.sglang_engine import sglang_process_env
+        env.update(sglang_process_env(dict(cfg.actor_rollout_ref.rollout.engine_kwargs or {})))
+    return env
 
 
 def add_train_command(subparsers) -> None:
