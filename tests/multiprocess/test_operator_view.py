@@ -77,7 +77,7 @@ def test_validation_samples_each_validation(run):
 
 
 @pytest.mark.dist
-def test_trackers_get_the_resolved_config_and_the_metrics(run):
+def test_trackers_get_the_resolved_config_and_the_metrics(run, monkeypatch):
     records = read_records(offline_run_dir(run["wandb"]))
     project, name, config = run_info(records)
     assert (project, name) == ("opview", "tiny")
@@ -91,6 +91,8 @@ def test_trackers_get_the_resolved_config_and_the_metrics(run):
 
     from mlflow.tracking import MlflowClient
 
+    # reading the run's file store back needs the same opt-in the trainer's sink sets in its own process
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     client = MlflowClient(tracking_uri="file:" + os.path.join(run["dir"], "mlruns"))
     (mlrun,) = client.search_runs([client.get_experiment_by_name("opview").experiment_id])
     assert mlrun.info.run_name == "tiny"
