@@ -183,6 +183,9 @@ def test_distributed_optimizer_equals_plain_optimizer_across_layouts(tmp_path):
     rows = lambda runs: [runs[s] for s in sorted(runs)]  # noqa: E731  (step -> metrics) as logged
     violations = metric_violations(rows(base), rows(dp2))
     assert not violations, violations
+    for m in dp2.values():  # each rank's own peak, gathered (a rank that logged nothing would read 0)
+        peaks = [m[f"perf/peak_memory_gb/rank{r}"] for r in range(2)]
+        assert min(peaks) > 0.1 and m["perf/peak_memory_gb/max"] == max(peaks), m
 
 
 def _resume_args(setup, run_dir, ckpt, tp):

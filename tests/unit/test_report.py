@@ -9,7 +9,7 @@ import matplotlib.image
 import pytest
 
 from tripod.engine.cli import main
-from tripod.engine.logging.report import health_verdict, load_metrics, write_report
+from tripod.engine.logging.report import _memory_keys, health_verdict, load_metrics, write_report
 
 
 def _run(rng: random.Random, val: dict[int, float], kl=(0.012, 0.028), grad=(0.5, 6.0), steps: int = 12) -> list:
@@ -97,3 +97,12 @@ def test_bad_run_dir_is_one_line(tmp_path, capsys):
     with pytest.raises(ValueError, match="holds no logged step"):
         _write(tmp_path, [], tail="{")
         load_metrics(str(tmp_path / "metrics.jsonl"))
+
+
+def test_memory_panel_draws_every_rank_in_rank_order():
+    per_rank = [{"step": 1, "perf/max_memory_allocated_gb": 4.0, "perf/peak_memory_gb/max": 4.2,
+                 **{f"perf/peak_memory_gb/rank{r}": 4.0 + r / 100 for r in (0, 1, 2, 10)}}]
+    assert _memory_keys(per_rank) == [f"perf/peak_memory_gb/rank{r}" for r in (0, 1, 2, 10)]
+    big_world = [{"step": 1, "perf/peak_memory_gb/max": 4.2, "perf/peak_memory_gb/min": 3.9}]
+    assert _memory_keys(big_world) == ["perf/peak_memory_gb/max", "perf/peak_memory_gb/min"]
+    assert _memory_keys([{"step": 1, "perf/max_memory_allocated_gb": 4.0}]) == ["perf/max_memory_allocated_gb"]

@@ -5,17 +5,39 @@ forward + backward, plus attention (4 * layers * hidden * seq per token forward)
 positions, where tripod computes it. MFU divides the actor's
 achieved FLOP/s per device by the device peak: on CUDA a table of bf16 dense peaks, on CPU the fp32 matmul
 throughput measured once at start-up (so CPU "MFU" reads as the fraction of what this machine's BLAS reaches).
+Peak memory is gathered from every rank (one small all-gather per step): `perf/peak_memory_gb/rank{r}` for worlds
+of up to PER_RANK_MEMORY_KEYS ranks, and the largest and smallest over all ranks always.
 """
 from __future__ import annotations
 
 import time
 
 import torch
+import torch.distributed as dist
 
 from tripod.engine.memory import peak_memory_gb
 from tripod.parallel.arch import ModelArch
 
+PER_RANK_MEMORY_KEYS = 16
 CUDA_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+
+
+def peak_memory_per_rank() -> dict[str, float]:
+    """Every rank's peak memory (GiB, engine.memory.peak_memory_gb), gathered: a collective, so every rank calls it.
+    Keys: `perf/peak_memory_gb/rank{r}` (worlds of up to PER_RANK_MEMORY_KEYS ranks), `perf/peak_memory_gb/max`
+    and `perf/peak_memory_gb/min` over the ranks."""
+    mine = peak_memory_gb()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return {"perf/peak_memory_gb/rank0": mine, "perf/peak_memory_gb/max": mine, "perf/peak_memory_gb/min": mine}
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    peaks = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
+    peaks[dist.get_rank()] = mine
+    dist.all_reduce(peaks)
+    values = peaks.tolist()
+    out = {f"perf/peak_memory_gb/rank{r}": v for r, v in enumerate(values)} if len(values) <= PER_RANK_MEMORY_KEYS \
+        else {}
+    out.update({"perf/peak_memory_gb/max": max(values), "perf/peak_memory_gb/min": min(values)})
+    return out
 
 
 def count_params(arch: ModelArch) -> int:
@@ -84,7 +106,7 @@ class PerfCounter:
                        + ppo_epochs * self.head_flops(response, True) + fwd * self.head_flops(response, False))
         out = {"perf/total_num_tokens": tokens, "perf/model_tokens": run_tokens, "perf/gen_tokens": gen_tokens,
                "perf/throughput": tokens / step_s / self.world,
-               "perf/max_memory_allocated_gb": peak_memory_gb()}
+               "perf/max_memory_allocated_gb": peak_memory_gb(), **peak_memory_per_rank()}
         if actor_s > 0:
             out["perf/mfu/actor"] = actor_flops / actor_s / self.world / self.peak
         return out

@@ -34,7 +34,7 @@ PANELS: list[tuple[str, list[str]]] = [
     ("grad norm (healthy < 10)", ["actor/grad_norm", "critic/grad_norm"]),
     ("learning rate", ["actor/lr", "critic/lr"]),
     ("time per stage, s (stacked)", []),  # filled from the timing_s/* keys
-    ("memory, GB", []),  # every logged key with "memory" in it (perf/max_memory_allocated_gb: rank 0's peak)
+    ("peak memory per rank, GB", []),  # perf/peak_memory_gb/rank{r} (or max/min over ranks in big worlds)
     ("tokens/s per rank", ["perf/throughput"]),
 ]
 
@@ -137,7 +137,14 @@ def _stage_keys(entries: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def _memory_keys(entries: Sequence[dict[str, Any]]) -> list[str]:
-    return sorted({k for e in entries for k in e if "memory" in k and not k.startswith(STAGE_PREFIX)})
+    """Each rank's peak when the run logged per-rank keys, else max/min over ranks, else whatever memory key it has
+    (runs from before per-rank memory: perf/max_memory_allocated_gb, rank 0's peak)."""
+    keys = {k for e in entries for k in e if "memory" in k and not k.startswith(STAGE_PREFIX)}
+    per_rank = sorted((k for k in keys if k.startswith("perf/peak_memory_gb/rank")), key=lambda k: int(k[24:]))
+    if per_rank:
+        return per_rank
+    spread = sorted(k for k in keys if k.startswith("perf/peak_memory_gb/"))
+    return spread or sorted(keys)
 
 
 def write_report(run_dir: str, out_png: str | None = None) -> tuple[str, str, list[str]]:
@@ -159,7 +166,7 @@ def write_report(run_dir: str, out_png: str | None = None) -> tuple[str, str, li
         if title.startswith("time per stage"):
             _stacked_stages(ax, entries)
             continue
-        keys = keys or (_memory_keys(entries) if title.startswith("memory") else [])
+        keys = keys or (_memory_keys(entries) if title.startswith("peak memory") else [])
         drawn = 0
         for key in keys:
             steps, values = series(entries, key)
