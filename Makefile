@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
 
-.PHONY: test test-launch demo venv clean bench gpu-bundle lint
+.PHONY: test test-launch test-gpu-bundle demo venv clean bench gpu-bundle lint
 
 $(STAMP): requirements.txt setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -34,6 +34,10 @@ test: $(STAMP)
 test-launch: $(STAMP)
 	bash scripts/slurm_local.sh start
 	$(BIN)/python -m pytest -q -m slurm tests/multiprocess/test_slurm.py
+
+# the GPU bundle's wheels built and installed offline into a fresh venv, and the GPU check's CPU dry run (~3 min)
+test-gpu-bundle: $(STAMP)
+	$(BIN)/python -m pytest -q -m bundle tests/multiprocess/test_gpu_check.py
 
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py

@@ -2,7 +2,8 @@
 wheels (for this interpreter's Python version: the only CPU torch on disk is cp311; the device bundle is the same
 script with --python 3.12), a fresh venv gets the CPU torch + Triton pinned in requirements.txt and nothing else, and
 `scripts/gpu_check.sh --dry-run` installs the bundle offline into it and runs every step on CPU at tiny sizes (Triton
-through its interpreter, one bf16 PPO step on trainer.device=cpu under the device guard, the reshard bench)."""
+through its interpreter, one bf16 PPO step on trainer.device=cpu under the device guard, the reshard bench).
+A packaging check rather than a unit of the engine: `make test-gpu-bundle` runs it, and CI (.ci/run) calls that."""
 import json
 import os
 import re
@@ -29,7 +30,7 @@ def _run(cmd, timeout: int, **kw) -> str:
     return proc.stdout
 
 
-@pytest.mark.dist
+@pytest.mark.bundle
 def test_gpu_check_dry_run_from_the_bundle(tmp_path):
     clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     wheels = tmp_path / "wheels"
