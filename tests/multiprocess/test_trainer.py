@@ -83,41 +83,19 @@ def test_resume_after_sigkill_is_exact(tmp_path, tp, pp, world):
         assert torch.equal(w_ref[name], w_cut[name]), name
 
 
-def _write_rows(path, rows):
-    from tripod.engine.data import write_prompt_parquet
-    write_prompt_parquet(rows, path)
-
-
-@pytest.mark.parametrize("case", ["missing_column", "empty_file", "too_long", "unknown_source", "bad_batch",
-                                  "rollout_tp"])
-def test_bad_config_and_data_stop_at_start(tmp_path, case):
+def test_bad_data_stops_the_cli_at_start_with_one_line(tmp_path):
+    """The real `tripod train` process on bad data: exit code 2 and one line, before any rank process could print.
+    Every other bad input is a row of tests/multiprocess/test_bad_inputs.py's table, checked in-process (this
+    file's five other subprocess cases duplicated rows of it: empty file, prompts too long, unknown data source,
+    mini-batch not dividing, rollout TP not dividing)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     setup = make_ppo_setup(tmp_path)
-    args = tiny_overrides(setup, str(tmp_path / "run"))
-    expect = {"missing_column": "reward_model", "empty_file": "empty", "too_long": "max_prompt_length",
-              "unknown_source": "no reward function for data source", "bad_batch": "ppo_mini_batch_size",
-              "rollout_tp": "tensor_model_parallel_size"}[case]
     bad = str(tmp_path / "bad.parquet")
-    if case == "missing_column":
-        pq.write_table(pa.table({"prompt": ["What is 1+1?"], "data_source": ["arithmetic"]}), bad)
-    elif case == "empty_file":
-        pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "data_source": pa.array([], pa.string()),
-                                 "reward_model": pa.array([], pa.struct([("ground_truth", pa.string())]))}), bad)
-    elif case == "unknown_source":
-        _write_rows(bad, [{"data_source": "nope", "prompt": [{"role": "user", "content": "1+1?"}],
-                           "reward_model": {"ground_truth": "2"}}] * 8)
-    if case in ("missing_column", "empty_file", "unknown_source"):
-        args.append(f"data.train_files={bad}")
-    elif case == "too_long":
-        args.append("data.max_prompt_length=4")
-    elif case == "bad_batch":
-        args.append("actor_rollout_ref.actor.ppo_mini_batch_size=3")
-    elif case == "rollout_tp":
-        args.append("actor_rollout_ref.rollout.tensor_model_parallel_size=3")
-    proc = _train(args, timeout=120)
+    pq.write_table(pa.table({"prompt": ["What is 1+1?"], "data_source": ["arithmetic"]}), bad)
+    proc = _train(tiny_overrides(setup, str(tmp_path / "run")) + [f"data.train_files={bad}"], timeout=120)
     assert proc.returncode == 2, proc.stdout[-3000:]
-    assert expect in proc.stdout, proc.stdout[-3000:]
+    assert "reward_model" in proc.stdout, proc.stdout[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("tripod train: error: "), proc.stdout[-3000:]
     assert "Traceback" not in proc.stdout  # one line: refused before any rank process could print
