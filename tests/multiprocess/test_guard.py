@@ -43,16 +43,16 @@ def _poisoned_setup(tmp_path):
     return setup
 
 
-def _run(setup, run_dir, extra, poison_step, per_step=8):
+def _start(setup, run_dir, extra, poison_step, log, per_step=8) -> subprocess.Popen:
     args = tiny_overrides(setup, run_dir, steps=3) + [
         "data.val_files=[]", "trainer.val_before_train=false", "trainer.save_freq=1",
         "trainer.divergence_guard.enabled=true", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                POISON_FROM=str(per_step * (poison_step - 1)), POISON_TO=str(per_step * poison_step),
                PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-                           str(DIST_DIR / "guard_poisoned_reward.py"), *args], cwd=REPO_ROOT, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                             str(DIST_DIR / "guard_poisoned_reward.py"), *args], cwd=REPO_ROOT, env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
 
 
 # What step 2's rollout produced, before any update: the prompts (data position), the sampled responses (RNG) and
@@ -66,34 +66,41 @@ def _metrics(run_dir):
 
 
 @pytest.fixture(scope="module")
-def gave_up(tmp_path_factory):
-    """max_rollbacks=0 with the poison in step 3: steps 1 and 2 run clean (the reference for the replayed step 2
-    below, same seed and config), step 3 trips and the run stops."""
-    tmp = tmp_path_factory.mktemp("gave_up")
-    run_dir = str(tmp / "run")
-    proc = _run(_poisoned_setup(tmp), run_dir, ["trainer.divergence_guard.max_rollbacks=0"], poison_step=3)
-    return proc, run_dir
+def runs(tmp_path_factory):
+    """Two one-rank runs side by side (one thread each, so each one's arithmetic is what it would be alone):
+    "recovered", whose step-2 rewards are NaN, and "gave_up", with max_rollbacks=0 and the poison in step 3: its
+    steps 1 and 2 run clean (the reference for the replayed step 2, same seed and config), step 3 trips and the run
+    stops. Returns {name: (returncode, stdout, run_dir)}."""
+    plan = {"recovered": ([], 2), "gave_up": (["trainer.divergence_guard.max_rollbacks=0"], 3)}
+    procs = {}
+    for name, (extra, poison_step) in plan.items():
+        tmp = tmp_path_factory.mktemp(name)
+        with open(tmp / "out.log", "wb") as log:
+            procs[name] = (_start(_poisoned_setup(tmp), str(tmp / "run"), extra, poison_step, log), tmp)
+    out = {}
+    for name, (proc, tmp) in procs.items():
+        proc.wait(timeout=900)
+        out[name] = (proc.returncode, (tmp / "out.log").read_text(), str(tmp / "run"))
+    return out
 
 
 @pytest.mark.dist
-def test_nan_reward_rolls_back_recovers_and_finishes(tmp_path, gave_up):
+def test_nan_reward_rolls_back_recovers_and_finishes(tmp_path, runs):
     """Rewards of step 2 are NaN (4 prompts x n=2 = 8 scorer calls per step): step 2 trips, the run reloads
     global_step_1, halves the lr, clips at 0.1, raises kl_coef by 0.002, replays step 2 cleanly and finishes.
     The replay restarts from step 1's data position and RNG: its rollout is bit for bit the clean run's step 2
     (same process layout and thread count, so the same arithmetic in the same order)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    setup = _poisoned_setup(tmp_path)
-    run_dir = str(tmp_path / "run")
-    proc = _run(setup, run_dir, [], poison_step=2)
-    assert proc.returncode == 0, proc.stdout[-5000:]
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("guard:")]
+    returncode, stdout, run_dir = runs["recovered"]
+    assert returncode == 0, stdout[-5000:]
+    lines = [l for l in stdout.splitlines() if l.startswith("guard:")]
     assert len(lines) == 1 and "step 2 tripped (non-finite" in lines[0] and "rolled back to global_step_1" in lines[0]
     assert "clip_ratio 0.2->0.1" in lines[0] and "kl_coef 0.001->0.003" in lines[0]
     assert "actor lr 0.001->0.0005" in lines[0], lines[0]
     metrics = _metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3]
-    clean = {m["step"]: m for m in _metrics(gave_up[1])}
+    clean = {m["step"]: m for m in _metrics(runs["gave_up"][2])}
     assert sorted(clean) == [1, 2], sorted(clean)
     replayed = {k: metrics[1][k] for k in ROLLOUT}
     assert replayed == {k: clean[2][k] for k in ROLLOUT}, ("the replayed step 2 did not start from step 1's data "
@@ -114,10 +121,10 @@ def test_nan_reward_rolls_back_recovers_and_finishes(tmp_path, gave_up):
 
 
 @pytest.mark.dist
-def test_guard_gives_up_after_max_rollbacks(gave_up):
-    proc, run_dir = gave_up
-    assert proc.returncode != 0
-    err = [l for l in proc.stdout.splitlines() if l.startswith("tripod train: error:")]
-    assert len(err) == 1 and "step 3 diverged (non-finite" in err[0] and "max_rollbacks" in err[0], proc.stdout[-3000:]
+def test_guard_gives_up_after_max_rollbacks(runs):
+    returncode, stdout, run_dir = runs["gave_up"]
+    assert returncode != 0
+    err = [l for l in stdout.splitlines() if l.startswith("tripod train: error:")]
+    assert len(err) == 1 and "step 3 diverged (non-finite" in err[0] and "max_rollbacks" in err[0], stdout[-3000:]
     assert os.path.exists(os.path.join(run_dir, "checkpoints", "global_step_2", GOOD))
     assert not os.path.exists(os.path.join(run_dir, "checkpoints", "global_step_3"))
