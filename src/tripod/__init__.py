@@ -9,6 +9,10 @@ __version__ = "0.1.0"
 
 from pathlib import Path as _Path
 
+from tripod.parallel.megatron_patches.import_cost import defer_megatron_import_cost as _defer
+
+_defer()  # before any tripod module imports megatron: its import-time torch.compile, on first use
+
 SRC_DIR = _Path(__file__).resolve().parent.parent
 """The directory that holds the `tripod` package (src/ in a checkout): what a second interpreter puts on sys.path."""
 CHECKOUT = SRC_DIR.parent
