@@ -44,9 +44,10 @@ def free_port() -> int:
 
 def make_tiny_hf_model(tmp_path: str | os.PathLike, family: str, *, seed: int = 0,
                        subdir: str | None = None, **overrides: Any) -> str:
-    """Save a tiny random fp32 Llama or Qwen2 checkpoint with `save_pretrained`; return its directory.
+    """Save a tiny random fp32 Llama, Qwen2 or Qwen3 checkpoint with `save_pretrained`; return its directory.
 
-    `family` is "llama" or "qwen2" (Qwen2 always has QKV bias). `overrides` go into the HF config,
+    `family` is "llama", "qwen2" (always has QKV bias) or "qwen3" (per-head q/k norm; pass `head_dim`, whose
+    Qwen3Config default is 128). `overrides` go into the HF config,
     e.g. `tie_word_embeddings=True`, `num_hidden_layers=2`,
     `rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     "high_freq_factor": 4.0, "original_max_position_embeddings": 32}`.
@@ -56,8 +57,9 @@ def make_tiny_hf_model(tmp_path: str | os.PathLike, family: str, *, seed: int = 
     import torch
     import transformers
 
-    configs = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
-    models = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}
+    configs = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+    models = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+              "qwen3": transformers.Qwen3ForCausalLM}
     if family not in configs:
         raise ValueError(f"make_tiny_hf_model family={family!r}; use one of {sorted(configs)}")
     kwargs = dict(_TINY_COMMON)

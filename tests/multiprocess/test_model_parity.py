@@ -15,6 +15,8 @@ MODELS = {
     "qwen2_gqa_qkvbias": ("qwen2", {}),
     "llama_llama3rope_untied": ("llama", {"rope_scaling": LLAMA3_ROPE, "max_position_embeddings": 128}),
     "qwen2_tied": ("qwen2", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+    # Qwen3 dense: per-head q/k RMSNorm, no qkv bias, head_dim 32 != hidden / heads = 16, untied (as Qwen3-8B)
+    "qwen3_qknorm_headdim": ("qwen3", {"head_dim": 32}),
 }
 LAYOUT_NAMES = ["TP1PP1DP1", "TP2PP1DP1", "TP1PP2DP1", "TP2PP2DP1", "TP2PP2DP2"]
 

@@ -34,7 +34,7 @@ def llama(checkpoints):
     return arch, model, engine
 
 
-@pytest.mark.parametrize("variant", ["qwen2_bias_tied", "llama_rope_llama3", "qwen2_rope_yarn"])
+@pytest.mark.parametrize("variant", ["qwen2_bias_tied", "llama_rope_llama3", "qwen2_rope_yarn", "qwen3_qknorm_tied"])
 def test_greedy_equals_hf_generate_tp1(checkpoints, variant):
     arch, model, state = ref.load_hf(checkpoints[variant])
     if variant == "qwen2_rope_yarn":

@@ -30,12 +30,16 @@ VARIANTS = {
     "qwen2_gqa_bias_untied": ("qwen2", dict(tie_word_embeddings=False)),
     "llama_untied": ("llama", dict(tie_word_embeddings=False)),
     "llama_mha_tied": ("llama", dict(tie_word_embeddings=True, num_key_value_heads=8)),
+    # Qwen3 dense: q/k norm rows, no bias, head_dim 16 != hidden / heads = 8
+    "qwen3_qknorm_tied": ("qwen3", dict(tie_word_embeddings=True)),
+    "qwen3_qknorm_untied": ("qwen3", dict(tie_word_embeddings=False)),
 }
 
 
 def _hf_model(family: str, seed: int = 0, **overrides):
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
     cfg = cls[0](**{**TINY, **overrides})
     torch.manual_seed(seed)
     model = cls[1](cfg)
@@ -158,3 +162,8 @@ def test_bad_tp_and_unsupported_configs():
         arch_from_hf({**model.config.to_dict(), "model_type": "gpt2"})
     with pytest.raises(KeyError, match="not a parameter"):
         megatron_to_hf(arch, "decoder.layers.9.mlp.linear_fc2.weight", torch.randn(1))
+    qwen3 = {**TINY, "model_type": "qwen3"}
+    with pytest.raises(ValueError, match=r"attention_bias=true \(Qwen3\) is not supported"):
+        hf_to_megatron(arch_from_hf({**qwen3, "attention_bias": True}), {})
+    with pytest.raises(ValueError, match=r"use_sliding_window=true \(Qwen3\) is not supported"):
+        hf_to_megatron(arch_from_hf({**qwen3, "layer_types": ["full_attention", "sliding_attention"]}), {})

@@ -92,13 +92,13 @@ def _arch(tmp_path, family: str):
     from tests.helpers.common import make_tiny_hf_model
     from tripod.parallel.arch import arch_from_hf
 
-    if family in ("llama", "qwen2"):
+    if family in ("llama", "qwen2", "qwen3"):
         return arch_from_hf(make_tiny_hf_model(tmp_path, family))
     from tests.helpers.moe_models import make_tiny_moe_model
     return arch_from_hf(make_tiny_moe_model(tmp_path, family))
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe"])
 def test_te_spec_names_map_onto_the_family_table(tmp_path, te_spec_builders, family):
     from tripod.parallel.families import get_family
     from tripod.parallel.families.spec import LAYER_PREFIX

@@ -3,8 +3,8 @@
 Every room that needs the shape of a model (Megatron model building, the weight converter, the
 embedded rollout engine, the resharding plan) reads it from `ModelArch`, so the HF config is parsed
 in exactly one place. Which HF `model_type`s are supported is the family registry's business
-(parallel/families/): built in are Llama and Qwen2/Qwen2.5 (RMSNorm, SwiGLU, RoPE with optional
-scaling, GQA, optional QKV bias, tied or untied embeddings) and the MoE families Qwen3-MoE, Qwen2-MoE and
+(parallel/families/): built in are Llama, Qwen2/Qwen2.5 and Qwen3 (RMSNorm, SwiGLU, RoPE with optional
+scaling, GQA, optional QKV bias, Qwen3's per-head q/k RMSNorm, tied or untied embeddings) and the MoE families Qwen3-MoE, Qwen2-MoE and
 DeepSeek-V3/V2, whose routed-expert MLP (`ModelArch.moe`) and multi-head latent attention (`ModelArch.mla`) are
 parsed by parallel/moe_arch.py.
 

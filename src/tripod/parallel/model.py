@@ -1,4 +1,4 @@
-"""Megatron GPTModel built from a `ModelArch` (Llama / Qwen2, and the MoE / MLA families) for one `ParallelLayout`.
+"""Megatron GPTModel built from a `ModelArch` (Llama / Qwen2 / Qwen3, the MoE / MLA families) for one `ParallelLayout`.
 
 Owns: the TransformerConfig mapping (RMSNorm, SwiGLU, RoPE, GQA, QKV bias, tied embeddings,
 sequence parallel, virtual pipeline stages), megatron-style vocab padding, the critic's scalar value

@@ -11,13 +11,15 @@ import os
 
 import torch
 
-# Two variants cover the contract: Qwen2 (qkv bias, tied embeddings) and Llama (llama3 rope scaling,
-# untied output layer). Small enough for a 2-core machine; 4 heads / 2 KV heads so TP=2 splits GQA.
+# Three variants cover the contract: Qwen2 (qkv bias, tied embeddings), Llama (llama3 rope scaling, untied output
+# layer) and Qwen3 (per-head q/k RMSNorm, head_dim 32 != hidden / heads = 16, tied). Small enough for a 2-core
+# machine; 4 heads / 2 KV heads so TP=2 splits GQA.
 VARIANTS: dict[str, tuple[str, dict]] = {
     "qwen2_bias_tied": ("qwen2", dict(num_hidden_layers=2, vocab_size=300, tie_word_embeddings=True)),
     "llama_rope_llama3": ("llama", dict(num_hidden_layers=2, vocab_size=300, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 16})),
+    "qwen3_qknorm_tied": ("qwen3", dict(num_hidden_layers=2, vocab_size=300, head_dim=32, tie_word_embeddings=True)),
 }
 # Checked at TP=1 only: yarn scaling has attention_scaling != 1, which multiplies cos/sin.
 TP1_ONLY_VARIANTS: dict[str, tuple[str, dict]] = {

@@ -1,6 +1,6 @@
-"""Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3 attention (per-head q/k RMSNorm, no qkv bias, GQA) and routed experts
-(softmax top-k; renormalised when norm_topk_prob), no shared expert; `mlp_only_layers` / `decoder_sparse_step`
-choose dense layers. Shared MoE rows: moe_common.py.
+"""Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3 attention (per-head q/k RMSNorm, no qkv bias, GQA; rows and refusals
+shared with the dense family, qwen3.py) and routed experts (softmax top-k; renormalised when norm_topk_prob), no
+shared expert; `mlp_only_layers` / `decoder_sparse_step` choose dense layers. Shared MoE rows: moe_common.py.
 """
 from __future__ import annotations
 
@@ -14,31 +14,20 @@ from tripod.parallel.families.moe_common import (
     moe_megatron_fields,
     routed_expert_weights,
 )
-from tripod.parallel.families.spec import FamilySpec, Split, Weight
+from tripod.parallel.families.qwen3 import check_qwen3_attention, qk_norm_weights, with_qk_norm
+from tripod.parallel.families.spec import FamilySpec, Weight
 
-
-def qk_norm_weights() -> list[Weight]:
-    """Per-head q/k RMSNorm (Qwen3): megatron's q_layernorm / k_layernorm, one [head_dim] weight each."""
-    return [Weight("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), lambda a: (a.head_dim,),
-                   Split.REPLICATED),
-            Weight("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), lambda a: (a.head_dim,),
-                   Split.REPLICATED)]
+__all__ = ["SPEC", "qk_norm_weights", "weights", "check_supported", "megatron_fields"]
 
 
 def weights(arch: ModelArch) -> tuple[Weight, ...]:
-    dense = list(dense_gpt_weights(arch))
-    at = next(i for i, w in enumerate(dense) if w.megatron == "self_attention.linear_proj.weight")
-    return tuple(dense[:at] + qk_norm_weights() + dense[at:-2] + routed_expert_weights(arch) + dense[-2:])
+    dense = with_qk_norm(list(dense_gpt_weights(arch)))
+    return tuple(dense[:-2] + routed_expert_weights(arch) + dense[-2:])
 
 
 def check_supported(arch: ModelArch) -> None:
     check_moe_supported(arch)
-    if arch.qkv_bias:
-        raise ValueError("config.json attention_bias=true (Qwen3-MoE) is not supported: its o_proj bias has no "
-                         "Megatron counterpart without add_bias_linear; use attention_bias=false")
-    if arch.hf_config.get("use_sliding_window"):
-        raise ValueError("config.json use_sliding_window=true (Qwen3-MoE) is not supported; tripod's attention is "
-                         "full causal, set use_sliding_window=false")
+    check_qwen3_attention(arch, "Qwen3-MoE")
 
 
 def megatron_fields(arch: ModelArch) -> dict[str, Any]:
