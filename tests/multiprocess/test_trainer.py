@@ -23,12 +23,13 @@ def _train(args, timeout=900, **popen):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("tp,pp,world", [(1, 1, 1), (2, 2, 4)], ids=["tp1pp1", "tp2pp2"])
+@pytest.mark.parametrize("tp,pp,world", [(2, 2, 4)], ids=["tp2pp2"])
 def test_resume_after_sigkill_is_exact(tmp_path, tp, pp, world):
     """Killed between the step-2 and step-3 checkpoints, then `trainer.resume=auto`: the resumed process must start at
     step 2 (its log line and the `training/start_step` metric), leave steps 0-2 as the killed process logged them
     (a no-op resume would recompute and rewrite them, with other timings), and end bit-identical to an uninterrupted
-    run."""
+    run. At TP2 x PP2 only: a (1,1,1) case ran the same assertions on a subset of the same code (110 s of the suite);
+    one-rank and DP2 resumes are also exact in test_launch (elastic restart) and test_precision (another layout)."""
     setup = make_ppo_setup(tmp_path)
     # a decaying LR schedule: a resume that did not restore the scheduler would train step 3 at a different LR
     schedule = ["actor_rollout_ref.actor.optim.lr_warmup_steps=2", "actor_rollout_ref.actor.optim.lr_decay_style=cosine",
