@@ -136,9 +136,24 @@ def trim_host_heap(device: torch.device) -> None:
         release_free_heap()
 
 
+def freeze_long_lived_objects() -> None:
+    """Moves every object alive now (modules, models, optimizers: built once per run) out of the collector's reach
+    (`gc.freeze`), after collecting what is already garbage. A full `gc.collect()` then scans only what the run
+    allocated since: ~5 ms instead of ~0.3-0.5 s with megatron, torch and transformers loaded, and
+    `release_free_heap` runs between stages. Frozen objects are handed back at exit (`gc.unfreeze`), so that
+    interpreter shutdown finalises them as usual."""
+    import atexit
+    import gc
+
+    gc.collect()
+    if not gc.get_freeze_count():
+        atexit.register(gc.unfreeze)
+    gc.freeze()
+
+
 def release_free_heap() -> None:
     """gc, then glibc's malloc_trim(0): freed heap pages go back to the OS (a no-op off glibc, where memory
-    measurements may then under-count reused memory)."""
+    measurements may then under-count reused memory). Cheap once `freeze_long_lived_objects` has run."""
     import ctypes
     import gc
 

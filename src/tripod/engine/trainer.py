@@ -20,7 +20,7 @@ from tripod.engine.checkpoints import CheckpointManager
 from tripod.engine.config import TripodConfig, save_resolved_config
 from tripod.engine.config_loading import config_to_dict
 from tripod.engine.data import PromptBatch, PromptDataLoader, PromptDataset
-from tripod.engine.device import DeviceGuard, check_devices_enabled, current_device
+from tripod.engine.device import DeviceGuard, check_devices_enabled, current_device, freeze_long_lived_objects
 from tripod.engine.divergence_guard import DivergenceGuard, GuardDecision, Remedies
 from tripod.engine.logging import StepProfiler, Timer, Tracker, validation_samples
 from tripod.engine.precision import resolve_precision, rollout_dtype
@@ -124,6 +124,7 @@ class PPOTrainer:
         self.profiler = StepProfiler(self.run_dir, cfg.trainer.profile_steps, cfg.trainer.profile_tool, self.rank)
         self.val_samples: list[dict] = []  # of the last validation, for the tracker (trainer.log_val_generations)
         self.step = 0
+        freeze_long_lived_objects()  # the models are built: the per-stage heap trims stop rescanning them
 
     # ---- rollout -----------------------------------------------------------------------------
     def sampling_params(self, validate: bool, step: int) -> SamplingParams:
