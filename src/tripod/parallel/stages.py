@@ -72,6 +72,9 @@ class StageSplit:
             return [f"{given} leave {middle} of num_hidden_layers={L} layers for the {middle_stages} middle "
                     f"stage(s) of {pp_key}={pp}, which must split them evenly (a positive multiple of "
                     f"{middle_stages}); change {f_key} / {LAST_KEY} so that {L} - first - last is one"]
+        if vpp > 1 and middle_stages == 0:  # megatron-core 0.16.1's interleaved offset divides by the middle stages
+            return [f"{f_key} and {LAST_KEY} both set with {prefix}virtual_pipeline_model_parallel_size={vpp} need "
+                    f"{pp_key} >= 3 (megatron divides by the middle stages; it is {pp}); set one of them to null"]
         out = [f"{k}={v} must be divisible by {prefix}virtual_pipeline_model_parallel_size={vpp}"
                for k, v in ((f_key, first), (l_key, last)) if vpp > 1 and v is not None and v % vpp]
         if vpp > 1 and middle_stages and (middle // middle_stages) % vpp:
