@@ -1,4 +1,5 @@
-"""tripod's Megatron GPTModel reproduces `transformers` logits (fp32, 1e-5) at five TP/PP/DP layouts."""
+"""tripod's Megatron GPTModel reproduces `transformers` logits (fp32, 1e-5) at five TP/PP/DP layouts, and at PP3 with
+uneven stages (7 layers as 2/3/2)."""
 import re
 
 import pytest
@@ -43,3 +44,26 @@ def test_logits_match_transformers_at_every_layout(tmp_path):
     assert seen == {(m, lay) for m in MODELS for lay in LAYOUT_NAMES}, out[-3000:]
     diffs = [float(x) for x in re.findall(rf"maxdiff {FLOAT}", out)]
     assert max(diffs) < 1e-5
+
+
+@pytest.mark.dist
+def test_uneven_pipeline_stages_match_transformers_and_round_trip(tmp_path):
+    """PP3 with 7 layers split 2/3/2 (megatron's num_layers_in_first/last_pipeline_stage): logits == transformers
+    (1e-5), HF -> megatron -> HF bit-identical, a checkpoint saved at 2/3/2 loads at PP1, and the hybrid engine,
+    embedded decoder and a training step work on the layout (tests/multiprocess/workers/uneven_pp_worker.py)."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = make_tiny_hf_model(tmp_path, "qwen2", seed=5, subdir="qwen2_7layers_tied", num_hidden_layers=7,
+                                tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = model(input_ids).logits
+    torch.save({"hf_dir": hf_dir, "input_ids": input_ids, "ref_logits": ref,
+                "layers": [[0, 1], [2, 3, 4], [5, 6]]}, tmp_path / "case.pt")
+    out = run_torchrun("uneven_pp_worker.py", 3, tmp_path / "case.pt", 2, 2, tmp_path, timeout=400).stdout
+    parity = re.findall(rf"UNEVEN_PARITY stages 2/3/2 maxdiff {FLOAT}", out)
+    ckpt = re.findall(rf"UNEVEN_CKPT rank \d PP3->PP1 maxdiff {FLOAT}", out)
+    assert len(parity) == 1 and len(ckpt) == 3, out[-3000:]
+    assert max(float(x) for x in parity + ckpt) < 1e-5
+    assert "UNEVEN_HF_ROUNDTRIP" in out and "OK rollout_tp=1 layout=pp3-2/3/2" in out, out[-3000:]

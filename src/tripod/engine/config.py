@@ -144,6 +144,15 @@ class MegatronConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     """Interleaved pipeline: model chunks per stage (needs PP >= 2); null: off.
     Megatron-LM: --num-virtual-stages-per-pipeline-rank. verl: same name."""
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    """Uneven pipeline stages: decoder layers on the first PP stage (null: an even split); the layers not on the first
+    and last stages split evenly over the middle ones (e.g. 7 layers at PP3: 2 / 3 / 2; DeepSeek-V3's 61 at PP16:
+    1 + 14*4 + 4). Needs PP >= 2; checked against num_hidden_layers before any model is built (parallel/stages.py).
+    verl/Megatron-LM: num_layers_in_first_pipeline_stage (--decoder-first-pipeline-num-layers)."""
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    """Uneven pipeline stages: decoder layers on the last PP stage (null: an even split); see
+    num_layers_in_first_pipeline_stage. verl/Megatron-LM: num_layers_in_last_pipeline_stage
+    (--decoder-last-pipeline-num-layers)."""
     sequence_parallel: bool = False
     """Shard layer-norm / dropout activations over the TP group (only with TP > 1). Megatron-LM: --sequence-parallel."""
     expert_model_parallel_size: int = 1
@@ -222,6 +231,8 @@ def _megatron_like_actor() -> MegatronConfig:
     return MegatronConfig(tensor_model_parallel_size=base + "tensor_model_parallel_size}",
                           pipeline_model_parallel_size=base + "pipeline_model_parallel_size}",
                           virtual_pipeline_model_parallel_size=base + "virtual_pipeline_model_parallel_size}",
+                          num_layers_in_first_pipeline_stage=base + "num_layers_in_first_pipeline_stage}",
+                          num_layers_in_last_pipeline_stage=base + "num_layers_in_last_pipeline_stage}",
                           sequence_parallel=base + "sequence_parallel}", seed=base + "seed}",
                           expert_model_parallel_size=base + "expert_model_parallel_size}",
                           expert_tensor_parallel_size=base + "expert_tensor_parallel_size}",

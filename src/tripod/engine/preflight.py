@@ -111,6 +111,29 @@ def check_resume(cfg, arch, world: int) -> None:
                          f"trainer.nnodes x trainer.n_gpus_per_node = {ranks}")
 
 
+def check_stage_splits(cfg, arch) -> None:
+    """Every model's pipeline stages against its layer count (uneven num_layers_in_first/last_pipeline_stage
+    included): one line naming the key and the fix (parallel/stages.py)."""
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.stages import split_of
+
+    arc = cfg.actor_rollout_ref
+    models = [("actor_rollout_ref.actor", arc.actor.megatron, arch)]
+    if cfg.uses_critic:
+        critic_arch = arch if cfg.critic.model.path == arc.model.path else arch_from_hf(cfg.critic.model.path)
+        models.append(("critic", cfg.critic.megatron, critic_arch))
+    if cfg.uses_reference:
+        models.append(("actor_rollout_ref.ref", arc.ref.megatron, arch))
+    problems, seen = [], set()
+    for key, m, a in models:
+        split = split_of(m, a.num_layers)
+        if split not in seen:  # the critic and the reference follow the actor's keys by default: say it once
+            seen.add(split)
+            problems += split.problems(f"{key}.megatron.")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 def preflight(cfg, world: int) -> None:
     """Everything that can be checked without a model: model files, layouts, rollout TP, data, rewards, resume
     checkpoint and run directory."""
@@ -133,8 +156,11 @@ def preflight(cfg, world: int) -> None:
     arch = arch_from_hf(arc.model.path)
     m = arc.actor.megatron
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    check_stage_splits(cfg, arch)
     validate_rollout_tp(arch, arc.rollout.tensor_model_parallel_size)
-    validate_layouts(arch, tp, pp, m.data_parallel_size(world), arc.rollout.tensor_model_parallel_size, world)
+    validate_layouts(arch, tp, pp, m.data_parallel_size(world), arc.rollout.tensor_model_parallel_size, world,
+                     first=m.num_layers_in_first_pipeline_stage, last=m.num_layers_in_last_pipeline_stage,
+                     vpp=m.virtual_pipeline_model_parallel_size or 1)
     tokenizer_dir = cfg.data.tokenizer or arc.model.path
     if not os.path.isdir(tokenizer_dir):
         raise FileNotFoundError(f"data.tokenizer={tokenizer_dir} does not exist; point it at a tokenizer directory")

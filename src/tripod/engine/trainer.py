@@ -38,7 +38,9 @@ from tripod.parallel.layout import ParallelLayout
 
 def _layout(m, name: str, arch) -> ParallelLayout:
     return ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                          ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size, name=name, arch=arch)
+                          ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size, name=name, arch=arch,
+                          first_stage_layers=m.num_layers_in_first_pipeline_stage,
+                          last_stage_layers=m.num_layers_in_last_pipeline_stage)
 
 
 def _model_options(m, layout: ParallelLayout, key: str, arch, trainable: bool = True, optimizer: str = "adam") -> dict:

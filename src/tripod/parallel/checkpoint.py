@@ -5,7 +5,7 @@ A checkpoint directory holds
     hf/config.json          the HF config (+ tokenizer files when known), so export needs nothing else
     tripod_checkpoint.json  tripod metadata; written LAST, so its absence marks a half-written save
 Saved at one (TP, PP) it loads at any other: dist-checkpointing stores global tensors and reads the
-overlap each rank needs. The vocab tensors are padded to a multiple of 128*tp, so their global
+overlap each rank needs (uneven pipeline stages included: megatron keys layers by their global index). The vocab tensors are padded to a multiple of 128*tp, so their global
 shape changes with TP; megatron marks them `allow_shape_mismatch` (zero-fill, then read the
 overlap), which is exact because tripod's padding rows are zero.
 
@@ -138,7 +138,8 @@ def save_model_checkpoint(model: torch.nn.Module, path: str | os.PathLike, arch:
             "format_version": FORMAT_VERSION, "family": arch.family, "num_layers": arch.num_layers,
             "vocab_size": arch.vocab_size,
             "saved_layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
-                             **({"ep": layout.ep, "etp": layout.etp} if arch.moe else {})},
+                             **({"ep": layout.ep, "etp": layout.etp} if arch.moe else {}),
+                             **layout.stage_split(arch.num_layers).config_fields()},
             "saved_padded_vocab_size": padded_vocab_size(arch.vocab_size, layout.tp),
             "value_head": bool(getattr(gpt, "tripod_value_head", False)),
             "dtype": str(dtype).removeprefix("torch."), **(extra_metadata or {}),

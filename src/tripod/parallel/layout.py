@@ -33,6 +33,8 @@ from typing import Any, Iterator, Sequence
 
 import torch.distributed as dist
 
+from tripod.parallel.stages import StageSplit
+
 
 def _parallel_error(name: str, key: str, size: int, what: str, value: int) -> ValueError:
     divisors = [d for d in range(1, value + 1) if value % d == 0]
@@ -50,7 +52,8 @@ class ParallelLayout:
 
     Sizes: tp (tensor_model_parallel_size), pp (pipeline_model_parallel_size), dp (data parallel;
     None = len(ranks) // (tp*pp)), ep (expert_model_parallel_size) and etp (expert_tensor_parallel_size;
-    None = tp, megatron's default). Expert data parallel is edp = tp*dp // (etp*ep). `name` (actor / critic
+    None = tp, megatron's default). first_stage_layers / last_stage_layers: megatron's
+    num_layers_in_first/last_pipeline_stage (None = an even split; parallel/stages.py). Expert data parallel is edp = tp*dp // (etp*ep). `name` (actor / critic
     / reference) prefixes every error message. `arch` (a ModelArch), when given, is validated
     (`validate_for`) before anything else, so a bad layout fails before any process group exists.
     """
@@ -61,6 +64,8 @@ class ParallelLayout:
     ep: int = 1
     etp: int | None = None
     ranks: Sequence[int] | None = None
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
     name: str = "model"
     arch: Any = field(default=None, repr=False)
     _groups: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
@@ -197,12 +202,15 @@ class ParallelLayout:
         self._check_member()
         return list(self._group_ranks[kind])
 
-    def stage_layers(self, num_layers: int) -> list[int]:
-        """Global layer ids held by this rank's pipeline stage (equal split)."""
-        if num_layers % self.pp:
-            raise _parallel_error(self.name, "pipeline_model_parallel_size", self.pp, "num_hidden_layers", num_layers)
-        per_stage = num_layers // self.pp
-        return list(range(self.pp_rank * per_stage, (self.pp_rank + 1) * per_stage))
+    def stage_split(self, num_layers: int, vpp: int | None = None) -> StageSplit:
+        """Which stage holds which of `num_layers` decoder layers (even, or megatron's uneven first/last stage)."""
+        return StageSplit(num_layers, self.pp, vpp or 1, self.first_stage_layers, self.last_stage_layers)
+
+    def stage_layers(self, num_layers: int, vpp: int | None = None) -> list[int]:
+        """Global layer ids held by this rank's pipeline stage (megatron's split: parallel/stages.py)."""
+        split = self.stage_split(num_layers, vpp)
+        split.check(self.name)
+        return split.stage_layers(self.pp_rank)
 
     def validate_for(self, arch) -> None:
         """Refuse a layout that cannot shard `arch` (a parallel.arch.ModelArch), naming key and fix."""
@@ -212,9 +220,7 @@ class ParallelLayout:
         if arch.num_kv_heads % self.tp:
             raise _parallel_error(self.name, "tensor_model_parallel_size", self.tp, "num_key_value_heads",
                                   arch.num_kv_heads)
-        if arch.num_layers % self.pp:
-            raise _parallel_error(self.name, "pipeline_model_parallel_size", self.pp, "num_hidden_layers",
-                                  arch.num_layers)
+        self.stage_split(arch.num_layers).check(self.name)
         num_experts = getattr(arch, "num_experts", 0) or 0
         if self.ep > 1 and not num_experts:
             raise ValueError(f"{self.name} expert_model_parallel_size={self.ep} but the model has no experts "

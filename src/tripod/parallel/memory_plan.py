@@ -1,6 +1,7 @@
 """Per-rank memory of a PPO run, predicted from the architecture, the layouts and the precision settings.
 
-For each model (actor, critic, reference) on its layout, the bytes one rank holds (the largest PP stage):
+For each model (actor, critic, reference) on its layout, the bytes one rank holds (the largest PP stage; with
+uneven stages, num_layers_in_first/last_pipeline_stage, the stage sizes are megatron's: parallel/stages.py):
 
     params       numel(this rank's TP shard of its stage) * bytes(param_dtype)
     grads        numel * 4                megatron DDP's contiguous grad buffer, reduced in fp32
@@ -29,6 +30,7 @@ from tripod.parallel.arch import ModelArch
 from tripod.parallel.convert.common import padded_vocab_size
 from tripod.parallel.families.spec import local_shape as split_local_shape
 from tripod.parallel.hybrid_engine.plan import actor_param_specs, local_shape
+from tripod.parallel.stages import StageSplit
 
 
 def _prod(shape) -> int:
@@ -39,16 +41,19 @@ def _prod(shape) -> int:
 
 
 def stage_numel(arch: ModelArch, tp: int, pp: int, *, value_head: bool = False, ep: int = 1,
-                etp: int | None = None) -> list[int]:
-    """Parameters of one rank on each PP stage (embedding, layers, final norm, LM head or value head, its experts)."""
-    return [d + e for d, e in stage_numel_split(arch, tp, pp, value_head=value_head, ep=ep, etp=etp)]
+                etp: int | None = None, first: int | None = None, last: int | None = None) -> list[int]:
+    """Parameters of one rank on each PP stage (embedding, layers, final norm, LM head or value head, its experts);
+    `first` / `last`: uneven stages (num_layers_in_first/last_pipeline_stage)."""
+    return [d + e for d, e in stage_numel_split(arch, tp, pp, value_head=value_head, ep=ep, etp=etp, first=first,
+                                                last=last)]
 
 
 def stage_numel_split(arch: ModelArch, tp: int, pp: int, *, value_head: bool = False, ep: int = 1,
-                      etp: int | None = None) -> list[tuple[int, int]]:
+                      etp: int | None = None, first: int | None = None,
+                      last: int | None = None) -> list[tuple[int, int]]:
     """(dense, routed-expert) parameters of one rank on each PP stage."""
     per_stage, experts = [0] * pp, [0] * pp
-    for spec in actor_param_specs(arch, tp, pp):
+    for spec in actor_param_specs(arch, tp, pp, first=first, last=last):
         if spec.expert is not None:  # every expert has the same shape: this rank's 1/ep of them, cut etp ways
             experts[spec.stage] += _prod(split_local_shape(spec.rule, spec.global_shape, etp or tp))
         else:
@@ -66,7 +71,8 @@ def stage_numel_split(arch: ModelArch, tp: int, pp: int, *, value_head: bool = F
 
 
 def activation_bytes(arch: ModelArch, tp: int, pp: int, micro_batch: int, seq: int, dtype: torch.dtype, *,
-                     recompute: str | None = None, value_head: bool = False, fused_attention: bool = False) -> int:
+                     recompute: str | None = None, value_head: bool = False, fused_attention: bool = False,
+                     first: int | None = None, last: int | None = None) -> int:
     """Bytes autograd saves for the backward of one micro-batch (`micro_batch` rows x `seq` tokens) on one rank of
     the largest pipeline stage: megatron's local (non-TE) layer spec, no dropout, as scripts/bench_memory.py counts
     them (torch.autograd.graph.saved_tensors_hooks). Per layer, with T = micro_batch * seq tokens, a = heads / tp,
@@ -82,7 +88,8 @@ def activation_bytes(arch: ModelArch, tp: int, pp: int, micro_batch: int, seq: i
     and the probabilities. Plus the token ids (int64), the final norm, and the head's input T*h*e (tripod's chunked
     log-prob kernel never materialises the full logits).
     `fused_attention` (the attention that runs on CUDA: SDPA in the local spec, parallel/sdpa_attention.py, or TE's
-    fused attention): no [b, a, s, s] probabilities (`fused_attention_saved_bytes`)."""
+    fused attention): no [b, a, s, s] probabilities (`fused_attention_saved_bytes`). The stage with the most layers
+    counts (`first` / `last`: uneven stages)."""
     e = torch.empty((), dtype=dtype).element_size()
     t, h, a, d, f = micro_batch * seq, arch.hidden_size, arch.num_heads // tp, arch.head_dim, arch.ffn_hidden_size // tp
     kv = max(arch.num_kv_heads // tp, 1)
@@ -94,7 +101,8 @@ def activation_bytes(arch: ModelArch, tp: int, pp: int, micro_batch: int, seq: i
     if recompute == "selective":
         attention = (t * a * d + 2 * t * kv * d) * e
     layer = 2 * norm + attention + t * a * d * e + 5 * t * f * e + 4 * seq * d * e + seq * seq
-    layers = -(-arch.num_layers // pp)
+    layers = max(StageSplit(arch.num_layers, pp, 1, first, last).stage_sizes()) if first or last else \
+        -(-arch.num_layers // pp)
     stack = layers * t * h * e + layer if recompute == "full" else layers * layer
     return stack + norm + t * h * e + t * 8
 
@@ -121,6 +129,8 @@ class ModelMemory:
     ep: int = 1
     etp: int | None = None  # None: tp
     recompute: str | None = None  # megatron recompute_granularity (activations)
+    first: int | None = None  # uneven stages: layers on the first / last PP stage (None: even)
+    last: int | None = None
     numel: int = 0
     expert_numel: int = 0  # of which routed experts
     rows: dict[str, int] = field(default_factory=dict)
@@ -130,7 +140,8 @@ class ModelMemory:
         return self.tp * self.dp // (self.ep * (self.etp or self.tp))
 
     def compute(self, arch: ModelArch) -> "ModelMemory":
-        split = stage_numel_split(arch, self.tp, self.pp, value_head=self.value_head, ep=self.ep, etp=self.etp)
+        split = stage_numel_split(arch, self.tp, self.pp, value_head=self.value_head, ep=self.ep, etp=self.etp,
+                                  first=self.first, last=self.last)
         dense, self.expert_numel = max(split, key=sum)
         self.numel = dense + self.expert_numel
         pbytes = torch.empty((), dtype=self.param_dtype).element_size()
@@ -147,7 +158,8 @@ class ModelMemory:
     @property
     def layout(self) -> str:
         experts = f"EP{self.ep}ETP{self.etp or self.tp}" if self.ep > 1 or self.etp not in (None, self.tp) else ""
-        return f"TP{self.tp}xPP{self.pp}xDP{self.dp}{experts}"
+        stages = f"(first {self.first}, last {self.last})" if self.first or self.last else ""
+        return f"TP{self.tp}xPP{self.pp}xDP{self.dp}{experts}{stages}"
 
     @property
     def total(self) -> int:
@@ -232,8 +244,8 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
         prec = resolve_precision(m, dp, trainable, optimizer)
         return ModelMemory(name, tp, pp, dp, prec.param_dtype, trainable, prec.use_distributed_optimizer,
                            offloaded, value_head, m.expert_model_parallel_size, m.expert_tensor_parallel_size,
-                           recompute=prec.recompute_granularity
-                           ).compute(critic_arch if value_head and critic_arch else arch)
+                           recompute=prec.recompute_granularity, first=m.num_layers_in_first_pipeline_stage,
+                           last=m.num_layers_in_last_pipeline_stage).compute(critic_arch if value_head and critic_arch else arch)
 
     seq = cfg.data.max_prompt_length + arc.rollout.response_length
 
@@ -255,7 +267,7 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
         (actor.expert_numel == 0 or (actor.ep == 1 and actor.etp in (None, actor.tp)))
     activations = {m.name: activation_bytes(critic_arch if m.value_head and critic_arch else arch, m.tp, m.pp,
                                             micro_rows(c), seq, m.param_dtype, recompute=m.recompute,
-                                            value_head=m.value_head,
+                                            value_head=m.value_head, first=m.first, last=m.last,
                                             fused_attention=device == "cuda" and arch.mla is None)  # MLA: eager
                    for m, c in zip(models, (arc.actor, cfg.critic)) if m.trainable}
     return MemoryPlan(models, 0 if aliased else generation_shard_bytes(arch, r.tensor_model_parallel_size, gdt),

@@ -9,7 +9,8 @@ Shapes: the actor's GPTModel returns [b, s, V_pad / tp] logits (vocab-parallel) 
 A critic (`value_head=True`) returns [b, s, 1] float values on the last stage (the output layer is
 replaced by `ValueHead`). With `virtual_pipeline_model_parallel_size=v`, `build_model_chunks` gives
 each rank v chunks (megatron's interleaved layout: chunk c of PP rank r holds the layers of virtual
-stage c * pp + r).
+stage c * pp + r). A layout with uneven stages (`first_stage_layers` / `last_stage_layers`) sets megatron's
+num_layers_in_first/last_pipeline_stage; megatron then builds each stage's layers (parallel/stages.py).
 RoPE uses the HF definition (`arch.rope_inv_freq()`), so llama3 / linear scaling match
 `transformers` exactly (with MLA the rotary embedding lives in every layer's attention and each gets it).
 MoE / MLA models take their extra TransformerConfig fields from the family (`FamilySpec.megatron_fields`: HF-exact
@@ -100,6 +101,7 @@ def transformer_config_from_arch(arch: ModelArch, layout: ParallelLayout, *,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
     )
+    fields.update(layout.stage_split(arch.num_layers).config_fields())  # uneven first / last stage (megatron's)
     if arch.moe is not None:
         fields.update(expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
     if family.megatron_fields is not None:
@@ -168,10 +170,10 @@ def build_model_chunks(arch: ModelArch, layout: ParallelLayout, *, virtual_pipel
     vpp = virtual_pipeline_size if virtual_pipeline_size and virtual_pipeline_size > 1 else None
     if vpp is None:
         return [build_gpt_model(arch, layout, **kwargs)]
-    if layout.pp < 2 or arch.num_layers % (layout.pp * vpp):
+    if layout.pp < 2:
         raise ValueError(f"{layout.name} virtual_pipeline_model_parallel_size={vpp} needs "
-                         f"pipeline_model_parallel_size > 1 (is {layout.pp}) and num_hidden_layers="
-                         f"{arch.num_layers} divisible by pp*vpp={layout.pp * vpp}; unset it or change the layout")
+                         f"pipeline_model_parallel_size > 1 (is {layout.pp}); unset it or change the layout")
+    layout.stage_split(arch.num_layers, vpp).check(layout.name)
     return [build_gpt_model(arch, layout, vp_stage=v, virtual_pipeline_size=vpp, **kwargs) for v in range(vpp)]
 
 

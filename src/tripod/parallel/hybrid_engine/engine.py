@@ -45,7 +45,8 @@ class HybridEngine:
         self.arch, self.layout = arch, actor_layout
         self.plan = build_reshard_plan(arch, actor_layout.tp, actor_layout.pp, actor_layout.dp, rollout_tp,
                                        bucket_bytes=bucket_bytes, dtype=dtype, world_size=dist.get_world_size(),
-                                       vpp=vpp or 1, ep=actor_layout.ep, etp=actor_layout.etp)
+                                       vpp=vpp or 1, ep=actor_layout.ep, etp=actor_layout.etp,
+                                       first=actor_layout.first_stage_layers, last=actor_layout.last_stage_layers)
         if list(actor_layout.ranks) != list(range(dist.get_world_size())):
             raise ValueError("the hybrid engine reshards an actor laid over the whole world; "
                              f"actor ranks are {actor_layout.ranks}")

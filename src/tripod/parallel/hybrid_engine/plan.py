@@ -35,6 +35,7 @@ from tripod.parallel.families import get_family
 from tripod.parallel.families.spec import Split, padded_vocab_size, subshard_segments
 from tripod.parallel.families.spec import local_shape as split_local_shape
 from tripod.parallel.hybrid_engine.experts import ExpertLayout, check_expert_sizes, expert_index, overlap_segments
+from tripod.parallel.stages import StageSplit
 
 
 class ReshardPlanError(ValueError):
@@ -51,18 +52,19 @@ class ParamSpec:
     fp32: bool = False          # moved in fp32 whatever the rollout dtype (the router's expert bias: Weight.fp32)
 
 
-def actor_param_specs(arch: ModelArch, tp: int, pp: int, vpp: int = 1) -> list[ParamSpec]:
+def actor_param_specs(arch: ModelArch, tp: int, pp: int, vpp: int = 1, *, first: int | None = None,
+                      last: int | None = None) -> list[ParamSpec]:
     """Every parameter the rollout needs, in megatron naming, with global (TP-unsplit, vocab-padded) shapes.
 
-    With `vpp` virtual stages per PP rank, layer i sits in virtual stage i // (L / (pp*vpp)), which megatron
-    places on PP rank (virtual stage) mod pp."""
+    The PP stage of layer i is megatron's (parallel/stages.py): even, interleaved over `vpp` virtual stages per PP
+    rank, or uneven with `first` / `last` layers on the first / last stage (num_layers_in_first/last_pipeline_stage)."""
     family = get_family(arch.family)
     vocab_rows = padded_vocab_size(arch.vocab_size, tp)
-    per_chunk = arch.num_layers // (pp * vpp)
+    stage_of_layer = StageSplit(arch.num_layers, pp, vpp, first, last).stage_of_layer
     specs = []
     for name, row in family.rows(arch).items():
         if name.startswith("decoder.layers."):
-            stage = (int(name.split(".")[2]) // per_chunk) % pp
+            stage = stage_of_layer[int(name.split(".")[2])]
         else:
             stage = 0 if name == "embedding.word_embeddings.weight" else pp - 1
         expert = expert_index(name) if getattr(row, "per_expert", False) or ".local_experts." in name else None
@@ -135,6 +137,7 @@ class ReshardPlan:
     buckets: dict[int, list[Bucket]]   # owner rank -> its buckets of dense tensors, in send order
     ep: int = 1
     etp: int | None = None             # None: tp
+    stages: StageSplit | None = None   # which PP stage holds which layer (None: even)
 
     @property
     def world_size(self) -> int:
@@ -287,7 +290,8 @@ class ReshardPlan:
             experts = (f", experts EP={lay.ep} ETP={lay.etp} EDP={lay.edp} ({lay.num_experts} experts, "
                        f"{lay.n_local} per EP rank; to rollout: every expert cut over rollout TP, point to point)")
         lines = [
-            f"train layout   TP={self.tp} PP={self.pp} DP={self.dp} (world {self.world_size}){experts}",
+            f"train layout   TP={self.tp} PP={self.pp} DP={self.dp} (world {self.world_size}){experts}"
+            + (f", layers per stage {self.stages.describe()}" if self.stages is not None and self.stages.uneven else ""),
             f"rollout layout TP={self.rollout_tp} PP=1 DP={self.world_size // self.rollout_tp}",
             f"micro-DP size  {self.micro_dp_size} = (TP*PP)/(rollout TP)",
             f"model bytes    {self.model_bytes() / mb:.2f} MiB ({self.dtype}), bucket {self.bucket_bytes / mb:.2f} MiB",
@@ -313,7 +317,8 @@ def _prod(shape: tuple[int, ...]) -> int:
 
 
 def validate_layouts(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: int, world_size: int | None = None,
-                     expert_specs: list[ParamSpec] = (), ep: int = 1, etp: int | None = None) -> None:
+                     expert_specs: list[ParamSpec] = (), ep: int = 1, etp: int | None = None, *,
+                     first: int | None = None, last: int | None = None, vpp: int = 1) -> None:
     """Refuse unsupported pairs with a message naming the config key and the fix."""
     problems = []
     if expert_specs:
@@ -331,8 +336,11 @@ def validate_layouts(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: int
     if arch.num_heads % tp or arch.num_kv_heads % tp:
         problems.append(f"actor tensor_model_parallel_size={tp} must divide num_attention_heads={arch.num_heads} "
                         f"and num_key_value_heads={arch.num_kv_heads}")
-    if arch.num_layers % pp:
-        problems.append(f"actor pipeline_model_parallel_size={pp} must divide num_hidden_layers={arch.num_layers}")
+    if not (first or last) and arch.num_layers % pp:
+        problems.append(f"actor pipeline_model_parallel_size={pp} must divide num_hidden_layers={arch.num_layers} "
+                        "(or set num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage)")
+    else:
+        problems += [f"actor {p}" for p in StageSplit(arch.num_layers, pp, vpp, first, last).problems()]
     if arch.num_heads % rollout_tp or arch.num_kv_heads % rollout_tp:
         problems.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} must divide "
                         f"num_attention_heads={arch.num_heads} and num_key_value_heads={arch.num_kv_heads}")
@@ -347,11 +355,16 @@ def validate_layouts(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: int
 def build_reshard_plan(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: int, *,
                        bucket_bytes: int = 64 << 20, dtype: torch.dtype = torch.float32,
                        world_size: int | None = None, vpp: int = 1, ep: int = 1,
-                       etp: int | None = None) -> ReshardPlan:
-    """The plan for actor layout TP x PP x DP (experts: EP x expert TP `etp`, None = tp) -> rollout TP."""
-    specs = actor_param_specs(arch, tp, pp, vpp)
+                       etp: int | None = None, first: int | None = None, last: int | None = None) -> ReshardPlan:
+    """The plan for actor layout TP x PP x DP (experts: EP x expert TP `etp`, None = tp; uneven stages: `first` /
+    `last` layers on the first / last PP stage) -> rollout TP."""
+    stages = StageSplit(arch.num_layers, pp, vpp, first, last)
+    if stages.problems():  # the stage of each layer is undefined: refuse before enumerating the tensors
+        validate_layouts(arch, tp, pp, dp, rollout_tp, world_size, (), ep, etp, first=first, last=last, vpp=vpp)
+    specs = actor_param_specs(arch, tp, pp, vpp, first=first, last=last)
     expert_specs = [s for s in specs if s.expert is not None]
-    validate_layouts(arch, tp, pp, dp, rollout_tp, world_size, expert_specs, ep, etp)
+    validate_layouts(arch, tp, pp, dp, rollout_tp, world_size, expert_specs, ep, etp, first=first, last=last,
+                     vpp=vpp)
     dense_specs = [s for s in specs if s.expert is None]
     k = tp // rollout_tp
 
@@ -389,7 +402,7 @@ def build_reshard_plan(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: i
             bucket.numel += seg.numel
         buckets[rank] = out
     return ReshardPlan(arch, tp, pp, dp, rollout_tp, bucket_bytes, dtype, specs, micro, rollout_groups, buckets,
-                       ep, etp)
+                       ep, etp, stages)
 
 
 def reshard_plan_from_config(cfg, world_size: int, arch: ModelArch, *, bucket_bytes: int = 64 << 20) -> ReshardPlan:
@@ -402,5 +415,6 @@ def reshard_plan_from_config(cfg, world_size: int, arch: ModelArch, *, bucket_by
                               m.data_parallel_size(world_size), r.tensor_model_parallel_size,
                               bucket_bytes=bucket_bytes, world_size=world_size,
                               vpp=m.virtual_pipeline_model_parallel_size or 1, ep=m.expert_model_parallel_size,
-                              etp=m.expert_tensor_parallel_size,
+                              etp=m.expert_tensor_parallel_size, first=m.num_layers_in_first_pipeline_stage,
+                              last=m.num_layers_in_last_pipeline_stage,
                               dtype=rollout_dtype(r.dtype, "cuda" if cfg.trainer.device == "cuda" else "cpu"))
