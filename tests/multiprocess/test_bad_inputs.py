@@ -186,6 +186,9 @@ ROWS = {
     "guard_without_checkpoints": (["trainer.divergence_guard.enabled=true", "trainer.save_freq=-1"], LOCAL,
                                   "trainer.save_freq"),
     "read_only_run_dir": ("read_only", LOCAL, "is not writable"),
+    "filter_groups_one_response": (["algorithm.filter_groups.enable=true", "actor_rollout_ref.rollout.n=1"], LOCAL,
+                                   "actor_rollout_ref.rollout.n=1 makes every group one response; set "
+                                   "actor_rollout_ref.rollout.n >= 2"),
 }
 
 

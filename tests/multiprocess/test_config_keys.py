@@ -8,6 +8,10 @@ validation or checkpointing, or when it feeds by interpolation (`${...}`) a key 
 
 Keys that cannot be exercised on this machine or are being implemented on other branches right now are listed in
 NOT_EXERCISED, each with its reason; the list must stay tiny, and an entry that becomes read must be removed.
+
+The critic run is also DAPO's real run: dynamic sampling (generation batches of 4 prompts until 4 groups are kept)
+with a reward that keeps exactly the odd-answer prompts (tests/helpers/dapo_reward.py), and overlong shaping; its
+metrics and saved data position are held against the closed form from the data.
 """
 import fnmatch
 import json
@@ -18,6 +22,7 @@ import sys
 
 import pytest
 
+from tests.helpers import dapo_reward
 from tests.helpers.common import DIST_DIR, REPO_ROOT
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
 
@@ -39,7 +44,12 @@ CRITIC_RUN = ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", 
               "trainer.total_training_steps=1", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
               "actor_rollout_ref.rollout.val_kwargs.temperature=0.7",
               "actor_rollout_ref.actor.megatron.recompute_granularity=full",
-              "critic.megatron.recompute_granularity=full", "trainer.divergence_guard.enabled=true"]
+              "critic.megatron.recompute_granularity=full", "trainer.divergence_guard.enabled=true",
+              # DAPO: data.train_batch_size=4 groups of rollout.n=2, gathered from batches of 4 prompts
+              "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+              "algorithm.filter_groups.max_num_gen_batches=8", "data.gen_batch_size=4",
+              "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=4",
+              "reward_model.overlong_buffer.penalty_factor=0.5"]
 GRPO_RUN = ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
             "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=k2",
             "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512",
@@ -73,8 +83,17 @@ def _allowed(key: str) -> bool:
     return any(fnmatch.fnmatchcase(key, pattern) for pattern in NOT_EXERCISED)
 
 
-def _reads(tmp_path, name, overrides, n_train=32):
+def _reads(tmp_path, name, overrides, n_train=32, train_source=None):
+    """(keys read, the run's directory, its train rows); `train_source` replaces the train rows' data_source."""
+    from tripod.engine.data import make_arithmetic_rows, write_prompt_parquet
+
     setup = make_ppo_setup(tmp_path / name, n_train=n_train)
+    rows = make_arithmetic_rows(n_train, seed=0, max_digits=1, instruction="Answer as #### N.")  # make_ppo_setup's
+    if train_source:
+        for row in rows:
+            row["data_source"] = train_source
+        setup["train"] = str(tmp_path / name / "train_source.parquet")
+        write_prompt_parquet(rows, setup["train"])
     out = tmp_path / f"{name}.json"
     args = tiny_overrides(setup, str(tmp_path / name / "run"), steps=1) + [f"data.tokenizer={setup['model']}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
@@ -83,7 +102,7 @@ def _reads(tmp_path, name, overrides, n_train=32):
                           cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-5000:]
-    return set(json.loads(out.read_text()))
+    return set(json.loads(out.read_text())), str(tmp_path / name / "run"), rows
 
 
 def honoured(reads: set[str]) -> set[str]:
@@ -97,9 +116,14 @@ def honoured(reads: set[str]) -> set[str]:
         done |= more
 
 
+@pytest.fixture(scope="module")
+def critic_run(tmp_path_factory):
+    return _reads(tmp_path_factory.mktemp("keys"), "critic", CRITIC_RUN, train_source=dapo_reward.DATA_SOURCE)
+
+
 @pytest.mark.dist
-def test_every_config_key_is_read(tmp_path):
-    reads = _reads(tmp_path, "critic", CRITIC_RUN) | _reads(tmp_path, "grpo", GRPO_RUN, n_train=4)
+def test_every_config_key_is_read(tmp_path, critic_run):
+    reads = critic_run[0] | _reads(tmp_path, "grpo", GRPO_RUN, n_train=4)[0]
     leaves, _ = _leaves_and_interpolations()
     unread = [k for k in leaves if k not in honoured(reads)]
     assert unread == [], (f"config keys nothing reads: {unread}. Make the engine honour each, or refuse it at start "
@@ -145,3 +169,34 @@ def test_reads_in_preflight_do_not_count():
         for cls in classes:
             if "__getattribute__" in vars(cls):
                 del cls.__getattribute__
+
+
+@pytest.mark.dist
+def test_dynamic_sampling_refills_the_batch(critic_run):
+    """The critic run's one step: batches of 4 prompts (data.shuffle=false: in file order) are generated until 4 odd-
+    answer prompts are kept. With make_ppo_setup's data (answers 14, 1, 10, 5 | -7, -4, 0, 6 | 6, 4, 7, 4 ...) that is
+    3 generation batches, 8 groups dropped; computed here from the rows, not typed in. The checkpoint's data position
+    counts every generation batch (a resume draws the next one), and the logged score is the shaped reward: each kept
+    group scores 1 and 0, so its mean is 0.5 plus the mean overlong penalty."""
+    _, run_dir, rows = critic_run
+    kept = gen_batches = 0
+    while kept < 4:
+        kept += sum(dapo_reward.kept_by_design(r["reward_model"]["ground_truth"])
+                    for r in rows[4 * gen_batches:4 * gen_batches + 4])
+        gen_batches += 1
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        step = [m for m in map(json.loads, f) if m["step"] == 1][0]
+    assert gen_batches > 1 and 4 * gen_batches - kept > 0  # the data makes dynamic sampling work for it
+    assert step["train/num_gen_batches"] == gen_batches
+    assert step["dynamic_sampling/extra_gen_batches"] == gen_batches - 1
+    assert step["dynamic_sampling/groups_dropped"] == 4 * gen_batches - kept
+    assert step["dynamic_sampling/groups_kept"] == kept and step["dynamic_sampling/groups_surplus"] == kept - 4
+    assert step["dynamic_sampling/kept_frac"] == pytest.approx(kept / (4 * gen_batches))
+    penalty = step["reward/overlong_penalty_mean"]
+    assert -0.5 <= penalty <= 0 and 0 <= step["reward/overlong_frac"] <= 1
+    # per row -max(0, L - 4) / 4 * 0.5 <= -(L - 4) / 8 (response length L <= 8): so is the mean
+    assert penalty <= -(step["response_length/mean"] - 4) / 8 + 1e-9
+    assert step["critic/score/mean"] == pytest.approx(0.5 + penalty, abs=1e-9)
+    with open(os.path.join(run_dir, "checkpoints", "global_step_1", "trainer_state.json")) as f:
+        data = json.load(f)["data"]
+    assert (data["epoch"], data["offset"], data["batch_size"]) == (0, gen_batches, 4)

@@ -68,6 +68,10 @@ class DataConfig:
     """Longest generated response, in tokens. verl: data.max_response_length."""
     train_batch_size: int = 1024
     """Prompts per PPO step (each sampled rollout.n times). verl: data.train_batch_size."""
+    gen_batch_size: int = "${data.train_batch_size}"
+    """Prompts drawn from the data loader per generation batch: with algorithm.filter_groups.enable, batches are
+    generated until data.train_batch_size groups are kept (DAPO uses 3x the train batch); without it, it must equal
+    data.train_batch_size. verl: data.gen_batch_size."""
     val_batch_size: Optional[int] = None
     """Prompts generated and scored per validation batch; null: the whole validation set at once.
     verl: data.val_batch_size."""
@@ -86,7 +90,7 @@ class DataConfig:
         e = [] if self.train_files else [f"{key}.train_files is empty; give one or more parquet files"]
         e += _positive({f"{key}.max_prompt_length": self.max_prompt_length,
                         f"{key}.max_response_length": self.max_response_length,
-                        f"{key}.train_batch_size": self.train_batch_size})
+                        f"{key}.train_batch_size": self.train_batch_size, f"{key}.gen_batch_size": self.gen_batch_size})
         for files_key, files in (("train_files", self.train_files), ("val_files", self.val_files)):
             e += [f"{key}.{files_key}: file {path} does not exist; point {key}.{files_key} at existing parquet files "
                   "(scripts/preprocess_gsm8k.py or scripts/make_arithmetic_data.py write them)"
@@ -484,6 +488,29 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (engine/algorithms/dynamic_sampling.py): drop the groups whose responses all score
+    alike and keep generating until the train batch is full."""
+    enable: bool = False
+    """Drop every group (the rollout.n responses of one prompt) whose `metric` values are all equal (std 0: no GRPO
+    signal) and generate further batches of data.gen_batch_size prompts until data.train_batch_size groups are kept;
+    the surplus is discarded. Needs rollout.n >= 2 and trainer.total_training_steps (the prompts a step uses vary).
+    Logged: train/num_gen_batches, dynamic_sampling/*. verl: algorithm.filter_groups.enable."""
+    metric: str = "acc"
+    """What a group's responses are compared by: acc or score (the rule reward), seq_reward (after the overlong
+    penalty), seq_final_reward (after the KL penalty; only without algorithm.use_kl_in_reward, where it equals
+    seq_reward). verl: algorithm.filter_groups.metric."""
+    max_num_gen_batches: int = 0
+    """Generation batches allowed per PPO step; when they keep too few groups the run stops with one line saying
+    so. <= 0: no limit. verl: algorithm.filter_groups.max_num_gen_batches."""
+
+    def check(self, key: str = "algorithm.filter_groups") -> list[str]:
+        from tripod.engine.algorithms.dynamic_sampling import FILTER_METRICS
+
+        return _choice(f"{key}.metric", self.metric, FILTER_METRICS) if self.enable else []
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
     """Advantage estimator (engine.algorithms.list_adv_estimators); only gae trains a critic.
@@ -500,6 +527,8 @@ class AlgorithmConfig:
     """KL estimator of the reward penalty (engine.algorithms.list_kl_kinds). verl: algorithm.kl_penalty."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """KL-in-reward coefficient control."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """Dynamic sampling (DAPO; off by default)."""
 
     def check(self, key: str = "algorithm") -> list[str]:
         from tripod.engine.algorithms import list_adv_estimators, list_kl_kinds
@@ -508,7 +537,27 @@ class AlgorithmConfig:
         e += _choice(f"{key}.kl_penalty", self.kl_penalty, list_kl_kinds())
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
             e.append(f"{key}.gamma={self.gamma} and {key}.lam={self.lam} must be in [0, 1]")
-        return e + self.kl_ctrl.check(f"{key}.kl_ctrl")
+        return e + self.kl_ctrl.check(f"{key}.kl_ctrl") + self.filter_groups.check(f"{key}.filter_groups")
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment of long responses (engine/rewards/overlong.py): with L = rollout.response_length
+    a response of |y| tokens gets min(0, -(|y| - (L - len)) / len * penalty_factor) added to its sequence reward."""
+    enable: bool = False
+    """Shape the training rewards (validation reports the rule reward alone). Logged as reward/overlong_penalty_mean
+    and reward/overlong_frac. verl: reward_model.overlong_buffer.enable (DAPO recipe)."""
+    len: int = 0
+    """The buffer L_cache, in tokens: the penalty grows linearly over the last `len` tokens before
+    rollout.response_length; must be in (0, response_length] when enabled (DAPO: 4096 of 20480).
+    verl: reward_model.overlong_buffer.len."""
+    penalty_factor: float = 1.0
+    """The penalty at the full response length (DAPO: 1.0). verl: reward_model.overlong_buffer.penalty_factor."""
+
+    def check(self, key: str = "reward_model.overlong_buffer") -> list[str]:
+        if self.enable and self.penalty_factor < 0:
+            return [f"{key}.penalty_factor={self.penalty_factor} must be >= 0 (it is subtracted)"]
+        return []
 
 
 @dataclass
@@ -520,9 +569,12 @@ class RewardModelConfig:
     """Per-response scoring timeout, in seconds; a timed-out response scores 0 and is counted."""
     use_ray: bool = False
     """Score in Ray tasks instead of a local process pool."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """Overlong reward shaping (DAPO; off by default)."""
 
     def check(self, key: str = "reward_model") -> list[str]:
         e = _positive({f"{key}.num_workers": self.num_workers})
+        e += self.overlong_buffer.check(f"{key}.overlong_buffer")
         return e + ([f"{key}.timeout_s={self.timeout_s} must be > 0 seconds"] if self.timeout_s <= 0 else [])
 
 
@@ -679,6 +731,8 @@ MOVED_KEYS = {
     "reward_model.reward_fn_key": "the reward function is chosen per row by the column named in data.reward_fn_key; "
                                   "set data.reward_fn_key instead",
     "actor_rollout_ref.rollout.prompt_length": "the prompt budget is data.max_prompt_length; set that instead",
+    "reward_model.overlong_buffer.log": "tripod always logs the overlong penalty (reward/overlong_penalty_mean, "
+                                        "reward/overlong_frac); drop the key",
 }
 
 

@@ -55,6 +55,30 @@ def _check_model(errors: list[str], key: str, path: Optional[str]) -> None:
                       "(made with save_pretrained)")
 
 
+def _dapo_problems(cfg: TripodConfig) -> list[str]:
+    """DAPO's dynamic sampling (algorithm.filter_groups, data.gen_batch_size) and overlong buffer against the rest."""
+    d, fg, rollout = cfg.data, cfg.algorithm.filter_groups, cfg.actor_rollout_ref.rollout
+    ob, e = cfg.reward_model.overlong_buffer, []
+    if fg.enable and rollout.n < 2:
+        e.append(f"algorithm.filter_groups.enable=true drops groups whose responses all score alike, and "
+                 f"actor_rollout_ref.rollout.n={rollout.n} makes every group one response; set "
+                 "actor_rollout_ref.rollout.n >= 2 (DAPO: 16) or algorithm.filter_groups.enable=false")
+    if fg.enable and cfg.trainer.total_training_steps is None:
+        e.append("algorithm.filter_groups.enable=true uses a varying number of prompts per PPO step, so epochs do not "
+                 "count steps; set trainer.total_training_steps")
+    if fg.enable and fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        e.append("algorithm.filter_groups.metric=seq_final_reward: tripod applies the KL-in-reward penalty after "
+                 "filtering; use metric=seq_reward (the same reward without the KL term) or acc")
+    if not fg.enable and d.gen_batch_size != d.train_batch_size:
+        e.append(f"data.gen_batch_size={d.gen_batch_size} differs from data.train_batch_size={d.train_batch_size} "
+                 "but algorithm.filter_groups.enable=false; set algorithm.filter_groups.enable=true or drop "
+                 "data.gen_batch_size")
+    if ob.enable and not 0 < ob.len <= rollout.response_length:
+        e.append(f"reward_model.overlong_buffer.len={ob.len} must be in (0, actor_rollout_ref.rollout.response_length="
+                 f"{rollout.response_length}] with reward_model.overlong_buffer.enable=true (DAPO: 4096 of 20480)")
+    return e
+
+
 def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
     """Check `cfg` for a run on `world_size` ranks; raise one ConfigError listing every problem."""
     if isinstance(cfg, DictConfig):
@@ -81,6 +105,8 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
     if alg.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
         e.append(f"algorithm.adv_estimator={alg.adv_estimator} needs a group of responses per prompt; set "
                  f"actor_rollout_ref.rollout.n >= 2 (it is {rollout.n})")
+
+    e += _dapo_problems(cfg)
 
     # models and layouts
     _check_model(e, "actor_rollout_ref.model.path", arr.model.path)

@@ -1,6 +1,7 @@
 """The PPO trainer: one explicit step, top to bottom, every stage timed.
 
-    rollout (hybrid engine: reshard -> generate -> back) -> rewards -> old log-probs (actor) -> reference log-probs
+    rollout (hybrid engine: reshard -> generate -> back) -> rewards (+ DAPO's overlong shaping and dynamic
+    sampling: engine/algorithms/dynamic_sampling.py) -> old log-probs (actor) -> reference log-probs
     -> values (critic) -> KL in reward -> advantages -> critic update -> actor update -> log / checkpoint
 
 Every rank runs this same code; each model runs on its own parallel layout (parallel/layout.py) and the batch is
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tripod.engine.algorithms import apply_kl_penalty, build_kl_controller, compute_advantage, masked_mean
+from tripod.engine.algorithms.dynamic_sampling import DynamicSampler
 from tripod.engine.checkpoints import CheckpointManager
 from tripod.engine.config import TripodConfig, save_resolved_config
 from tripod.engine.config_loading import config_to_dict
@@ -25,6 +27,7 @@ from tripod.engine.divergence_guard import DivergenceGuard, GuardDecision, Remed
 from tripod.engine.logging import StepProfiler, Timer, Tracker, validation_samples
 from tripod.engine.precision import resolve_precision, rollout_dtype
 from tripod.engine.rewards import RewardPool
+from tripod.engine.rewards.overlong import OverlongShaper
 from tripod.engine.rollout import SamplingParams, make_rollout_engine
 from tripod.engine.rollout.weight_sync import WeightSync
 from tripod.engine.throughput import PerfCounter
@@ -71,12 +74,15 @@ class PPOTrainer:
                        apply_chat_template=cfg.data.apply_chat_template, reward_fn_key=cfg.data.reward_fn_key)
         self.train_set = PromptDataset(cfg.data.train_files, **ds_args)
         self.val_set = PromptDataset(cfg.data.val_files, **ds_args) if cfg.data.val_files else None
-        self.loader = PromptDataLoader(self.train_set, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
+        self.loader = PromptDataLoader(self.train_set, cfg.data.gen_batch_size, cfg.data.shuffle, cfg.data.seed)
         sources = self.train_set.data_sources | (self.val_set.data_sources if self.val_set else set())
         self.rewards = RewardPool(cfg.reward_model.num_workers, cfg.reward_model.timeout_s,
                                   cfg.reward_model.use_ray, data_sources=sources) if self.rank == 0 else None
 
         algo = cfg.algorithm
+        self.sampler = DynamicSampler(algo.filter_groups, cfg.data.train_batch_size, arc.rollout.n,
+                                      draw=lambda: next(iter(self.loader)),
+                                      shaper=OverlongShaper(cfg.reward_model.overlong_buffer, arc.rollout.response_length))
         self.use_critic, self.use_ref = cfg.uses_critic, cfg.uses_reference
         self.kl_ctrl = build_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl,
                                            algo.kl_ctrl.horizon, warmup_steps=algo.kl_ctrl.warmup_steps)
@@ -129,14 +135,16 @@ class PPOTrainer:
         freeze_long_lived_objects()  # the models are built: the per-stage heap trims stop rescanning them
 
     # ---- rollout -----------------------------------------------------------------------------
-    def sampling_params(self, validate: bool, step: int) -> SamplingParams:
-        """The rollout's `SamplingParams` for a training step (`validate=False`) or for validation."""
+    def sampling_params(self, validate: bool, step: int, gen_batch: int = 0) -> SamplingParams:
+        """The rollout's `SamplingParams` for a training step's `gen_batch`-th generation batch (`validate=False`;
+        engine/algorithms/dynamic_sampling.py) or for validation."""
         r = self.cfg.actor_rollout_ref.rollout
         kw = r.val_kwargs if validate else r
         greedy = not kw.do_sample or kw.temperature == 0
         return SamplingParams(max_new_tokens=r.response_length, temperature=0.0 if greedy else kw.temperature,
                               top_p=kw.top_p, top_k=kw.top_k, n=kw.n, greedy=greedy,
-                              seed=self.cfg.trainer.seed * 1_000_003 + step * 7919 + self.hybrid.rollout_dp_rank)
+                              seed=self.cfg.trainer.seed * 1_000_003 + step * 7919 + gen_batch * 104_729
+                              + self.hybrid.rollout_dp_rank)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, timer: Timer | None = None) -> list[list[int]]:
         """Every prompt's responses on every rank (the rollout replicas split the prompts: WeightSync.generate_all)."""
@@ -158,13 +166,15 @@ class PPOTrainer:
         arc, algo = cfg.actor_rollout_ref, cfg.algorithm
         n, temperature = arc.rollout.n, arc.rollout.temperature
         with timer("step"):
-            responses = self.generate(prompts.input_ids, self.sampling_params(False, self.step), timer)
+            rollout, reward_metrics = self.sampler.collect(  # dynamic sampling may draw further prompt batches
+                prompts, lambda p, k: self.generate(p.input_ids, self.sampling_params(False, self.step, k), timer),
+                lambda p, responses: self.score(p, responses, n), timer)
+            prompts, responses, scores = rollout.prompts, rollout.responses, rollout.rewards
             rep_prompts = [p for p in prompts.input_ids for _ in range(n)]
             batch = build_ppo_batch(rep_prompts, responses, arc.rollout.response_length, self.pad_id,
                                     [i for i in prompts.indices for _ in range(n)]).to(self.device)
             mask = batch["response_mask"]
             with timer("reward"):
-                scores, reward_metrics = self.score(prompts, responses, n)
                 token_rewards = torch.zeros_like(mask)
                 last = (mask.sum(-1).long() - 1).clamp(min=0)
                 token_rewards[torch.arange(batch.size, device=self.device), last] = torch.tensor(

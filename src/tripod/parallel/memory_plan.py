@@ -260,7 +260,7 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
     r = arc.rollout
     gdt = rollout_dtype(r.dtype, device)
     replicas = world_size // r.tensor_model_parallel_size
-    sequences = -(-cfg.data.train_batch_size * r.n // replicas)
+    sequences = -(-cfg.data.gen_batch_size * r.n // replicas)  # one generate call: a generation batch (dynamic sampling)
     actor = models[0]
     # parallel/hybrid_engine/engine.py: same TP, no PP, same dtype -> the engine reads the parameters themselves
     aliased = actor.pp == 1 and actor.tp == r.tensor_model_parallel_size and actor.param_dtype == gdt and \

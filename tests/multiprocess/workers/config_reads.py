@@ -19,6 +19,7 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, REPO)
+import tests.helpers.dapo_reward  # noqa: E402,F401  (registers the dynamic-sampling run's reward)
 import tripod  # noqa: E402  (the package actually imported: src/tripod of this checkout under PYTHONPATH)
 
 PACKAGE = os.path.dirname(os.path.abspath(tripod.__file__))

@@ -1,6 +1,7 @@
 """RL algorithms: advantage estimators, KL penalties and controllers, PPO losses and aggregation.
 
-Pure tensor code (needs only torch); the elementwise work runs on the fused ops in `kernels`.
+Pure tensor code (needs only torch); the elementwise work runs on the fused ops in `kernels`. DAPO's dynamic sampling
+(the group filter and the loop that refills the batch) is in `dynamic_sampling`, imported from there.
 """
 from tripod.engine.algorithms.advantages import compute_advantage, list_adv_estimators, register_adv_est
 from tripod.engine.algorithms.controllers import AdaptiveKLController, FixedKLController, build_kl_controller

@@ -231,7 +231,8 @@ class PromptDataLoader:
         for key, mine in (("seed", self.seed), ("batch_size", self.batch_size), ("num_samples", len(self.dataset))):
             if key in state and state[key] != mine:
                 raise ValueError(f"cannot resume the data loader: the checkpoint has {key}={state[key]} but this run "
-                                 f"has {mine}; resume with the same data files, data.seed and data.train_batch_size")
+                                 f"has {mine}; resume with the same data files, data.seed, data.train_batch_size and "
+                                 "data.gen_batch_size")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
 
 
