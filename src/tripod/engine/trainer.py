@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tripod.engine.algorithms import apply_kl_penalty, build_kl_controller, compute_advantage, masked_mean
+from tripod.engine.algorithms import apply_kl_penalty, build_kl_controller, compute_advantage
 from tripod.engine.algorithms.dynamic_sampling import DynamicSampler
 from tripod.engine.checkpoints import CheckpointManager
 from tripod.engine.config import TripodConfig, save_resolved_config
@@ -31,7 +31,7 @@ from tripod.engine.rewards.overlong import OverlongShaper
 from tripod.engine.rollout import SamplingParams, make_rollout_engine
 from tripod.engine.rollout.weight_sync import WeightSync
 from tripod.engine.throughput import PerfCounter
-from tripod.engine.workers.batch import PPOBatch, build_ppo_batch
+from tripod.engine.workers.batch import batch_metrics, build_ppo_batch
 from tripod.engine.workers.moe_config import moe_config_overrides
 from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
 from tripod.parallel.arch import arch_from_hf
@@ -212,7 +212,7 @@ class PPOTrainer:
                 with timer("update_actor"):
                     metrics.update(self.actor.update(batch, arc.actor, temperature, n))
         timings = timer.metrics()
-        metrics.update(self.batch_metrics(batch, scores))
+        metrics.update(batch_metrics(batch, scores))
         metrics.update(timings)
         metrics.update(self.perf.metrics(batch, timings, arc.actor.ppo_epochs,
                                          recomputed_old_log_probs=batch.recomputed_old_log_probs,
@@ -238,25 +238,6 @@ class PPOTrainer:
         a = self.cfg.actor_rollout_ref.actor
         return (a.ppo_epochs == 1 and a.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n >= rows
                 and not self.cfg.algorithm.use_kl_in_reward and self.step >= self.cfg.trainer.critic_warmup)
-
-    def batch_metrics(self, batch: PPOBatch, scores: list[float]) -> dict[str, float]:
-        mask = batch["response_mask"]
-        lengths = mask.sum(-1)
-        out = {"critic/score/mean": float(sum(scores) / len(scores)), "critic/score/max": float(max(scores)),
-               "critic/score/min": float(min(scores)),
-               "critic/advantages/mean": float(masked_mean(batch["advantages"], mask)),
-               "critic/returns/mean": float(masked_mean(batch["returns"], mask)),
-               "response_length/mean": float(lengths.mean()),
-               "response_length/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
-               "prompt_length/mean": float(batch["prompt_lens"].float().mean())}
-        if "values" in batch.tensors:
-            v, r = batch["values"], batch["returns"]
-            out["critic/values/mean"] = float(masked_mean(v, mask))
-            var_r = masked_mean((r - masked_mean(r, mask)) ** 2, mask)
-            resid = r - v
-            var_res = masked_mean((resid - masked_mean(resid, mask)) ** 2, mask)
-            out["critic/vf_explained_var"] = float(1 - var_res / (var_r + 1e-8))
-        return out
 
     # ---- validation -----------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from tripod.engine.algorithms.masked import masked_mean
+
 
 @dataclass
 class PPOBatch:
@@ -99,3 +101,25 @@ def split_rows(n: int, parts: int) -> list[slice]:
         raise ValueError(f"cannot split {n} rows into {parts} equal parts")
     k = n // parts
     return [slice(i * k, (i + 1) * k) for i in range(parts)]
+
+
+def batch_metrics(batch: PPOBatch, scores: list[float]) -> dict[str, float]:
+    """What a PPO step's batch looked like (verl's names): scores, advantages, returns, response and prompt lengths,
+    and with a critic its values and explained variance."""
+    mask = batch["response_mask"]
+    lengths = mask.sum(-1)
+    out = {"critic/score/mean": float(sum(scores) / len(scores)), "critic/score/max": float(max(scores)),
+           "critic/score/min": float(min(scores)),
+           "critic/advantages/mean": float(masked_mean(batch["advantages"], mask)),
+           "critic/returns/mean": float(masked_mean(batch["returns"], mask)),
+           "response_length/mean": float(lengths.mean()),
+           "response_length/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
+           "prompt_length/mean": float(batch["prompt_lens"].float().mean())}
+    if "values" in batch.tensors:
+        v, r = batch["values"], batch["returns"]
+        out["critic/values/mean"] = float(masked_mean(v, mask))
+        var_r = masked_mean((r - masked_mean(r, mask)) ** 2, mask)
+        resid = r - v
+        var_res = masked_mean((resid - masked_mean(resid, mask)) ** 2, mask)
+        out["critic/vf_explained_var"] = float(1 - var_res / (var_r + 1e-8))
+    return out
