@@ -17,9 +17,11 @@ SCRIPT = textwrap.dedent("""
     from tripod.parallel.megatron_patches import cpu_compat
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.model import model_layer_spec, transformer_config_from_arch
+    from tripod.parallel.stages import StageSplit
 
     arch = arch_from_hf(sys.argv[1])
-    layout = types.SimpleNamespace(tp=2, pp=1, ep=1, etp=1, name="actor", validate_for=lambda a: None)
+    layout = types.SimpleNamespace(tp=2, pp=1, ep=1, etp=1, name="actor", validate_for=lambda a: None,
+                                   stage_split=lambda n, vpp=None: StageSplit(n))
     config = transformer_config_from_arch(arch, layout, sequence_parallel=True)
     assert config.sequence_parallel
     spec = model_layer_spec(arch, False, config)

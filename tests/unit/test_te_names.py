@@ -103,9 +103,11 @@ def test_te_spec_names_map_onto_the_family_table(tmp_path, te_spec_builders, fam
     from tripod.parallel.families import get_family
     from tripod.parallel.families.spec import LAYER_PREFIX
     from tripod.parallel.model import transformer_config_from_arch
+    from tripod.parallel.stages import StageSplit
 
     arch = _arch(tmp_path, family)
-    layout = types.SimpleNamespace(tp=1, pp=1, ep=1, etp=1, name="actor", validate_for=lambda a: None)
+    layout = types.SimpleNamespace(tp=1, pp=1, ep=1, etp=1, name="actor", validate_for=lambda a: None,
+                                   stage_split=lambda n, vpp=None: StageSplit(n))
     config = transformer_config_from_arch(arch, layout)
     specs = te_spec_builders.get_gpt_decoder_layer_specs(config, use_transformer_engine=True, normalization="RMSNorm")
     table = get_family(arch.family)
