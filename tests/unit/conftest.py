@@ -15,3 +15,14 @@ def world_of_one(tmp_path_factory):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture()
+def run_files(tmp_path):
+    """Existing train/val parquet paths and a model directory, as validation requires."""
+    for name in ("train.parquet", "val.parquet"):
+        (tmp_path / name).write_bytes(b"PAR1")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    return [f"data.train_files={tmp_path / 'train.parquet'}", f"data.val_files=[{tmp_path / 'val.parquet'}]",
+            f"actor_rollout_ref.model.path={tmp_path / 'model'}"]

@@ -10,15 +10,6 @@ from tripod.engine.config_validation import validate_config
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture()
-def run_files(tmp_path):
-    """Existing train/val parquet paths and a model directory, as validation requires."""
-    for name in ("train.parquet", "val.parquet"):
-        (tmp_path / name).write_bytes(b"PAR1")
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
-    return [f"data.train_files={tmp_path / 'train.parquet'}", f"data.val_files=[{tmp_path / 'val.parquet'}]",
-            f"actor_rollout_ref.model.path={tmp_path / 'model'}"]
 
 
 # A valid 4-rank run: actor TP2 (DP2), critic/ref follow the actor, rollout TP2 (2 generation groups).

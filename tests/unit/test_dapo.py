@@ -154,23 +154,19 @@ def test_dynamic_sampling_rolls_into_the_next_epoch():
 
 # ---- bad input -------------------------------------------------------------------------------------------------
 @pytest.fixture()
-def run_files(tmp_path):
-    for name in ("train.parquet", "val.parquet"):
-        (tmp_path / name).write_bytes(b"PAR1")
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
-    return [f"data.train_files={tmp_path / 'train.parquet'}", f"data.val_files=[{tmp_path / 'val.parquet'}]",
-            f"actor_rollout_ref.model.path={tmp_path / 'model'}", "data.train_batch_size=8",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-            "trainer.n_gpus_per_node=2", "algorithm.adv_estimator=grpo", "trainer.total_training_steps=5"]
+def dapo_run(run_files):
+    """A valid GRPO run of 2 ranks around the files of conftest's `run_files`."""
+    return run_files + ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "trainer.n_gpus_per_node=2",
+                        "algorithm.adv_estimator=grpo", "trainer.total_training_steps=5"]
 
 
 DAPO_ON = ["actor_rollout_ref.rollout.n=2", "algorithm.filter_groups.enable=true", "data.gen_batch_size=24",
            "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=128"]
 
 
-def test_a_dapo_config_passes(run_files):
-    validate_config(load_config(None, run_files + DAPO_ON), world_size=2)
+def test_a_dapo_config_passes(dapo_run):
+    validate_config(load_config(None, dapo_run + DAPO_ON), world_size=2)
 
 
 @pytest.mark.parametrize("overrides, expected", [
@@ -189,9 +185,9 @@ def test_a_dapo_config_passes(run_files):
     (["reward_model.overlong_buffer.len=513"], "reward_model.overlong_buffer.len=513 must be in"),
     (["reward_model.overlong_buffer.penalty_factor=-1"], "reward_model.overlong_buffer.penalty_factor=-1.0 must be"),
 ])
-def test_each_dapo_problem_is_one_line_naming_its_key(run_files, overrides, expected):
+def test_each_dapo_problem_is_one_line_naming_its_key(dapo_run, overrides, expected):
     with pytest.raises(ConfigError) as err:
-        validate_config(load_config(None, run_files + DAPO_ON + overrides), world_size=2)
+        validate_config(load_config(None, dapo_run + DAPO_ON + overrides), world_size=2)
     assert expected in str(err.value), str(err.value)
 
 
