@@ -82,7 +82,7 @@ def test_plain_srun_runs_in_process_with_the_same_numbers(setup, sbatch_run, tmp
 
 def test_srun_task_count_mismatch_is_one_line(setup, tmp_path):
     proc = subprocess.run(["srun", "--ntasks=3", "--overcommit", "--kill-on-bad-exit=1", sys.executable, "-m",
-                           "tripod.engine.cli", "train", "recipes/defaults.yaml", *_args(setup, str(tmp_path / "run"))],
+                           "tripod", "train", "recipes/defaults.yaml", *_args(setup, str(tmp_path / "run"))],
                           cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert proc.returncode != 0
     errors = [line for line in proc.stdout.splitlines() if line.startswith("tripod train: error:")]
