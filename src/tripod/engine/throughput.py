@@ -22,11 +22,11 @@ PER_RANK_MEMORY_KEYS = 16
 CUDA_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
 
-def peak_memory_per_rank() -> dict[str, float]:
-    """Every rank's peak memory (GiB, engine.memory.peak_memory_gb), gathered: a collective, so every rank calls it.
+def peak_memory_per_rank(mine: float) -> dict[str, float]:
+    """Every rank's peak memory `mine` (GiB, engine.memory.peak_memory_gb), gathered: a collective, so every rank
+    calls it.
     Keys: `perf/peak_memory_gb/rank{r}` (worlds of up to PER_RANK_MEMORY_KEYS ranks), `perf/peak_memory_gb/max`
     and `perf/peak_memory_gb/min` over the ranks."""
-    mine = peak_memory_gb()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return {"perf/peak_memory_gb/rank0": mine, "perf/peak_memory_gb/max": mine, "perf/peak_memory_gb/min": mine}
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -106,7 +106,7 @@ class PerfCounter:
                        + ppo_epochs * self.head_flops(response, True) + fwd * self.head_flops(response, False))
         out = {"perf/total_num_tokens": tokens, "perf/model_tokens": run_tokens, "perf/gen_tokens": gen_tokens,
                "perf/throughput": tokens / step_s / self.world,
-               "perf/max_memory_allocated_gb": peak_memory_gb(), **peak_memory_per_rank()}
+               "perf/max_memory_allocated_gb": (peak := peak_memory_gb()), **peak_memory_per_rank(peak)}
         if actor_s > 0:
             out["perf/mfu/actor"] = actor_flops / actor_s / self.world / self.peak
         return out
