@@ -408,8 +408,8 @@ class RolloutConfig:
     `sglang.Engine` / ServerArgs option (e.g. {attention_backend: fa3, cuda_graph_max_bs: 64}). The embedded
     engine takes none."""
     decode_threads: int = 0
-    """torch threads of the embedded engine's one-token decode steps (prefill keeps all threads); 0: torch's
-    setting. Decode is ~1000 small ops per token; on a CPU shared with other work, 1 thread avoids the per-op
+    """torch threads of the embedded engine's one-token decode steps (prefill keeps all threads); 0: the rank's
+    threads (trainer.threads_per_rank). Decode is ~1000 small ops per token; on a CPU shared with other work, 1 thread avoids the per-op
     thread barrier that a descheduled second thread stalls (scripts/bench_generate.py measures it)."""
 
     def check(self, key: str = "actor_rollout_ref.rollout") -> list[str]:
@@ -665,6 +665,10 @@ class TrainerConfig:
     device: str = "cpu"
     """cpu | cuda. Chosen once per rank by engine/device.py (cuda: cuda:LOCAL_RANK, set as the current device);
     models, batches, masks, the rollout engine and the kernels all follow it."""
+    threads_per_rank: int = 0
+    """torch intra-op threads of each rank. 0 (auto): OMP_NUM_THREADS when set, else SLURM_CPUS_PER_TASK in a SLURM
+    step, else the cores this process may run on (its affinity mask) divided by the ranks on its node, so ranks that
+    share a host never oversubscribe it. Resolved before the ranks start; the run's config.yaml records the number."""
     divergence_guard: DivergenceGuardConfig = field(default_factory=DivergenceGuardConfig)
     """Divergence detection and rollback (see DivergenceGuardConfig; off by default)."""
 
@@ -678,6 +682,8 @@ class TrainerConfig:
             e.append(f"{key}.total_training_steps={self.total_training_steps} must be >= 1 (or null)")
         if self.critic_warmup < 0:
             e.append(f"{key}.critic_warmup={self.critic_warmup} must be >= 0")
+        if self.threads_per_rank < 0:
+            e.append(f"{key}.threads_per_rank={self.threads_per_rank} must be >= 0 (0: the node's cores / its ranks)")
         bad = [b for b in self.logger if b not in BACKENDS]
         if bad:
             e.append(f"{key}.logger has unknown backends {bad}; use any of {list(BACKENDS)}")

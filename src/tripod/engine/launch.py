@@ -158,12 +158,31 @@ def _spawned_worker(local_rank: int, world_size: int, port: int, error_dir: str,
         sys.exit(1)
 
 
-def _threads_per_rank(ranks_per_node: int) -> int:
-    """OMP_NUM_THREADS when set (it fixes the CPU reduction order, e.g. for comparing layouts), else cores / ranks."""
-    explicit = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+def cores_available() -> int:
+    """The CPU cores this process may run on: its affinity mask (taskset, a SLURM or container cgroup), which
+    `os.cpu_count()` ignores."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_rank(ranks_per_node: int, requested: int = 0, env: Mapping[str, str] = os.environ) -> tuple[int, str]:
+    """(torch intra-op threads for each rank of a node, where the number came from).
+
+    In order: `requested` (trainer.threads_per_rank) when > 0; OMP_NUM_THREADS when set (it fixes the CPU reduction
+    order, e.g. for comparing layouts); SLURM_CPUS_PER_TASK in a SLURM step (the task's own share already); else this
+    process's cores divided by the ranks that share the node, so that ranks never oversubscribe the cores."""
+    if requested > 0:
+        return requested, "trainer.threads_per_rank"
+    explicit = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     if explicit.isdigit() and int(explicit) > 0:
-        return int(explicit)
-    return max(1, (os.cpu_count() or 1) // max(1, ranks_per_node))
+        return int(explicit), "OMP_NUM_THREADS"
+    slurm = env.get("SLURM_CPUS_PER_TASK", "").strip()
+    if slurm.isdigit() and int(slurm) > 0 and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
+        return int(slurm), "SLURM_CPUS_PER_TASK"
+    cores, ranks = cores_available(), max(1, ranks_per_node)
+    return max(1, cores // ranks), f"{cores} cores / {ranks} ranks on this node"
 
 
 def _run_in_world(fn: Callable[..., Any], args: tuple) -> None:
@@ -173,7 +192,7 @@ def _run_in_world(fn: Callable[..., Any], args: tuple) -> None:
     if not os.environ.get("TRIPOD_DEBUG"):
         import warnings
         warnings.filterwarnings("ignore")  # megatron's TE/apex fallbacks, torch DCP deprecations
-    torch.set_num_threads(_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))))
+    torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))[0])
     from tripod.engine.device import process_group_backend, select_device
 
     device = select_device()  # $TRIPOD_DEVICE (trainer.device) and LOCAL_RANK; sets the CUDA device first

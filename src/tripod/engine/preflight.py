@@ -24,8 +24,22 @@ def prepare_train(recipe: str, overrides: list[str], launch: Launch):
     cfg = load_config(recipe, overrides)
     world = check_world(cfg, launch)
     validate_config(cfg, world)
+    resolve_threads(cfg, launch.nproc_per_node if launch.kind != "local" else world, announce=launch.rank == 0)
     preflight(cfg, world)
     return cfg, world
+
+
+def resolve_threads(cfg, ranks_per_node: int, announce: bool = False) -> None:
+    """Write the number of torch threads each rank will use into cfg.trainer.threads_per_rank (0 means auto), so that
+    the ranks use it and the run's config.yaml records it."""
+    from tripod.engine.launch import threads_per_rank
+
+    t = cfg.trainer
+    t.threads_per_rank, source = threads_per_rank(ranks_per_node, t.threads_per_rank)
+    if announce and t.device == "cpu":
+        decode = cfg.actor_rollout_ref.rollout.decode_threads or t.threads_per_rank
+        print(f"threads: {t.threads_per_rank} per rank ({source}), {ranks_per_node} rank(s) on this node; "
+              f"decode steps {decode}", flush=True)
 
 
 def check_safetensors(model_dir: str) -> None:

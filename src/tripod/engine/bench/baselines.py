@@ -2,7 +2,8 @@
 
 The work is fixed by the resolved tripod config: the same prompts per step (the rows tripod's loader hands out,
 in its order), samples per prompt, max new tokens, epochs, learning rate and optimizer settings, temperature,
-top-p. Each peer runs in its own process (so its peak RSS is its own) with all of this machine's cores as threads.
+top-p. Each peer runs in its own process (so its peak RSS is its own) with all the cores this process may use as threads
+(tripod's ranks share the same cores: trainer.threads_per_rank x ranks).
 
 TRL stays out of tripod's requirements: it lives in its own virtualenv (default `.venv-trl` in the repo root,
 `TRIPOD_TRL_VENV` to point elsewhere), created on first use with the torch wheel of the version tripod runs on,
@@ -17,6 +18,7 @@ import subprocess
 import sys
 
 from tripod import CHECKOUT, SRC_DIR
+from tripod.engine.launch import cores_available
 
 REPO = str(CHECKOUT)
 TRL_VERSION = "1.16.0"
@@ -75,7 +77,7 @@ def work_spec(cfg, steps: int, warmup: int) -> dict:
             "prompts_per_step": d.train_batch_size, "n": r.n, "max_new_tokens": r.response_length,
             "epochs": a.ppo_epochs, "temperature": r.temperature, "top_p": r.top_p, "clip_ratio": a.clip_ratio,
             "norm_adv_by_std": cfg.algorithm.norm_adv_by_std_in_grpo, "seed": cfg.trainer.seed, "warmup": warmup,
-            "threads": os.cpu_count() or 1,
+            "threads": cores_available(),
             "optim": {"lr": a.optim.lr, "weight_decay": a.optim.weight_decay, "betas": list(a.optim.betas),
                       "eps": a.optim.eps, "grad_clip": a.grad_clip}}
 
