@@ -9,9 +9,10 @@ from tripod.engine.data.char_tokenizer import char_tokenizer
 
 
 def make_ppo_setup(tmp_path, *, family: str = "qwen2", n_train: int = 32, n_val: int = 8, data_suffix: str = ".parquet",
-                   **model_overrides) -> dict:
+                   max_digits: int = 1, **model_overrides) -> dict:
     """{'model': dir, 'train': parquet, 'val': parquet} (`data_suffix=".jsonl"`: JSON lines); prompts are short arithmetic questions. `family`: llama /
-    qwen2 (tests/helpers/common.py) or an MoE family of tests/helpers/moe_models.py (qwen3_moe, qwen2_moe, deepseek_v3)."""
+    qwen2 (tests/helpers/common.py) or an MoE family of tests/helpers/moe_models.py (qwen3_moe, qwen2_moe, deepseek_v3).
+    `max_digits` 2 gives prompts of different lengths (1: all the same length)."""
     from tripod.engine.data import make_arithmetic_rows, write_prompt_parquet
 
     overrides = dict(max_position_embeddings=256, vocab_size=128)
@@ -25,7 +26,7 @@ def make_ppo_setup(tmp_path, *, family: str = "qwen2", n_train: int = 32, n_val:
     instruction = "Answer as #### N."
     paths = {"model": model}
     for split, count, seed in (("train", n_train, 0), ("val", n_val, 1)):
-        rows = make_arithmetic_rows(count, seed=seed, max_digits=1, instruction=instruction, split=split)
+        rows = make_arithmetic_rows(count, seed=seed, max_digits=max_digits, instruction=instruction, split=split)
         paths[split] = os.path.join(str(tmp_path), f"{split}{data_suffix}")
         write_prompt_parquet(rows, paths[split])
     return paths

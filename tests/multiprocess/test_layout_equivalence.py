@@ -56,8 +56,13 @@ def _critic_layout(tp: int, pp: int) -> list[str]:
 CASES = [
     Case("tp2pp2", 2, 2, 4),
     Case("tp1pp2dp2", 1, 2, 4),
-    Case("token_budget", 1, 1, 1, ["actor_rollout_ref.actor.use_dynamic_bsz=true",
-                                   "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=70"]),
+    # every pass under a token budget, micro-batches of their own lengths (prompts of 41-43 tokens) through PP2: the
+    # updates one row per micro-batch (70 tokens), the forward passes two rows, regrouped by length (100 tokens)
+    Case("token_budget_pp2", 1, 2, 2, ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                       "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=70",
+                                       "critic.ppo_max_token_len_per_gpu=70",
+                                       "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=100",
+                                       "critic.forward_max_token_len_per_gpu=100", *_critic_layout(1, 2)]),
     Case("actor_tp2dp2_critic_pp2dp2", 2, 1, 4, _critic_layout(1, 2)),
     Case("grpo_kl_loss_tp2pp2", 2, 2, 4, estimator="grpo_kl_loss"),
 ]
@@ -94,7 +99,7 @@ def _waves(plan: dict[str, tuple[Case, str | None]]) -> list[list[str]]:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("equivalence")
-    return dict(make_ppo_setup(tmp), root=str(tmp))
+    return dict(make_ppo_setup(tmp, max_digits=2), root=str(tmp))
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerFast
 from tripod.engine.data import (
     PromptDataLoader,
     PromptDataset,
+    balanced_partition,
     make_arithmetic_rows,
     packed_position_ids,
     pad_input,
@@ -219,6 +220,21 @@ def test_split_by_token_budget_errors_and_edges():
         split_by_token_budget([3, 11, 2], 10)
     with pytest.raises(ValueError, match="min_num_micro_batches=4 exceeds the 3 sequences"):
         split_by_token_budget([1, 2, 3], 10, min_num_micro_batches=4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_balanced_partition_is_an_equal_count_partition_of_balanced_tokens(seed):
+    rng = random.Random(seed)
+    parts = rng.choice([2, 3, 4])
+    lens = [rng.randint(1, 300) for _ in range(parts * rng.randint(1, 12))]
+    groups = balanced_partition(lens, parts)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    assert {len(g) for g in groups} == {len(lens) // parts} and all(g == sorted(g) for g in groups)
+    loads = [sum(lens[i] for i in g) for g in groups]
+    assert max(loads) - min(loads) <= max(lens)
+    assert balanced_partition([50, 49, 1, 2], 2) == [[0, 2], [1, 3]]  # 51 / 51 tokens, where halves give 99 / 3
+    with pytest.raises(ValueError, match="cannot split 3 sequences into 2 equal parts"):
+        balanced_partition([1, 2, 3], 2)
 
 
 @pytest.mark.parametrize("side", ["left", "right"])

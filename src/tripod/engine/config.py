@@ -270,8 +270,9 @@ class PPOModelConfig:
     grad_clip: float = 1.0
     """Global gradient-norm clip. verl: grad_clip; Megatron-LM: --clip-grad."""
     use_dynamic_bsz: bool = False
-    """Micro-batches under a token budget (ppo_max_token_len_per_gpu) instead of a fixed row count (PP = 1 only).
-    verl: use_dynamic_bsz."""
+    """Micro-batches under a token budget (ppo_max_token_len_per_gpu) instead of a fixed row count, at any layout: the
+    DP ranks get equal row counts of balanced token sums, each micro-batch keeps its own length (at PP > 1 megatron
+    sends each activation's shape first). Same gradients as fixed micro-batches. verl: use_dynamic_bsz."""
     ppo_max_token_len_per_gpu: int = 16384
     """Token budget of one micro-batch with use_dynamic_bsz (prompt + response tokens). verl: same name."""
     share_prompt_prefix: bool = True
@@ -345,6 +346,8 @@ class CriticConfig(PPOModelConfig):
     ppo_epochs: int = "${actor_rollout_ref.actor.ppo_epochs}"
     use_dynamic_bsz: bool = "${actor_rollout_ref.actor.use_dynamic_bsz}"
     ppo_max_token_len_per_gpu: int = 32768
+    forward_max_token_len_per_gpu: int = "${critic.ppo_max_token_len_per_gpu}"
+    """Token budget of one micro-batch of the value forward with use_dynamic_bsz. verl: same name."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     megatron: MegatronConfig = field(default_factory=_megatron_like_actor)
     """Parallel layout and seed of the critic (defaults: the actor's)."""
@@ -398,6 +401,11 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: Optional[int] = "${actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu}"
     """Rows per micro-batch of the actor's old-log-prob forward; null: all of a rank's rows at once.
     verl: rollout.log_prob_micro_batch_size_per_gpu."""
+    log_prob_use_dynamic_bsz: bool = "${actor_rollout_ref.actor.use_dynamic_bsz}"
+    """Micro-batches of the actor's old-log-prob forward under a token budget (log_prob_max_token_len_per_gpu) instead
+    of a fixed row count. verl: rollout.log_prob_use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: int = "${actor_rollout_ref.actor.ppo_max_token_len_per_gpu}"
+    """Token budget of one old-log-prob micro-batch (prompt + response tokens). verl: same name."""
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     """Sampling at validation."""
     dtype: Optional[str] = None
@@ -443,6 +451,10 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: Optional[int] = "${actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu}"
     """Rows per micro-batch of the reference forward; null: all of a rank's rows at once.
     verl: ref.log_prob_micro_batch_size_per_gpu."""
+    log_prob_use_dynamic_bsz: bool = "${actor_rollout_ref.rollout.log_prob_use_dynamic_bsz}"
+    """Micro-batches of the reference forward under a token budget. verl: ref.log_prob_use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: int = "${actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu}"
+    """Token budget of one reference micro-batch. verl: ref.log_prob_max_token_len_per_gpu."""
 
     def check(self, key: str = "actor_rollout_ref.ref") -> list[str]:
         micro = self.log_prob_micro_batch_size_per_gpu

@@ -142,12 +142,20 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
         if layout_ok.get(key, False):
             _check_batches(e, key, m.ppo_mini_batch_size, m.ppo_micro_batch_size_per_gpu, m.use_dynamic_bsz,
                            d.train_batch_size, rollout.n, m.megatron.data_parallel_size(world_size))
-        if m.use_dynamic_bsz and m.ppo_max_token_len_per_gpu < seq_len:
-            e.append(f"{key}.ppo_max_token_len_per_gpu={m.ppo_max_token_len_per_gpu} is below one full sequence "
-                     f"(data.max_prompt_length + rollout.response_length = {seq_len}); raise it to >= {seq_len}")
-        if m.use_dynamic_bsz and m.megatron.pipeline_model_parallel_size > 1:
-            e.append(f"{key}.use_dynamic_bsz=true needs {key}.megatron.pipeline_model_parallel_size=1 (megatron's "
-                     "pipeline schedule sends fixed-shape micro-batches); turn one off")
+    budgets = [(f"{key}.ppo_max_token_len_per_gpu", m.ppo_max_token_len_per_gpu, m.use_dynamic_bsz)
+               for key, m in models]
+    budgets.append(("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+                    rollout.log_prob_max_token_len_per_gpu, rollout.log_prob_use_dynamic_bsz))
+    budgets.append(("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+                    cfg.actor_rollout_ref.ref.log_prob_max_token_len_per_gpu,
+                    cfg.actor_rollout_ref.ref.log_prob_use_dynamic_bsz))
+    if use_critic:
+        budgets.append(("critic.forward_max_token_len_per_gpu", critic.forward_max_token_len_per_gpu,
+                        critic.use_dynamic_bsz))
+    for key, budget, on in budgets:
+        if on and budget < seq_len:
+            e.append(f"{key}={budget} is below one full sequence (data.max_prompt_length + rollout.response_length = "
+                     f"{seq_len}); raise it to >= {seq_len}")
 
     if e:
         raise ConfigError(f"{len(e)} configuration problem(s):\n  - " + "\n  - ".join(e))

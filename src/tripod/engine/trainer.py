@@ -179,18 +179,22 @@ class PPOTrainer:
                 last = (mask.sum(-1).long() - 1).clamp(min=0)
                 token_rewards[torch.arange(batch.size, device=self.device), last] = torch.tensor(
                     scores, dtype=torch.float32, device=self.device)
-            micro = arc.rollout.log_prob_micro_batch_size_per_gpu or batch.size
+            ro, ref, critic = arc.rollout, arc.ref, cfg.critic  # micro-batches: rows, or a token budget (dynamic bsz)
             if not self.on_policy_update(batch.size):  # else the update takes them from its own forward
                 with timer("old_log_prob"):
-                    batch["old_log_probs"], _ = self.actor.compute_log_probs(batch, micro, temperature)
+                    batch["old_log_probs"], _ = self.actor.compute_log_probs(
+                        batch, ro.log_prob_micro_batch_size_per_gpu or batch.size, temperature,
+                        token_budget=ro.log_prob_max_token_len_per_gpu if ro.log_prob_use_dynamic_bsz else None)
             if self.ref is not None:
                 with timer("ref"):
                     batch["ref_log_probs"], _ = self.ref.compute_log_probs(
-                        batch, arc.ref.log_prob_micro_batch_size_per_gpu or batch.size, temperature)
+                        batch, ref.log_prob_micro_batch_size_per_gpu or batch.size, temperature,
+                        token_budget=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None)
             if self.critic is not None:
                 with timer("values"):
                     batch["values"] = self.critic.compute_values(
-                        batch, cfg.critic.ppo_micro_batch_size_per_gpu or batch.size)
+                        batch, critic.ppo_micro_batch_size_per_gpu or batch.size,
+                        token_budget=critic.forward_max_token_len_per_gpu if critic.use_dynamic_bsz else None)
             metrics = dict(reward_metrics)
             with timer("adv"):
                 if algo.use_kl_in_reward:

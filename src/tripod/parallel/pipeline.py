@@ -49,7 +49,7 @@ def run_pipeline(chunks: Sequence[torch.nn.Module], layout, microbatches: Sequen
     with layout.activate(), torch.set_grad_enabled(not forward_only):
         kwargs: dict[str, Any] = dict(pg_collection=layout.pg_collection)
         if layout.pp > 1:
-            kwargs["p2p_communicator"] = layout.p2p_communicator(_config(chunks[0]))
+            kwargs["p2p_communicator"] = layout.p2p_communicator(model_config(chunks[0]))
         schedule = get_forward_backward_func(pp_size=layout.pp, vp_size=vpp)
         out = schedule(forward_step_func=step, data_iterator=iterators, model=chunks,
                        num_microbatches=len(microbatches), seq_length=seq_length,
@@ -57,7 +57,8 @@ def run_pipeline(chunks: Sequence[torch.nn.Module], layout, microbatches: Sequen
     return list(out) if layout.is_last_stage else []
 
 
-def _config(model: torch.nn.Module):
+def model_config(model: torch.nn.Module):
+    """The TransformerConfig of a (DDP-wrapped) model chunk; the P2P communicator reads it."""
     while not hasattr(model, "config") and hasattr(model, "module"):
         model = model.module
     return model.config

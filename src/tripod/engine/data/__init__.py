@@ -12,14 +12,15 @@
 """
 from tripod.engine.data.arithmetic import make_arithmetic_rows, make_arithmetic_splits
 from tripod.engine.data.batching import (
+    balanced_partition,
     packed_position_ids,
-           pad_input,
-           pad_sequences,
-           split_by_token_budget,
-           unpad_input,
+    pad_input,
+    pad_sequences,
+    split_by_token_budget,
+    unpad_input,
 )
 from tripod.engine.data.dataset import PromptBatch, PromptDataLoader, PromptDataset, write_prompt_parquet
 
 __all__ = ["PromptBatch", "PromptDataLoader", "PromptDataset", "write_prompt_parquet", "make_arithmetic_rows",
-           "make_arithmetic_splits",
-           "split_by_token_budget", "pad_sequences", "unpad_input", "pad_input", "packed_position_ids"]
+           "make_arithmetic_splits", "balanced_partition", "split_by_token_budget", "pad_sequences", "unpad_input",
+           "pad_input", "packed_position_ids"]

@@ -2,6 +2,8 @@
 
 - `split_by_token_budget`: partition sequences into micro-batches whose token sums stay within a budget
   (`use_dynamic_bsz` / `ppo_max_token_len_per_gpu`), balanced by longest-processing-time-first greedy.
+- `balanced_partition`: rows split into equal-count parts of balanced token sums (the DP ranks of a token-budget
+  update).
 - `pad_sequences`: ragged token lists -> a padded [b, s] tensor + attention mask (left padding for prompts).
 - `unpad_input` / `pad_input`: a padded [b, s, ...] batch <-> one packed [1, total, ...] sequence with `cu_seqlens`
   (flash-attention's varlen convention; works for left or right padding since the mask defines the tokens).
@@ -54,6 +56,22 @@ def split_by_token_budget(seq_lens: Sequence[int], max_tokens_per_micro_batch: i
         if max(loads) <= max_tokens_per_micro_batch and all(groups):
             return sorted((sorted(g) for g in groups), key=lambda g: g[0])
         k += 1  # terminates: at k == len(lens) every sequence is alone and fits
+
+
+def balanced_partition(seq_lens: Sequence[int], parts: int) -> list[list[int]]:
+    """Split sequence indices into `parts` lists of equal count (n must divide by parts) whose token sums are balanced:
+    longest first, each into the lightest part that still has room. Deterministic; each list ascending."""
+    lens = [int(n) for n in seq_lens]
+    if parts < 1 or len(lens) % parts:
+        raise ValueError(f"cannot split {len(lens)} sequences into {parts} equal parts")
+    room = len(lens) // parts
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for i in sorted(range(len(lens)), key=lambda i: (-lens[i], i)):
+        b = min((b for b in range(parts) if len(groups[b]) < room), key=lambda b: (loads[b], b))
+        groups[b].append(i)
+        loads[b] += lens[i]
+    return [sorted(g) for g in groups]
 
 
 def pad_sequences(seqs: Sequence[Sequence[int]], pad_value: int, side: str = "left",

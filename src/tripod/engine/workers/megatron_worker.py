@@ -188,16 +188,24 @@ class MegatronWorker:
         dev = self.device
         mbs = [PPOBatch(to_device(mb.tensors, dev), mb.meta) for mb in microbatches]
         packs = [pack_shared_prompts(mb) if self.share_prompt_prefix and self.can_pack else None for mb in mbs]
-        if self.layout.pp > 1 and len({p.input_ids.shape[0] if p is not None else mb.size
-                                       for p, mb in zip(packs, mbs)}) > 1:
-            packs = [None] * len(mbs)  # pipeline stages exchange [S, rows, H]: every micro-batch needs the same rows
-        seq = max(p.seq if p is not None else mb["input_ids"].shape[1] for p, mb in zip(packs, mbs))
+        seqs = [p.seq if p is not None else mb["input_ids"].shape[1] for p, mb in zip(packs, mbs)]
+        # Each micro-batch keeps its own [rows, seq] (a token-budget micro-batch is not padded back to the longest);
+        # at PP > 1 megatron then exchanges each activation's shape first (its variable_seq_lengths). MoE's allgather
+        # token dispatcher gathers over EP, across DP ranks whose micro-batches differ: there every micro-batch of a
+        # call has one shape, as before.
+        uniform = bool(self.module.config.num_moe_experts)
+        if uniform:
+            if self.layout.pp > 1 and len({p.input_ids.shape[0] if p is not None else mb.size
+                                           for p, mb in zip(packs, mbs)}) > 1:
+                packs = [None] * len(mbs)  # pipeline stages exchange [S, rows, H]: every micro-batch the same rows
+                seqs = [mb["input_ids"].shape[1] for mb in mbs]
+            seqs = [max(seqs)] * len(mbs)
         if self.module.config.sequence_parallel:  # megatron splits the sequence evenly over TP
-            seq = -(-seq // self.layout.tp) * self.layout.tp
+            seqs = [-(-seq // self.layout.tp) * self.layout.tp for seq in seqs]
         for i, (mb, p) in enumerate(zip(mbs, packs)):
-            mbs[i] = _pad_to(mb, seq) if p is None else mb
-            mbs[i].packed = p.padded_to(seq) if p is not None else None
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=dev).triu(1)[None, None]  # right padding: causal
+            mbs[i] = _pad_to(mb, seqs[i]) if p is None else mb
+            mbs[i].packed = p.padded_to(seqs[i]) if p is not None else None
+        causal = {seq: torch.ones(seq, seq, dtype=torch.bool, device=dev).triu(1)[None, None] for seq in set(seqs)}
 
         def forward_step(mb, model):
             packed = mb.packed
@@ -206,7 +214,8 @@ class MegatronWorker:
             if rope is not None and hasattr(rope, "tripod_positions"):
                 rope.tripod_positions = packed.positions if packed is not None else None
             pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand_as(ids)
-            out = model(input_ids=ids, position_ids=pos, attention_mask=packed.mask if packed is not None else causal)
+            out = model(input_ids=ids, position_ids=pos,
+                        attention_mask=packed.mask if packed is not None else causal[ids.shape[1]])
             return out, lambda output: loss_fn(output, mb)
 
         if not forward_only:
@@ -218,9 +227,11 @@ class MegatronWorker:
                 for chunk in self.model:
                     chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
-        rows = mbs[0].packed.input_ids.shape[0] if mbs[0].packed is not None else mbs[0].size
-        return run_pipeline(self.model, self.layout, mbs, forward_step, forward_only=forward_only, seq_length=seq,
-                            micro_batch_size=rows)
+        shapes = {(mb.packed.input_ids.shape[0] if mb.packed is not None else mb.size, seq) for mb, seq in zip(mbs, seqs)}
+        rows, seq = max(shapes)
+        with _variable_shapes(self.model, self.layout.pp > 1 and len(shapes) > 1):
+            return run_pipeline(self.model, self.layout, mbs, forward_step, forward_only=forward_only,
+                                seq_length=seq, micro_batch_size=rows)
 
     def step(self) -> float:
         """Optimizer step after `run(..., forward_only=False)`, then one LR-scheduler step; returns the grad norm."""
@@ -293,6 +304,22 @@ class MegatronWorker:
         if lay.dp > 1:
             dist.all_reduce(t, group=lay.dp_group)
         return dict(zip(keys, t.tolist()))
+
+
+@contextlib.contextmanager
+def _variable_shapes(chunks, on: bool):
+    """megatron's `variable_seq_lengths` for one pipeline call: the stages send each activation's shape before it."""
+    from tripod.parallel.pipeline import model_config
+
+    configs = list({id(c): c for c in (model_config(chunk) for chunk in chunks)}.values()) if on else []
+    before = [c.variable_seq_lengths for c in configs]
+    for c in configs:
+        c.variable_seq_lengths = True
+    try:
+        yield
+    finally:
+        for c, b in zip(configs, before):
+            c.variable_seq_lengths = b
 
 
 def _pad_to(mb: PPOBatch, seq: int) -> PPOBatch:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tripod.engine.algorithms import agg_norm, entropy_loss, kl_loss, masked_mean, policy_loss, value_loss
-from tripod.engine.data.batching import split_by_token_budget
+from tripod.engine.data.batching import balanced_partition, split_by_token_budget
 from tripod.engine.workers.batch import PPOBatch, split_rows
 from tripod.engine.workers.megatron_worker import MegatronWorker
 
@@ -25,6 +25,37 @@ def _microbatches(batch: PPOBatch, micro: int) -> list[PPOBatch]:
     if n % micro:
         raise ValueError(f"{n} rows per DP rank are not divisible by the micro-batch size {micro}")
     return [batch.select(s) for s in split_rows(n, n // micro)]
+
+
+def _token_budget_microbatches(worker: MegatronWorker, rows: PPOBatch, budget: int
+                               ) -> tuple[list[PPOBatch], torch.Tensor]:
+    """`rows` cut into micro-batches of at most `budget` tokens each, balanced by tokens and trimmed to their own
+    longest row (use_dynamic_bsz), and the order of the rows they hold (to put per-row results back in place).
+    With virtual pipeline stages the count is rounded up to a multiple of PP (interleaved 1F1B's micro-batch group)."""
+    lens = rows["attention_mask"].sum(-1).tolist()
+    groups = split_by_token_budget(lens, budget)
+    multiple = worker.layout.pp if len(worker.model) > 1 else 1
+    while len(groups) % multiple and len(groups) < len(lens):
+        groups = split_by_token_budget(lens, budget, min(len(lens), -(-len(groups) // multiple) * multiple))
+    return [rows.select(g).trimmed() for g in groups], torch.tensor([i for g in groups for i in g])
+
+
+def _forward_microbatches(worker: MegatronWorker, batch: PPOBatch, micro: int, budget: int | None
+                          ) -> tuple[list[PPOBatch], torch.Tensor | None]:
+    """This DP rank's rows of a forward-only pass (log-probs, values) as micro-batches: `micro` rows each, or under a
+    token `budget` (then also the row order, see `_token_budget_microbatches`)."""
+    mine = batch.select(worker.dp_rows(batch.size))
+    if budget:
+        return _token_budget_microbatches(worker, mine, budget)
+    return _microbatches(mine, micro), None
+
+
+def _in_row_order(per_row: torch.Tensor | None, order: torch.Tensor | None) -> torch.Tensor | None:
+    if per_row is None or order is None:
+        return per_row
+    out = torch.empty_like(per_row)
+    out[order.to(per_row.device)] = per_row
+    return out
 
 
 def _mini_batch_rows(batch: PPOBatch, mini_rows: int, shuffle: bool, epoch: int) -> list:
@@ -67,13 +98,18 @@ def _epoch_metrics(worker: MegatronWorker, per_step: list[dict[str, float]], gra
 
 
 def _split_mini_batch(worker: MegatronWorker, mini: PPOBatch, cfg):
-    """(this rank's micro-batches, global loss normaliser, global token count, loss scale) of a mini-batch."""
+    """(this rank's micro-batches, global loss normaliser, global token count, loss scale) of a mini-batch.
+
+    With use_dynamic_bsz the DP ranks get equal row counts of balanced token sums and cut them under the token budget,
+    so ranks may run different numbers of micro-batches: the loss scale uses this rank's count (megatron divides by
+    it), and the normaliser is the whole mini-batch's, so the gradient is the same whatever the split."""
     mask = mini["response_mask"]
-    mine = mini.select(worker.dp_rows(mini.size))
-    if cfg.use_dynamic_bsz:  # balanced micro-batches under a token budget instead of a fixed row count
-        lens = mine["attention_mask"].sum(-1).tolist()
-        micro = [mine.select(rows).trimmed() for rows in split_by_token_budget(lens, cfg.ppo_max_token_len_per_gpu)]
+    if cfg.use_dynamic_bsz:
+        lay = worker.layout
+        mine = mini.select(balanced_partition(mini["attention_mask"].sum(-1).tolist(), lay.dp)[lay.dp_rank])
+        micro, _ = _token_budget_microbatches(worker, mine, cfg.ppo_max_token_len_per_gpu)
     else:
+        mine = mini.select(worker.dp_rows(mini.size))
         micro = _microbatches(mine, cfg.ppo_micro_batch_size_per_gpu or mine.size)
     return micro, agg_norm(mask, cfg.loss_agg_mode), mask.sum().clamp(min=1), len(micro) * worker.layout.dp
 
@@ -94,10 +130,12 @@ def _sum_metrics(outs: list[dict]) -> dict[str, float]:
 class PolicyWorker(MegatronWorker):
     """Actor (trainable) or reference (frozen): log-probs of response tokens, and the PPO actor update."""
 
-    def compute_log_probs(self, batch: PPOBatch, micro: int, temperature: float,
-                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def compute_log_probs(self, batch: PPOBatch, micro: int, temperature: float, with_entropy: bool = False,
+                          token_budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropies) of every response token, on every rank; micro-batches of `micro` rows, or of at
+        most `token_budget` tokens (log_prob_use_dynamic_bsz)."""
         n, r = batch.size, batch["responses"].shape[1]
-        mine = batch.select(self.dp_rows(n))
+        mbs, order = _forward_microbatches(self, batch, micro, token_budget)
 
         def loss_fn(output, mb):
             logp, ent = self.token_logprobs(output, mb, temperature, with_entropy)
@@ -107,9 +145,9 @@ class PolicyWorker(MegatronWorker):
             return logp.sum() * 0.0, out
 
         with self.resident():
-            outs = self.run(_microbatches(mine, micro), loss_fn, forward_only=True)
-        logp = torch.cat([o["logp"] for o in outs]) if outs else None
-        ent = torch.cat([o["entropy"] for o in outs]) if outs and with_entropy else None
+            outs = self.run(mbs, loss_fn, forward_only=True)
+        logp = _in_row_order(torch.cat([o["logp"] for o in outs]) if outs else None, order)
+        ent = _in_row_order(torch.cat([o["entropy"] for o in outs]) if outs and with_entropy else None, order)
         logp = self.gather_rows(logp, (r,), n)
         if with_entropy:
             ent = self.gather_rows(ent, (r,), n)
@@ -172,16 +210,17 @@ class PolicyWorker(MegatronWorker):
 class CriticWorker(MegatronWorker):
     """Value model: values of response positions, and the clipped value-loss update."""
 
-    def compute_values(self, batch: PPOBatch, micro: int) -> torch.Tensor:
+    def compute_values(self, batch: PPOBatch, micro: int, token_budget: int | None = None) -> torch.Tensor:
+        """Values of every response position, on every rank; micro-batches as in `PolicyWorker.compute_log_probs`."""
         n, r = batch.size, batch["responses"].shape[1]
-        mine = batch.select(self.dp_rows(n))
+        mbs, order = _forward_microbatches(self, batch, micro, token_budget)
 
         def loss_fn(output, mb):
             v = self.token_values(output, mb)
             return v.sum() * 0.0, {"values": v.detach()}
 
-        outs = self.run(_microbatches(mine, micro), loss_fn, forward_only=True)
-        values = torch.cat([o["values"] for o in outs]) if outs else None
+        outs = self.run(mbs, loss_fn, forward_only=True)
+        values = _in_row_order(torch.cat([o["values"] for o in outs]) if outs else None, order)
         return self.gather_rows(values, (r,), n)
 
     def update(self, batch: PPOBatch, cfg, n_samples: int) -> dict[str, float]:

@@ -90,6 +90,9 @@ ALLOWED_CALL_SITES: frozenset[tuple[str, str, str]] = frozenset({
     ("current_device", "optimizer/distrib_optimizer.py", "_build_model_and_main_param_groups"),
     ("current_device", "optimizer/distrib_optimizer.py", "__init__"),
     ("synchronize", "pipeline_parallel/p2p_communication.py", "_communicate"),
+    # token-budget micro-batches at PP > 1 (variable_seq_lengths): each activation's shape is sent first
+    ("current_device", "pipeline_parallel/p2p_communication.py", "_communicate_shapes"),
+    ("synchronize", "pipeline_parallel/p2p_communication.py", "_communicate_shapes"),
     ("cuda_device_arg", "pipeline_parallel/schedules.py", "forward_backward_no_pipelining"),
     ("cuda_device_arg", "pipeline_parallel/schedules.py", "forward_backward_pipelining_without_interleaving"),
     ("cuda_device_arg", "pipeline_parallel/schedules.py", "forward_step"),
