@@ -64,6 +64,12 @@ CASES = [
                                        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=100",
                                        "critic.forward_max_token_len_per_gpu=100", *_critic_layout(1, 2)]),
     Case("actor_tp2dp2_critic_pp2dp2", 2, 1, 4, _critic_layout(1, 2)),
+    # GRPO's prompt groups packed under a budget: each DP rank gets whole groups, a micro-batch one group (53 of 70
+    # tokens) in the update and two in the forward passes
+    Case("grpo_token_budget_dp2", 1, 1, 2, ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=70",
+                                            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=120"],
+         estimator="grpo_kl_loss"),
     Case("grpo_kl_loss_tp2pp2", 2, 2, 4, estimator="grpo_kl_loss"),
 ]
 PLANTED = {"lm_head_tp_split": Case("planted", 2, 1, 2), "pp_stage_grads": Case("planted", 1, 2, 2)}

@@ -27,17 +27,43 @@ def _microbatches(batch: PPOBatch, micro: int) -> list[PPOBatch]:
     return [batch.select(s) for s in split_rows(n, n // micro)]
 
 
+def _budget_units(worker: MegatronWorker, rows: PPOBatch) -> tuple[list[list[int]], list[int]]:
+    """What a token budget packs: with shared-prompt packing on, the rows of one prompt (adjacent rows with the same
+    `index`) stay together, costing the prompt once plus their responses; else every row alone, costing its tokens."""
+    lens = rows["attention_mask"].sum(-1).tolist()
+    if not (worker.share_prompt_prefix and worker.can_pack):
+        return [[i] for i in range(len(lens))], lens
+    index, prompt = rows["index"].tolist(), rows["prompt_lens"].tolist()
+    response = rows["response_mask"].sum(-1).tolist()
+    units: list[list[int]] = []
+    for i, p in enumerate(index):
+        if units and index[units[-1][0]] == p:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    return units, [prompt[u[0]] + len(u) * int(max(response[i] for i in u)) for u in units]
+
+
 def _token_budget_microbatches(worker: MegatronWorker, rows: PPOBatch, budget: int
                                ) -> tuple[list[PPOBatch], torch.Tensor]:
-    """`rows` cut into micro-batches of at most `budget` tokens each, balanced by tokens and trimmed to their own
-    longest row (use_dynamic_bsz), and the order of the rows they hold (to put per-row results back in place).
-    With virtual pipeline stages the count is rounded up to a multiple of PP (interleaved 1F1B's micro-batch group)."""
+    """`rows` cut into micro-batches of at most `budget` tokens each (`_budget_units`; a prompt's rows that together
+    exceed it run as single rows), balanced by tokens and trimmed to their own longest row (use_dynamic_bsz), and the
+    order of the rows they hold (to put per-row results back in place). With virtual pipeline stages the count is
+    rounded up to a multiple of PP (interleaved 1F1B's micro-batch group)."""
     lens = rows["attention_mask"].sum(-1).tolist()
-    groups = split_by_token_budget(lens, budget)
+    units, costs = [], []
+    for unit, cost in zip(*_budget_units(worker, rows)):
+        if cost <= budget or len(unit) == 1:
+            units.append(unit), costs.append(cost)
+        else:
+            units += [[i] for i in unit]
+            costs += [lens[i] for i in unit]
+    groups = split_by_token_budget(costs, budget)
     multiple = worker.layout.pp if len(worker.model) > 1 else 1
-    while len(groups) % multiple and len(groups) < len(lens):
-        groups = split_by_token_budget(lens, budget, min(len(lens), -(-len(groups) // multiple) * multiple))
-    return [rows.select(g).trimmed() for g in groups], torch.tensor([i for g in groups for i in g])
+    while len(groups) % multiple and len(groups) < len(costs):
+        groups = split_by_token_budget(costs, budget, min(len(costs), -(-len(groups) // multiple) * multiple))
+    row_groups = [sorted(i for u in g for i in units[u]) for g in groups]
+    return [rows.select(g).trimmed() for g in row_groups], torch.tensor([i for g in row_groups for i in g])
 
 
 def _forward_microbatches(worker: MegatronWorker, batch: PPOBatch, micro: int, budget: int | None
@@ -100,13 +126,17 @@ def _epoch_metrics(worker: MegatronWorker, per_step: list[dict[str, float]], gra
 def _split_mini_batch(worker: MegatronWorker, mini: PPOBatch, cfg):
     """(this rank's micro-batches, global loss normaliser, global token count, loss scale) of a mini-batch.
 
-    With use_dynamic_bsz the DP ranks get equal row counts of balanced token sums and cut them under the token budget,
+    With use_dynamic_bsz the DP ranks get equal row counts (whole prompt groups where packing shares prompts) of
+    balanced token sums and cut them under the token budget,
     so ranks may run different numbers of micro-batches: the loss scale uses this rank's count (megatron divides by
     it), and the normaliser is the whole mini-batch's, so the gradient is the same whatever the split."""
     mask = mini["response_mask"]
     if cfg.use_dynamic_bsz:
         lay = worker.layout
-        mine = mini.select(balanced_partition(mini["attention_mask"].sum(-1).tolist(), lay.dp)[lay.dp_rank])
+        units, costs = _budget_units(worker, mini)
+        if len(units) % lay.dp or len({len(u) for u in units}) > 1:  # a prompt's rows would straddle DP ranks
+            units, costs = [[i] for i in range(mini.size)], mini["attention_mask"].sum(-1).tolist()
+        mine = mini.select(sorted(i for u in balanced_partition(costs, lay.dp)[lay.dp_rank] for i in units[u]))
         micro, _ = _token_budget_microbatches(worker, mine, cfg.ppo_max_token_len_per_gpu)
     else:
         mine = mini.select(worker.dp_rows(mini.size))
