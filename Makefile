@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
 
-.PHONY: test test-launch test-gpu-bundle demo venv clean bench gpu-bundle lint
+.PHONY: test test-launch test-gpu-bundle test-peers demo venv clean bench gpu-bundle lint
 
 $(STAMP): requirements.txt setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -38,6 +38,10 @@ test-launch: $(STAMP)
 # the GPU bundle's wheels built and installed offline into a fresh venv, and the GPU check's CPU dry run (~3 min)
 test-gpu-bundle: $(STAMP)
 	$(BIN)/python -m pytest -q -m bundle tests/multiprocess/test_gpu_check.py
+
+# tripod bench's TRL peer end to end (its virtualenv .venv-trl is created on first use: pip, ~3 min)
+test-peers: $(STAMP)
+	$(BIN)/python -m pytest -q -m peers tests/multiprocess/test_bench.py
 
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py

@@ -58,6 +58,8 @@ def main(overrides: list[str]) -> int:
     py = sys.executable
     run([py, "scripts/prepare_smollm2.py", "--out", MODEL_DIR])
     write_data()
+    if overrides[:1] == ["--prepare-only"]:  # the model and data only (tripod bench's recipe reads them too)
+        return 0
     run([py, "-m", "tripod", "train", RECIPE, f"actor_rollout_ref.model.path={MODEL_DIR}",
          f"data.train_files={DATA_DIR}/train.parquet", f"data.val_files={DATA_DIR}/test.parquet",
          f"trainer.default_local_dir={RUN_DIR}", *overrides])

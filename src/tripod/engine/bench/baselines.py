@@ -106,8 +106,13 @@ def trl_python() -> str:
           f"{metadata.version('torch')})", flush=True)
     subprocess.run([sys.executable, "-m", "venv", venv], check=True)
     torch_v = metadata.version("torch").split("+")[0]
-    subprocess.run([py, "-m", "pip", "install", "-q", f"torch=={torch_v}", f"trl=={TRL_VERSION}",
-                    f"transformers=={metadata.version('transformers')}"], check=True)
+    log = os.path.join(venv, "pip-install.log")  # pip's warnings go here, not between the bench's lines
+    with open(log, "w") as out:
+        done = subprocess.run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", f"torch=={torch_v}",
+                               f"trl=={TRL_VERSION}", f"transformers=={metadata.version('transformers')}"],
+                              stdout=out, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise RuntimeError(f"creating the TRL virtualenv failed (pip exit {done.returncode}); see {log}")
     return py
 
 

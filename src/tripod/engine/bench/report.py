@@ -19,8 +19,8 @@ def _f(x: Any, digits: int = 2) -> str:
 def side_by_side(doc: dict[str, Any]) -> str:
     """The markdown table of every run: step time, tokens/s, samples/s, peak memory, ratio to the first run."""
     lines = ["| run | layout | steps | step s (median [min-max]) | tokens/step | tokens/s | tokens/s/device | samples/s "
-             "| peak GB/process | tripod / this (tokens/s) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| peak GB/process | reward | non-zero adv. | tripod / this (tokens/s) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     base = doc["runs"][0]["summary"]
     for run in doc["runs"]:
         s = run["summary"]
@@ -28,7 +28,8 @@ def side_by_side(doc: dict[str, Any]) -> str:
         st = s["step_s"]
         lines.append(f"| {run['label']} | {layout} | {s['steps']} | {st['median']:.2f} [{st['min']:.2f}-{st['max']:.2f}] "
                      f"| {s['tokens_per_step']:.0f} | {s['tokens_per_s']:.1f} | {s['tokens_per_s_per_device']:.1f} "
-                     f"| {s['samples_per_s']:.2f} | {_f(s['peak_memory_gb_max'])} "
+                     f"| {s['samples_per_s']:.2f} | {_f(s['peak_memory_gb_max'])} | {_f(s.get('score_mean'), 3)} "
+                     f"| {_f(s.get('nonzero_adv_frac'))} "
                      f"| {base['tokens_per_s'] / s['tokens_per_s']:.2f}x |")
     return "\n".join(lines)
 

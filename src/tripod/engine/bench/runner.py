@@ -49,7 +49,8 @@ def step_record(index: int, warmup: bool, wall_s: float, metrics: dict[str, floa
             "model_tokens": int(round(metrics.get("perf/model_tokens", total))),
             "flops": stage_flops(perf, total, response, rows, timings, ppo_epochs, metrics.get("perf/model_tokens"),
                                  metrics.get("perf/gen_tokens")),
-            "score_mean": float(metrics.get("critic/score/mean", 0.0))}
+            "score_mean": float(metrics.get("critic/score/mean", 0.0)),
+            "nonzero_adv_frac": metrics.get("critic/advantages/nonzero_frac")}
 
 
 def bench_on_rank(config_yaml: str, steps: int, warmup: int, raw_path: str) -> None:

@@ -20,7 +20,7 @@ RUN_KEYS = ("label", "system", "point", "summary")
 SUMMARY_KEYS = ("steps", "world_size", "threads_per_process", "step_s", "prompts_per_step", "samples_per_step",
                 "prompt_tokens_per_step", "response_tokens_per_step", "tokens_per_step", "tokens_per_s",
                 "tokens_per_s_per_device", "samples_per_s", "stages", "mfu", "decode_tokens_per_s",
-                "peak_memory_gb", "peak_memory_gb_max", "matmul_ceiling_gflops")
+                "peak_memory_gb", "peak_memory_gb_max", "matmul_ceiling_gflops", "score_mean", "nonzero_adv_frac")
 TOP_KEYS = ("schema_version", "created_utc", "recipe", "overrides", "steps", "warmup", "machine", "versions",
             "config", "runs", "comparison", "settings")
 
@@ -69,7 +69,15 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         "decode_tokens_per_s": sum(r["response_tokens"] for r in recs) / gen_s if gen_s > 0 else None,
         "peak_memory_gb": memory, "peak_memory_gb_max": max(memory) if memory else None,
         "matmul_ceiling_gflops": ceiling / 1e9 if ceiling else None,
+        # what the update had to work with: mean reward, and the share of samples with a non-zero advantage (0: every
+        # group scored alike and the update is a no-op any system could skip)
+        "score_mean": _mean_of(recs, "score_mean"), "nonzero_adv_frac": _mean_of(recs, "nonzero_adv_frac"),
     }
+
+
+def _mean_of(recs: list[dict], key: str) -> float | None:
+    values = [r[key] for r in recs if r.get(key) is not None]
+    return sum(values) / len(values) if values else None
 
 
 def _ordered_stages(recs: list[dict]) -> list[str]:

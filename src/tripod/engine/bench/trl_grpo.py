@@ -6,7 +6,9 @@ It imports no tripod code except the reward rule (`tripod.engine.rewards`, pure 
 Per step it records the wall time of the optimizer step (callback on_step_begin -> on_step_end), the time spent
 in TRL's `_generate` ("gen"), `_calculate_rewards` ("reward"), the rest of `_prepare_inputs` (old log-probs when
 TRL needs them, advantages: "adv"), the forward+backward of the loss ("update_actor"; optimizer step in "other"),
-the prompt and completion tokens TRL counted, and at the end the process' peak RSS (VmHWM).
+the prompt tokens (tripod's tokenization of the same prompts), the tokens of TRL's real completions (the
+`completion_ids` TRL hands to the reward), the mean reward and the share of samples with a non-zero GRPO advantage
+(reward unlike its group's mean), and at the end the process' peak RSS (VmHWM).
 """
 from __future__ import annotations
 
@@ -33,10 +35,18 @@ def main(spec_path: str, raw_path: str) -> None:
     data = Dataset.from_list([{"prompt": r["messages"], "ground_truth": r["ground_truth"],
                                "data_source": r["data_source"], "extra": json.dumps(r["extra_info"])} for r in rows])
 
-    def reward(completions, ground_truth, data_source, extra, **_):
+    generated: dict[str, float] = {}  # of the step's completions, read where TRL hands them to the reward
+
+    def reward(completions, ground_truth, data_source, extra, completion_ids=None, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [float(get_reward_fn(s)(t, g, json.loads(e))) for t, g, s, e in zip(texts, ground_truth,
-                                                                                    data_source, extra)]
+        scores = [float(get_reward_fn(s)(t, g, json.loads(e))) for t, g, s, e in zip(texts, ground_truth,
+                                                                                      data_source, extra)]
+        groups = [scores[i:i + n] for i in range(0, len(scores), n)]  # TRL repeats each prompt n times in a row
+        generated.update(samples=len(scores), score_mean=sum(scores) / len(scores),
+                         nonzero_adv_frac=sum(s != sum(g) / len(g) for g in groups for s in g) / len(scores))
+        if completion_ids is not None:  # TRL's own token ids of each completion (EOS included, padding not)
+            generated["response_tokens"] = sum(len(ids) for ids in completion_ids)
+        return scores
 
     stage: dict[str, float] = {}
 
@@ -66,6 +76,7 @@ def main(spec_path: str, raw_path: str) -> None:
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             stage.clear()
+            generated.clear()
             self.tokens0, self.t0 = state.num_input_tokens_seen, time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
@@ -73,12 +84,16 @@ def main(spec_path: str, raw_path: str) -> None:
             total = int(state.num_input_tokens_seen - self.tokens0)
             i = len(records)
             prompt_tokens = n * sum(spec["prompt_token_counts"][i])  # tripod's tokenization of the same prompts
+            response_tokens = int(generated.get("response_tokens", total - prompt_tokens))
             gen, rew, prep = stage.get("gen", 0.0), stage.get("reward", 0.0), stage.get("prepare", 0.0)
             stages = {"gen": gen, "reward": rew, "adv": max(prep - gen - rew, 0.0),
                       "update_actor": max(stage.get("training_step", 0.0) - prep, 0.0)}
             records.append({"index": i, "warmup": i < spec["warmup"], "wall_s": wall, "step_s": wall,
-                            "stages_s": stages, "prompts": prompts_per_step, "samples": prompts_per_step * n,
-                            "prompt_tokens": prompt_tokens, "response_tokens": total - prompt_tokens})
+                            "stages_s": stages, "prompts": prompts_per_step,
+                            "samples": int(generated.get("samples", prompts_per_step * n)),
+                            "prompt_tokens": prompt_tokens, "response_tokens": response_tokens,
+                            "score_mean": generated.get("score_mean"),
+                            "nonzero_adv_frac": generated.get("nonzero_adv_frac")})
             print(f"trl bench: step {i + 1}/{len(spec['prompts'])} {wall:.2f} s  "
                   + "  ".join(f"{k}={v:.2f}" for k, v in stages.items()), flush=True)
             write_raw()  # after every step: a run cut short still leaves its measured steps

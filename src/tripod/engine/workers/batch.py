@@ -112,6 +112,8 @@ def batch_metrics(batch: PPOBatch, scores: list[float]) -> dict[str, float]:
            "critic/score/min": float(min(scores)),
            "critic/advantages/mean": float(masked_mean(batch["advantages"], mask)),
            "critic/returns/mean": float(masked_mean(batch["returns"], mask)),
+           # rows whose advantage is not 0 on every token: 0 when every GRPO group scored alike (an update of nothing)
+           "critic/advantages/nonzero_frac": float(((batch["advantages"] * mask).abs().sum(-1) > 0).float().mean()),
            "response_length/mean": float(lengths.mean()),
            "response_length/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
            "prompt_length/mean": float(batch["prompt_lens"].float().mean())}
