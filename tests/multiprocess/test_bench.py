@@ -155,3 +155,28 @@ def test_on_policy_update_skips_the_recompute_with_the_same_gradient(tmp_path):
     assert skip[0]["actor/grad_norm"] > 0
     # the planted bug changes the ratio and so the gradient: this comparison would catch a wrong old log-prob
     assert bug[0]["actor/grad_norm"] != pytest.approx(skip[0]["actor/grad_norm"], rel=1e-2)
+
+
+@pytest.mark.peers
+def test_trl_baseline_runs_and_counts_its_real_completions(tmp_path):
+    """The TRL peer end to end on a tiny model (creates .venv-trl on first use, ~3 min): its records count the tokens
+    of TRL's own completions and say how many samples had a non-zero advantage."""
+    setup = make_ppo_setup(tmp_path)
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "tripod", "bench", "recipes/bench/smollm2-135m-grpo.yaml",
+           f"actor_rollout_ref.model.path={setup['model']}", f"data.train_files={setup['train']}",
+           "data.max_prompt_length=64", "data.max_response_length=6", "data.train_batch_size=2",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=2",
+           "--steps", "1", "--warmup", "0", "--out", str(out), "--baseline", "trl"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert proc.stdout.count("WARNING") < 5, "pip's output leaked into the bench's"
+    doc = json.loads((out / "bench.json").read_text())
+    check_schema(doc)
+    assert [r["label"] for r in doc["runs"]] == ["tripod", "trl"]
+    (rec,) = json.loads((out / "runs" / "trl" / "raw.json").read_text())["records"]
+    assert rec["samples"] == 4 and 4 <= rec["response_tokens"] <= 4 * 6  # EOS-ended or 6 tokens each
+    assert 0.0 <= rec["score_mean"] <= 1.0 and 0.0 <= rec["nonzero_adv_frac"] <= 1.0
+    trl = doc["runs"][1]["summary"]
+    assert trl["nonzero_adv_frac"] == rec["nonzero_adv_frac"] and trl["threads_per_process"][0] >= 1
