@@ -32,9 +32,9 @@ MATCHED = ["model weights and tokenizer", "prompts of every step (same rows, sam
 NOT_MATCHED = {
     "trl": ["random samples (each framework draws its own, so response lengths and token counts differ per step; "
             "throughput uses each one's own tokens)", "generation engine (TRL: transformers generate with full "
-            "logits; tripod: its embedded KV-cache engine)", "parallel layout (TRL: 1 process with all cores as "
-            "threads; tripod: the recipe's world size and threads per rank)", "TRL-only extras (its logging, "
-            "metrics, accelerate wrapping) are inside its step time"],
+            "logits; tripod: its embedded KV-cache engine)", "parallel layout (TRL: 1 process with all the cores "
+            "as threads; tripod: the recipe's ranks x trainer.threads_per_rank, the same cores in all)", "TRL-only extras (its internal "
+            "metrics, accelerate wrapping) are inside its step time; its log printing is off"],
     "hf": ["random samples (own draws)", "generation with transformers generate", "1 process with all cores"],
 }
 

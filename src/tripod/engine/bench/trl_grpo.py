@@ -117,7 +117,9 @@ def main(spec_path: str, raw_path: str) -> None:
         max_grad_norm=o["grad_clip"], lr_scheduler_type="constant", warmup_steps=0, beta=0.0,
         epsilon=spec["clip_ratio"], temperature=spec["temperature"], top_p=spec["top_p"], top_k=0,
         scale_rewards="group" if spec["norm_adv_by_std"] else "none", loss_type="dapo", max_steps=steps,
-        shuffle_dataset=False, seed=spec["seed"], logging_steps=1, report_to="none", save_strategy="no",
+        # no log dicts or progress bars between the bench's lines (the records above are what is measured)
+        shuffle_dataset=False, seed=spec["seed"], logging_strategy="no", disable_tqdm=True, report_to="none",
+        save_strategy="no",
         disable_dropout=True, log_completions=False, dataloader_num_workers=0)
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
