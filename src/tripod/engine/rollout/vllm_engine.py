@@ -102,11 +102,11 @@ def vllm_problems(arch: ModelArch, tp_size: int, on_cuda: bool) -> list[str]:
     return problems
 
 
-def require_vllm(arch: ModelArch, tp_size: int) -> None:
-    """Raise ValueError (ImportError when vLLM is missing) with the first problem of `vllm_problems`."""
-    problems = vllm_problems(arch, tp_size, torch.cuda.is_available())
+def require_vllm(arch: ModelArch, tp_size: int, on_cuda: bool | None = None) -> None:
+    """Raise ValueError with every problem of `vllm_problems` on one line (a user error: `tripod` prints that line)."""
+    problems = vllm_problems(arch, tp_size, torch.cuda.is_available() if on_cuda is None else on_cuda)
     if problems:
-        raise (ImportError if "not installed" in problems[0] else ValueError)(problems[0])
+        raise ValueError("; ".join(problems))
 
 
 def vllm_sampling_params(params: SamplingParams, arch: ModelArch, row: int) -> Any:
