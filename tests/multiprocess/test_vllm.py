@@ -4,7 +4,7 @@ excluded from `make test`, whose venv has no vLLM).
 The model has head_dim 64 (vLLM's CPU attention has no kernel for the suite's usual head_dim 16): hidden 256, 4 heads,
 2 KV heads. One torchrun rank checks the weight update against HF `generate`, the embedded engine and the actor's
 recomputed log-probs, and that a planted wrong update is caught (tests/multiprocess/workers/vllm_rollout_check.py);
-a 3-step PPO run through `tripod train` with the vLLM rollout completes with finite metrics.
+a 3-step PPO run through `tripod train` on 2 gloo ranks with the vLLM rollout completes with finite metrics.
 """
 from __future__ import annotations
 
@@ -37,10 +37,11 @@ def test_ppo_three_steps_with_vllm_rollout(tmp_path):
 
     setup = make_ppo_setup(tmp_path, **HEAD_DIM_64)
     run_dir = str(tmp_path / "run")
-    proc = train(tiny_overrides(setup, run_dir, steps=3) + ["actor_rollout_ref.rollout.name=vllm",
-                                                            "trainer.val_before_train=false", "trainer.test_freq=-1"],
-                 timeout=900)
+    # 2 gloo ranks, rollout TP 1: two vLLM engines, one per rollout replica, inside tripod's world
+    proc = train(tiny_overrides(setup, run_dir, world=2, steps=3) + [
+        "actor_rollout_ref.rollout.name=vllm", "trainer.val_before_train=false", "trainer.test_freq=-1"], timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "Traceback" not in proc.stdout, proc.stdout[-4000:]  # e.g. vLLM's teardown after the world is gone
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3], rows
     for row in rows:

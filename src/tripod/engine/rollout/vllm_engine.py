@@ -33,6 +33,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -166,6 +167,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.pad_token_id = pad_token_id if pad_token_id is not None else int(arch.hf_config.get("pad_token_id") or 0)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core (and its model runner) in this process
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the ranks' threads stay tripod's business
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not an INFO line per weight reload in the run's log
         from vllm import LLM
 
         options: dict[str, Any] = dict(model=model_path, skip_tokenizer_init=True, dtype=dtype, seed=seed,
@@ -183,6 +185,7 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm = LLM(**options)
         finally:  # vLLM's CPU worker replaces torch.set_num_threads by a no-op for the whole process
             torch.set_num_threads = set_num_threads
+        _teardown_only_inside_the_world(self.llm)
         self._asleep = False
         self._kv_awake = True
 
@@ -242,4 +245,26 @@ class VLLMRolloutEngine(RolloutEngine):
         self._kv_awake = True
 
     def shutdown(self) -> None:
-        del self.llm
+        """Tear vLLM down now (its process groups included); call it while the process group still exists."""
+        finalizer = getattr(self.llm.llm_engine.engine_core, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+
+
+def _teardown_only_inside_the_world(llm: Any) -> None:
+    """vLLM tears its engine down when the in-process client is collected, at the latest at exit, and that teardown
+    destroys its process groups: after tripod destroyed the world (engine/launch.py) it raises `Invalid process
+    group specified`. Replace the finalizer by one that skips the teardown once the world is gone (the process is
+    exiting then, its memory goes with it)."""
+    client = llm.llm_engine.engine_core
+    finalizer = getattr(client, "_finalizer", None)
+    if finalizer is None or not finalizer.detach():
+        return
+    client._finalizer = weakref.finalize(client, _shutdown_if_world_alive, client.engine_core)
+
+
+def _shutdown_if_world_alive(core: Any) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        core.shutdown()
