@@ -58,7 +58,7 @@ vllm-venv: $(VLLM_STAMP)
 
 # rollout.name=vllm for real on CPU (tests marked `vllm`, excluded from `make test`)
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/multiprocess/test_vllm.py
 
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
