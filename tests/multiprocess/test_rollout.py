@@ -174,8 +174,11 @@ def test_bf16_weights_follow_fp32(llama, checkpoints, device):
 
 def test_errors_name_the_setting_and_the_fix(llama, checkpoints):
     arch, _, engine = llama
-    with pytest.raises(ValueError, match=r"rollout\.name='vllm'.*embedded"):
-        make_rollout_engine("vllm", arch, None)
+    with pytest.raises(ValueError, match=r"rollout\.name='trtllm'.*embedded"):
+        make_rollout_engine("trtllm", arch, None)
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ValueError, match=r"rollout\.name=vllm but the `vllm` package is not installed.*embedded"):
+            make_rollout_engine("vllm", arch, None, model_path=checkpoints["llama_rope_llama3"])
     if importlib.util.find_spec("sglang") is None:
         with pytest.raises(ImportError, match=r"rollout\.name.*pip install"):
             make_rollout_engine("sglang", arch, None, model_path=checkpoints["llama_rope_llama3"])

@@ -117,8 +117,8 @@ def test_a_valid_config_passes(run_files):
     (["algorithm.adv_estimator=ppo2"], 4, "algorithm.adv_estimator='ppo2' is not one of ['gae', 'grpo'"),
     (["algorithm.kl_penalty=k9"], 4, "algorithm.kl_penalty='k9' is not one of"),
     (["actor_rollout_ref.actor.kl_loss_type=kl9"], 4, "actor_rollout_ref.actor.kl_loss_type='kl9'"),
-    (["actor_rollout_ref.rollout.name=vllm"], 4, "actor_rollout_ref.rollout.name='vllm' is not one of "
-                                                  "['embedded', 'sglang']"),
+    (["actor_rollout_ref.rollout.name=trtllm"], 4, "actor_rollout_ref.rollout.name='trtllm' is not one of "
+                                                    "['embedded', 'sglang', 'vllm']"),
     (["data.max_prompt_length=0"], 4, "data.max_prompt_length=0 must be a positive integer"),
     (["data.max_response_length=-5"], 4, "data.max_response_length=-5 must be a positive integer"),
     (["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1", "data.train_batch_size=8"], 4,
@@ -156,11 +156,11 @@ def test_each_validation_error_names_its_key(run_files, overrides, world_size, e
 
 def test_all_problems_are_reported_at_once(run_files):
     cfg = load_config(None, run_files + VALID + ["data.train_batch_size=6", "algorithm.adv_estimator=nope",
-                                                 "actor_rollout_ref.rollout.name=vllm", "data.max_prompt_length=0"])
+                                                 "actor_rollout_ref.rollout.name=trtllm", "data.max_prompt_length=0"])
     with pytest.raises(ConfigError) as err:
         validate_config(cfg, 4)
     message = str(err.value)
     assert message.startswith("4 configuration problem(s):")
-    for key in ("data.train_batch_size=6", "algorithm.adv_estimator='nope'", "actor_rollout_ref.rollout.name='vllm'",
+    for key in ("data.train_batch_size=6", "algorithm.adv_estimator='nope'", "actor_rollout_ref.rollout.name='trtllm'",
                 "data.max_prompt_length=0"):
         assert key in message

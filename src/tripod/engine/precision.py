@@ -134,7 +134,7 @@ def precision_problems(cfg, world_size: int, models: list[tuple[str, Any, bool]]
                  "on CUDA, fp32 on CPU)")
     elif rdt == "fp16" and on_cpu:
         e.append("actor_rollout_ref.rollout.dtype=fp16 needs trainer.device=cuda; use bf16 or fp32 on CPU")
-    if cfg.actor_rollout_ref.rollout.engine_kwargs and cfg.actor_rollout_ref.rollout.name != "sglang":
-        e.append("actor_rollout_ref.rollout.engine_kwargs is only read by rollout.name=sglang; the embedded engine "
-                 "takes no extra options, so leave it empty")
+    if cfg.actor_rollout_ref.rollout.engine_kwargs and cfg.actor_rollout_ref.rollout.name == "embedded":
+        e.append("actor_rollout_ref.rollout.engine_kwargs is only read by rollout.name=sglang / vllm; the embedded "
+                 "engine takes no extra options, so leave it empty")
     return e

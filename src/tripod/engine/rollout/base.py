@@ -2,7 +2,8 @@
 
 Owns `SamplingParams`, `RolloutOutput`, the `RolloutEngine` ABC and `validate_rollout_tp`; it imports no
 backend. Backends: "embedded" (engine/rollout/embedded.py: our own TP decoder that generates straight
-from the resharded generation shard) and "sglang" (engine/rollout/sglang_engine.py).
+from the resharded generation shard), "sglang" (engine/rollout/sglang_engine.py) and "vllm"
+(engine/rollout/vllm_engine.py).
 
 Log-prob convention (both backends): `RolloutOutput.log_probs[i, t]` is
 log_softmax(logits / temperature)[token] over the real vocabulary (padded vocab ids dropped),
@@ -10,6 +11,7 @@ taken BEFORE top-k / top-p truncation; for greedy decoding the temperature is 1,
 model's own log-prob. This is what SGLang returns by default (temperature-scaled, not the
 truncated distribution that was actually sampled from). The PPO trainer recomputes old
 log-probs with the training engine anyway; these are for diagnostics and mismatch checks.
+vLLM differs only with top-k / top-p on: it reports the truncated distribution's log-prob (vllm_engine.py).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 
 from tripod.parallel.arch import ModelArch
 
-ROLLOUT_NAMES = ("embedded", "sglang")
+ROLLOUT_NAMES = ("embedded", "sglang", "vllm")
 FINISH_STOP = "stop"      # sampled EOS or one of stop_token_ids (the stop token is part of the response)
 FINISH_LENGTH = "length"  # reached max_new_tokens
 
