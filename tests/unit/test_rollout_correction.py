@@ -163,5 +163,39 @@ def test_weighted_policy_loss_and_its_gradient_are_the_weighted_per_token_ones()
                 pg, d = -a * 3.0, 0.0
             want += w * pg / n
             grad[i, t] = w * d / n
-    assert float(loss) == pytest.approx(want, rel=REL)
+    assert float(loss.detach()) == pytest.approx(want, rel=REL)
     torch.testing.assert_close(logp.grad.double(), grad, rtol=REL, atol=1e-9)
+
+
+def test_rollout_log_probs_ride_along_with_their_responses():
+    """Dynamic sampling's group selection and concatenation keep each response's rollout log-probs and finish
+    reason with it, and the PPO batch lays the log-probs out under the response tokens (0 past each length)."""
+    from tripod.engine.algorithms.dynamic_sampling import Rollout, concat
+    from tripod.engine.data import PromptBatch
+    from tripod.engine.workers.batch import build_ppo_batch
+
+    g = torch.Generator().manual_seed(3)
+    n, lengths = 2, [3, 1, 0, 4, 2, 5]
+    responses = [[10 + i] * k for i, k in enumerate(lengths)]
+    logps = [-torch.rand(k, generator=g) for k in lengths]
+    finish = ["stop", "length", "stop", "length", "stop", "length"]
+
+    def part(rows):
+        groups = sorted({r // n for r in rows})
+        prompts = PromptBatch(input_ids=[[1, 2 + q] for q in groups], ground_truths=[str(q) for q in groups],
+                              data_sources=["x"] * len(groups), indices=groups, extra_infos=[])
+        pick = lambda xs: [xs[r] for r in rows]  # noqa: E731
+        return Rollout(prompts, pick(responses), [0.0] * len(rows), [0.0] * len(rows), [0.0] * len(rows), {},
+                       pick(logps), pick(finish))
+    joined = concat([part([0, 1, 2, 3]), part([4, 5])]).groups([2, 0], n)  # prompts 2 then 0
+    order = [4, 5, 0, 1]
+    assert joined.responses == [responses[r] for r in order]
+    assert joined.finish_reasons == [finish[r] for r in order]
+    batch = build_ppo_batch([[1, 2]] * 4, joined.responses, 6, 0, [2, 2, 0, 0], joined.rollout_log_probs,
+                            joined.finish_reasons)
+    for i, r in enumerate(order):
+        assert torch.equal(batch["rollout_log_probs"][i, : lengths[r]], logps[r])
+        assert (batch["rollout_log_probs"][i, lengths[r]:] == 0).all()
+    assert batch.select([1, 3]).meta["finish_reasons"] == [finish[5], finish[1]]
+    with pytest.raises(ValueError, match="response 1 has 2 tokens but 1 rollout log-probs"):
+        build_ppo_batch([[1]] * 2, [[5], [6, 7]], 4, 0, [0, 1], [torch.zeros(1), torch.zeros(1)])

@@ -129,3 +129,21 @@ def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
         if weights is not None:
             weights = weights * keep[:, None].to(weights.dtype)
     return Correction(weights, new_mask, metrics)
+
+
+def correct_batch(batch, cfg) -> dict[str, float]:
+    """Apply `cfg` (algorithm.rollout_correction) to a PPO batch holding "old_log_probs", "rollout_log_probs" and
+    "response_mask" (engine/workers/batch.py's PPOBatch): rejected sequences leave "response_mask", the IS weights
+    go to "rollout_is_weights" (the actor's policy loss multiplies by them). Returns the rollout_corr/* metrics."""
+    out = rollout_correction(batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
+                             cfg.rollout_is, cfg.rollout_is_threshold, cfg.rollout_rs, cfg.rollout_rs_threshold)
+    if cfg.rollout_rs is not None and not out.response_mask.any():
+        raise RuntimeError(f"algorithm.rollout_correction.rollout_rs={cfg.rollout_rs} rejected every sequence of this "
+                           f"step (rollout_corr/kl={out.metrics['rollout_corr/kl']:.4g}, abs_diff_max="
+                           f"{out.metrics['rollout_corr/abs_diff_max']:.4g}); raise algorithm.rollout_correction."
+                           f"rollout_rs_threshold={cfg.rollout_rs_threshold} or find why the rollout engine's "
+                           "log-probs differ this much from the actor's")
+    batch["response_mask"] = out.response_mask
+    if out.is_weights is not None:
+        batch["rollout_is_weights"] = out.is_weights
+    return out.metrics
