@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tripod.engine.algorithms import policy_loss
-from tripod.engine.algorithms.rollout_correction import is_weights, rejection_keep, rollout_correction
+from tripod.engine.algorithms.rollout_correction import correct_batch, is_weights, rejection_keep, rollout_correction
 
 REL = 1e-5
 
@@ -199,3 +199,24 @@ def test_rollout_log_probs_ride_along_with_their_responses():
     assert batch.select([1, 3]).meta["finish_reasons"] == [finish[5], finish[1]]
     with pytest.raises(ValueError, match="response 1 has 2 tokens but 1 rollout log-probs"):
         build_ppo_batch([[1]] * 2, [[5], [6, 7]], 4, 0, [0, 1], [torch.zeros(1), torch.zeros(1)])
+
+
+def test_correct_batch_writes_the_mask_and_weights_and_stops_when_everything_is_rejected():
+    from types import SimpleNamespace
+
+    from tripod.engine.workers.batch import PPOBatch
+
+    old, rollout, mask = _batch(9, rows=6, spread=0.3)
+    cfg = SimpleNamespace(rollout_is="sequence", rollout_is_threshold=1.5, rollout_rs="seq_mean_k3",
+                          rollout_rs_threshold=0.05)
+    batch = PPOBatch({"input_ids": torch.zeros(6, 3, dtype=torch.long), "old_log_probs": old,
+                      "rollout_log_probs": rollout, "response_mask": mask.clone()})
+    metrics = correct_batch(batch, cfg)
+    want = rollout_correction(old, rollout, mask, "sequence", 1.5, "seq_mean_k3", 0.05)
+    assert torch.equal(batch["response_mask"], want.response_mask) and not torch.equal(want.response_mask, mask)
+    assert torch.equal(batch["rollout_is_weights"], want.is_weights) and metrics == want.metrics
+    cfg.rollout_rs_threshold = 1e-9  # every non-empty sequence has a larger mean k3
+    with pytest.raises(RuntimeError, match="algorithm.rollout_correction.rollout_rs=seq_mean_k3 rejected every "
+                                           "sequence of this step"):
+        correct_batch(PPOBatch({"input_ids": torch.zeros(6, 3, dtype=torch.long), "old_log_probs": old,
+                                "rollout_log_probs": rollout, "response_mask": mask.clone()}), cfg)
