@@ -191,6 +191,15 @@ ROWS = {
     "filter_groups_one_response": (["algorithm.filter_groups.enable=true", "actor_rollout_ref.rollout.n=1"], LOCAL,
                                    "actor_rollout_ref.rollout.n=1 makes every group one response; set "
                                    "actor_rollout_ref.rollout.n >= 2"),
+    "rollout_correction_bypass_with_rejection": (["algorithm.rollout_correction.bypass_mode=true",
+                                                  "algorithm.rollout_correction.rollout_rs=seq_mean_k3",
+                                                  "algorithm.rollout_correction.rollout_rs_threshold=0.01"], LOCAL,
+                                                 "algorithm.rollout_correction.bypass_mode=true skips the old-log-prob "
+                                                 "recompute that algorithm.rollout_correction.rollout_rs=seq_mean_k3 "
+                                                 "needs"),
+    "rollout_correction_threshold_not_positive": (["algorithm.rollout_correction.rollout_is=token",
+                                                   "algorithm.rollout_correction.rollout_is_threshold=-2"], LOCAL,
+                                                  "algorithm.rollout_correction.rollout_is_threshold=-2.0 must be > 0"),
 }
 
 

@@ -145,6 +145,19 @@ def test_a_valid_config_passes(run_files):
     (["data.val_batch_size=0"], 4, "data.val_batch_size=0 must be >= 1"),
     (["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=0"], 4,
      "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=0 must be >= 1"),
+    (["algorithm.rollout_correction.rollout_is=tokens"], 4,
+     "algorithm.rollout_correction.rollout_is='tokens' is not one of ['token', 'sequence', None]"),
+    (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=0"], 4,
+     "algorithm.rollout_correction.rollout_is_threshold=0.0 must be > 0"),
+    (["algorithm.rollout_correction.rollout_rs=seq_mean_k3"], 4,
+     "algorithm.rollout_correction.rollout_rs=seq_mean_k3 needs algorithm.rollout_correction.rollout_rs_threshold"),
+    (["algorithm.rollout_correction.rollout_rs=seq_mean_k3", "algorithm.rollout_correction.rollout_rs_threshold=-0.1"],
+     4, "algorithm.rollout_correction.rollout_rs_threshold=-0.1 must be > 0"),
+    (["algorithm.rollout_correction.rollout_rs=seq_mean_k1", "algorithm.rollout_correction.rollout_rs_threshold=0.5"],
+     4, "algorithm.rollout_correction.rollout_rs_threshold=0.5 must be > 1 with rollout_rs=seq_mean_k1"),
+    (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=sequence"], 4,
+     "algorithm.rollout_correction.bypass_mode=true skips the old-log-prob recompute that "
+     "algorithm.rollout_correction.rollout_is=sequence needs"),
 ])
 def test_each_validation_error_names_its_key(run_files, overrides, world_size, expected):
     cfg = load_config(None, run_files + VALID + overrides)

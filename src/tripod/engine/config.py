@@ -526,6 +526,63 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """The train / rollout mismatch (engine/algorithms/rollout_correction.py; verl's algorithm.rollout_correction,
+    decoupled mode): each sample's rollout log-probs are kept in the PPO batch beside the recomputed old ones, and
+    every step that recomputes them logs rollout_corr/* (kl, k3_kl, abs_diff_max, abs_diff_mean, and the shares
+    truncated / rejected). All off by default; docs/config.md says where tripod differs from verl."""
+    rollout_is: Optional[str] = None
+    """Truncated importance sampling of the policy loss: token (weight min(pi_old / pi_rollout, threshold) per
+    token), sequence (min(product of the sequence's ratios, threshold) for all its tokens) or null (off). The weight
+    is detached and multiplies the per-token PG loss. verl: algorithm.rollout_correction.rollout_is."""
+    rollout_is_threshold: float = 2.0
+    """Upper bound the IS weights are clamped at (TIS); must be > 0. verl: same name (tripod takes a number only,
+    not verl's "lower_upper" IcePop string)."""
+    rollout_rs: Optional[str] = None
+    """Rejection of whole sequences (they drop out of the response mask before advantages, as in verl):
+    seq_mean_k1 (geometric-mean ratio outside [1/threshold, threshold]), seq_mean_k3 (mean k3 divergence
+    exp(log r) - 1 - log r above threshold) or null (off). verl: algorithm.rollout_correction.rollout_rs."""
+    rollout_rs_threshold: Optional[float] = None
+    """Bound of rollout_rs: > 1 for seq_mean_k1 (a ratio, e.g. 1.001), > 0 for seq_mean_k3 (e.g. 0.01); required
+    with rollout_rs. verl: same name."""
+    bypass_mode: bool = False
+    """Use the rollout's log-probs as the old ones and skip the actor's old-log-prob recompute (the PPO ratio is then
+    pi_theta / pi_rollout and carries the correction itself). Refused with rollout_is / rollout_rs, which need the
+    recompute. verl: algorithm.rollout_correction.bypass_mode (its ppo_clip loss_type)."""
+
+    @property
+    def active(self) -> bool:
+        """True when the policy loss is corrected (IS weights or rejection), which needs the recomputed old
+        log-probs every step."""
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+    def check(self, key: str = "algorithm.rollout_correction") -> list[str]:
+        from tripod.engine.algorithms.rollout_correction import ROLLOUT_IS_LEVELS, ROLLOUT_RS_MODES
+
+        e = _choice(f"{key}.rollout_is", self.rollout_is, (*ROLLOUT_IS_LEVELS, None))
+        e += _choice(f"{key}.rollout_rs", self.rollout_rs, (*ROLLOUT_RS_MODES, None))
+        if self.rollout_is is not None and not self.rollout_is_threshold > 0:
+            e.append(f"{key}.rollout_is_threshold={self.rollout_is_threshold} must be > 0 (the bound the IS weights "
+                     "are clamped at; verl's default is 2.0)")
+        rs_threshold = self.rollout_rs_threshold
+        if self.rollout_rs is not None and rs_threshold is None:
+            e.append(f"{key}.rollout_rs={self.rollout_rs} needs {key}.rollout_rs_threshold (e.g. 1.001 for "
+                     "seq_mean_k1, 0.01 for seq_mean_k3)")
+        elif self.rollout_rs == "seq_mean_k1" and not rs_threshold > 1:
+            e.append(f"{key}.rollout_rs_threshold={rs_threshold} must be > 1 with rollout_rs=seq_mean_k1 (a ratio "
+                     "bound: sequences whose geometric-mean ratio leaves [1/t, t] are rejected); e.g. 1.001")
+        elif self.rollout_rs is not None and not rs_threshold > 0:
+            e.append(f"{key}.rollout_rs_threshold={rs_threshold} must be > 0 (the largest mean k3 divergence kept); "
+                     "e.g. 0.01")
+        if self.bypass_mode and self.active:
+            which = " and ".join(f"{key}.{k}={v}" for k, v in (("rollout_is", self.rollout_is),
+                                                                ("rollout_rs", self.rollout_rs)) if v is not None)
+            e.append(f"{key}.bypass_mode=true skips the old-log-prob recompute that {which} needs (old = rollout "
+                     f"makes every ratio 1); set {key}.bypass_mode=false or drop the estimator (null)")
+        return e
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
     """Advantage estimator (engine.algorithms.list_adv_estimators); only gae trains a critic.
@@ -544,6 +601,18 @@ class AlgorithmConfig:
     """KL-in-reward coefficient control."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """Dynamic sampling (DAPO; off by default)."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Train / rollout mismatch: correction and rollout_corr/* metrics (engine/algorithms/rollout_correction.py; off
+    by default). Follows verl's decoupled mode: its key names; the IS weight exp(old - rollout) per token or
+    exp(sum over the sequence) per sequence, clamped at rollout_is_threshold and detached, multiplying the per-token PG
+    loss; rejected sequences leaving the response mask before the advantages; verl's kl and k3_kl metric names.
+    Differs: thresholds are numbers (no "lower_upper" IcePop strings, no rollout_is_batch_normalize); rollout_rs is
+    one of seq_mean_k1 / seq_mean_k3 (not a comma list of verl's twelve modes); bypass_mode is verl's ppo_clip
+    loss_type only (no reinforce) and is refused with rollout_is / rollout_rs (verl recomputes those inside the loss
+    against pi_theta); verl's rollout_is defaults to sequence once the section is given, tripod's to null. The
+    mismatch is logged on every step that recomputes the old log-probs (always when rollout_is / rollout_rs is set;
+    with bypass_mode it is actor/ppo_kl, the update's KL to the rollout's log-probs). Added by tripod:
+    rollout_corr/abs_diff_max and abs_diff_mean (|old - rollout| per token), is_truncated_frac, rs_rejected_frac."""
 
     def check(self, key: str = "algorithm") -> list[str]:
         from tripod.engine.algorithms import list_adv_estimators, list_kl_kinds
@@ -552,7 +621,8 @@ class AlgorithmConfig:
         e += _choice(f"{key}.kl_penalty", self.kl_penalty, list_kl_kinds())
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
             e.append(f"{key}.gamma={self.gamma} and {key}.lam={self.lam} must be in [0, 1]")
-        return e + self.kl_ctrl.check(f"{key}.kl_ctrl") + self.filter_groups.check(f"{key}.filter_groups")
+        return (e + self.kl_ctrl.check(f"{key}.kl_ctrl") + self.filter_groups.check(f"{key}.filter_groups")
+                + self.rollout_correction.check(f"{key}.rollout_correction"))
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """The PPO trainer: one explicit step, top to bottom, every stage timed.
 
     rollout (hybrid engine: reshard -> generate -> back) -> rewards (+ DAPO's overlong shaping and dynamic
-    sampling: engine/algorithms/dynamic_sampling.py) -> old log-probs (actor) -> reference log-probs
-    -> values (critic) -> KL in reward -> advantages -> critic update -> actor update -> log / checkpoint
+    sampling: engine/algorithms/dynamic_sampling.py) -> old log-probs (actor, or the rollout's: bypass_mode) -> ref
+    log-probs -> values (critic) -> KL in reward -> rollout correction (engine/algorithms/rollout_correction.py)
+    -> advantages -> critic update -> actor update -> log / checkpoint
 
 Every rank runs this same code; each model runs on its own parallel layout (parallel/layout.py) and the batch is
 replicated on every rank (workers take their DP rows). Critic-free estimators (grpo, rloo, reinforce++) skip the
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from tripod.engine.algorithms import apply_kl_penalty, build_kl_controller, compute_advantage
 from tripod.engine.algorithms.dynamic_sampling import DynamicSampler
+from tripod.engine.algorithms.rollout_correction import correct_batch
 from tripod.engine.checkpoints import CheckpointManager
 from tripod.engine.config import TripodConfig, save_resolved_config
 from tripod.engine.config_loading import config_to_dict
@@ -169,12 +171,14 @@ class PPOTrainer:
         n, temperature = arc.rollout.n, arc.rollout.temperature
         with timer("step"):
             rollout, reward_metrics = self.sampler.collect(  # dynamic sampling may draw further prompt batches
-                prompts, lambda p, k: self.generate(p.input_ids, self.sampling_params(False, self.step, k), timer),
+                prompts, lambda p, k: self.weight_sync.generate_rows(p.input_ids,
+                                                                     self.sampling_params(False, self.step, k), timer),
                 lambda p, responses: self.score(p, responses, n), timer)
             prompts, responses, scores = rollout.prompts, rollout.responses, rollout.rewards
             rep_prompts = [p for p in prompts.input_ids for _ in range(n)]
             batch = build_ppo_batch(rep_prompts, responses, arc.rollout.response_length, self.pad_id,
-                                    [i for i in prompts.indices for _ in range(n)]).to(self.device)
+                                    [i for i in prompts.indices for _ in range(n)], rollout.rollout_log_probs,
+                                    rollout.finish_reasons).to(self.device)
             mask = batch["response_mask"]
             with timer("reward"):
                 token_rewards = torch.zeros_like(mask)
@@ -182,7 +186,10 @@ class PPOTrainer:
                 token_rewards[torch.arange(batch.size, device=self.device), last] = torch.tensor(
                     scores, dtype=torch.float32, device=self.device)
             ro, ref, critic = arc.rollout, arc.ref, cfg.critic  # micro-batches: rows, or a token budget (dynamic bsz)
-            if not self.on_policy_update(batch.size):  # else the update takes them from its own forward
+            bypass = algo.rollout_correction.bypass_mode
+            if bypass:  # verl's bypass mode: the rollout's log-probs are the old ones, nothing is recomputed
+                batch["old_log_probs"] = batch["rollout_log_probs"]
+            elif not self.on_policy_update(batch.size):  # else the update takes them from its own forward
                 with timer("old_log_prob"):
                     batch["old_log_probs"], _ = self.actor.compute_log_probs(
                         batch, ro.log_prob_micro_batch_size_per_gpu or batch.size, temperature,
@@ -206,6 +213,9 @@ class PPOTrainer:
                                     self.kl_ctrl.value})
                     self.kl_ctrl.update(float(kl), n_steps=cfg.data.train_batch_size)
                 batch["token_rewards"] = token_rewards
+                if batch.recomputed_old_log_probs and not bypass and "rollout_log_probs" in batch.tensors:
+                    metrics.update(correct_batch(batch, algo.rollout_correction))  # may reject whole sequences
+                    mask = batch["response_mask"]
                 adv, ret = compute_advantage(algo.adv_estimator, token_rewards, mask, values=batch.tensors.get("values"),
                                              index=batch["index"], gamma=algo.gamma, lam=algo.lam,
                                              **({"norm_by_std": algo.norm_adv_by_std_in_grpo}
@@ -221,7 +231,7 @@ class PPOTrainer:
         metrics.update(batch_metrics(batch, scores))
         metrics.update(timings)
         metrics.update(self.perf.metrics(batch, timings, arc.actor.ppo_epochs,
-                                         recomputed_old_log_probs=batch.recomputed_old_log_probs,
+                                         recomputed_old_log_probs=batch.recomputed_old_log_probs and not bypass,
                                          shared_prompts=self.actor.share_prompt_prefix and self.actor.can_pack))
         return metrics
 
@@ -240,10 +250,11 @@ class PPOTrainer:
     def on_policy_update(self, rows: int) -> bool:
         """True when the actor update is exactly on-policy: one epoch of one mini-batch, with the weights that
         generated the rollout. Then the old log-probs equal the update's own forward (detached), so recomputing
-        them is skipped (the ratio is exactly 1, the gradient unchanged). The KL-in-reward needs them earlier."""
-        a = self.cfg.actor_rollout_ref.actor
+        them is skipped (the ratio is exactly 1, the gradient unchanged). KL-in-reward and rollout correction need them."""
+        a, algo = self.cfg.actor_rollout_ref.actor, self.cfg.algorithm
         return (a.ppo_epochs == 1 and a.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n >= rows
-                and not self.cfg.algorithm.use_kl_in_reward and self.step >= self.cfg.trainer.critic_warmup)
+                and not algo.use_kl_in_reward and not algo.rollout_correction.active
+                and self.step >= self.cfg.trainer.critic_warmup)
 
     # ---- validation -----------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:

@@ -43,6 +43,10 @@ class Rollout:
     rewards: list[float]          # its sequence reward: score + overlong penalty
     penalties: list[float]        # the overlong penalty (0 when shaping is off)
     reward_metrics: dict[str, float]  # the scorer's counts (reward/num_timeouts, reward/num_errors)
+    # the rollout engine's log-prob of each response token (a float32 tensor per response) and each finish reason;
+    # None when the generator gave responses only
+    rollout_log_probs: list | None = None
+    finish_reasons: list[str] | None = None
 
     def groups(self, keep: Sequence[int], n: int) -> "Rollout":
         """The rollout of the prompts at positions `keep`, each with its n responses (the scorer's counts stay
@@ -51,9 +55,9 @@ class Rollout:
         prompts = PromptBatch(input_ids=[p.input_ids[g] for g in keep], ground_truths=[p.ground_truths[g] for g in keep],
                               data_sources=[p.data_sources[g] for g in keep], indices=[p.indices[g] for g in keep],
                               extra_infos=[p.extra_infos[g] for g in keep] if p.extra_infos else [])
-        pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
+        pick = lambda xs: None if xs is None else [xs[i] for i in rows]  # noqa: E731
         return Rollout(prompts, pick(self.responses), pick(self.scores), pick(self.rewards), pick(self.penalties),
-                       dict(self.reward_metrics))
+                       dict(self.reward_metrics), pick(self.rollout_log_probs), pick(self.finish_reasons))
 
 
 def concat(rollouts: Sequence[Rollout]) -> Rollout:
@@ -67,8 +71,11 @@ def concat(rollouts: Sequence[Rollout]) -> Rollout:
     for r in rollouts:
         for key, value in r.reward_metrics.items():
             counts[key] = counts.get(key, 0.0) + value
+    carried = lambda field: (None if any(getattr(r, field) is None for r in rollouts)  # noqa: E731
+                             else join(getattr(r, field) for r in rollouts))
     return Rollout(prompts, join(r.responses for r in rollouts), join(r.scores for r in rollouts),
-                   join(r.rewards for r in rollouts), join(r.penalties for r in rollouts), counts)
+                   join(r.rewards for r in rollouts), join(r.penalties for r in rollouts), counts,
+                   carried("rollout_log_probs"), carried("finish_reasons"))
 
 
 def metric_values(rollout: Rollout, metric: str) -> list[float]:
@@ -99,17 +106,23 @@ class DynamicSampler:
         self.metric, self.max_gen_batches = (str(cfg.metric), int(cfg.max_num_gen_batches)) if self.enable else ("", 0)
         self.draw, self.shaper = draw, shaper
 
-    def rollout(self, prompts: PromptBatch, gen_batch: int, generate: Callable[[PromptBatch, int], list[list[int]]],
+    def rollout(self, prompts: PromptBatch, gen_batch: int, generate: Callable[[PromptBatch, int], Any],
                 score: Callable[[PromptBatch, list[list[int]]], tuple[list[float], dict]], timer: Any) -> Rollout:
-        """Generate (`generate(prompts, gen_batch)`: n responses per prompt), score and shape one batch."""
-        responses = generate(prompts, gen_batch)
+        """Generate (`generate(prompts, gen_batch)`: n responses per prompt, as a list of token lists or as
+        engine/rollout/weight_sync.py's GatheredRollout, whose log-probs and finish reasons are kept), score and
+        shape one batch."""
+        generated = generate(prompts, gen_batch)
+        responses = generated if isinstance(generated, list) else generated.responses
         with timer("reward"):
             scores, counts = score(prompts, responses)
             penalties = self.shaper.penalties([len(r) for r in responses])
             rewards = [s + p for s, p in zip(scores, penalties)] if self.shaper.enable else list(scores)
-        return Rollout(prompts, responses, list(scores), rewards, penalties, dict(counts))
+        if isinstance(generated, list):
+            return Rollout(prompts, responses, list(scores), rewards, penalties, dict(counts))
+        return Rollout(prompts, responses, list(scores), rewards, penalties, dict(counts), list(generated.log_probs),
+                       list(generated.finish_reasons))
 
-    def collect(self, prompts: PromptBatch, generate: Callable[[PromptBatch, int], list[list[int]]],
+    def collect(self, prompts: PromptBatch, generate: Callable[[PromptBatch, int], Any],
                 score: Callable[[PromptBatch, list[list[int]]], tuple[list[float], dict]],
                 timer: Any) -> tuple[Rollout, dict[str, float]]:
         """(the step's rollout, its metrics: the scorer's counts, overlong shaping and dynamic sampling)."""

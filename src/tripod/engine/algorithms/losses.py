@@ -76,9 +76,12 @@ def policy_loss(
     *,
     global_norm: float | torch.Tensor | None = None,
     backend: str = "auto",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO policy loss (dual clip for A < 0) -> (loss, metrics).
 
+    `weights` [B, T] (rollout correction's truncated IS weights, engine/algorithms/rollout_correction.py) multiply
+    the per-token loss before aggregation, detached.
     metrics (detached, token means over this batch's mask): pg_clipfrac (ratio clipped),
     pg_clipfrac_lower (dual clip active), ppo_kl (mean of old_logp - logp, log-ratio clamped to 20).
     """
@@ -86,6 +89,8 @@ def policy_loss(
     loss_mat, clipped, clipped_lower = policy_loss_op(old_logp, logp, advantages, clip_low, clip_high, clip_c,
                                                       backend=backend)
     check_mask(mask, loss_mat.shape)
+    if weights is not None:
+        loss_mat = loss_mat * weights.detach().to(loss_mat.dtype)
     loss = agg_loss(loss_mat, mask, agg, global_norm)
     with torch.no_grad():
         neg_log_ratio = (old_logp.float() - logp.float()).clamp(-20.0, 20.0)

@@ -1,11 +1,13 @@
 """The rollout engine's life cycle in one place: resume -> load -> generate -> release, for every backend.
 
     sync = WeightSync(hybrid, rollout_engine, actor_model)
-    responses = sync.generate_all(prompts, params, timer)   # the trainer's only call into the rollout engine
+    rows = sync.generate_rows(prompts, params, timer)       # the trainer's only call into the rollout engine
+    rows.responses, rows.log_probs, rows.finish_reasons      # every row of the batch, on every rank
 
-`generate_all` is the rollout boundary: it takes the whole batch's prompts, splits them among the rollout DP
+`generate_rows` is the rollout boundary: it takes the whole batch's prompts, splits them among the rollout DP
 replicas (each replica = one rollout TP group), generates this replica's share (`generate`) and all-gathers the
-responses, so every rank returns every prompt's responses in prompt order.
+responses with their rollout log-probs and finish reasons, so every rank returns every prompt's rows in prompt
+order (`generate_all`: the responses only).
 
 `generate` re-reserves the engine's memory (`resume_memory`: SGLang requires it after
 `release_memory_occupation`; the embedded engine re-allocates its weight buffers), gathers the generation shard
@@ -19,6 +21,7 @@ The SGLang backend's own bucketing of that push lives with it (engine/rollout/sg
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -68,14 +71,34 @@ class WeightSync:
         return out
 
     def generate_all(self, prompts: list[list[int]], params: SamplingParams, timer=None) -> list[list[int]]:
+        """Every prompt's responses, in prompt order (n per prompt): `generate_rows(...).responses`."""
+        return self.generate_rows(prompts, params, timer).responses
+
+    def generate_rows(self, prompts: list[list[int]], params: SamplingParams, timer=None) -> GatheredRollout:
         """The rollout of a whole batch: each rollout DP replica generates its contiguous share of `prompts`
-        (`replica_bounds`), and every rank gets every prompt's responses, in prompt order (n per prompt)."""
+        (`replica_bounds`), and every rank gets every prompt's responses with their rollout log-probs and finish
+        reasons, in prompt order (n per prompt)."""
         replicas, mine = self.hybrid.rollout_dp_size, self.hybrid.rollout_dp_rank
         bounds = replica_bounds(len(prompts), replicas)
         out = self.generate(prompts[bounds[mine]:bounds[mine + 1]], params, timer)
+        responses = out.responses()
+        # one float32 CPU tensor per row, as long as its response (RolloutOutput pads with 0 past each length)
+        log_probs = [out.log_probs[i, : len(r)].detach().float().cpu().clone() for i, r in enumerate(responses)]
+        rows = list(zip(responses, log_probs, out.finish_reasons))
         gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (mine, out.responses()))
-        return join_replicas(gathered, replicas)
+        dist.all_gather_object(gathered, (mine, rows))
+        joined = join_replicas(gathered, replicas)
+        return GatheredRollout([r for r, _, _ in joined], [lp for _, lp, _ in joined], [f for _, _, f in joined])
+
+
+@dataclass
+class GatheredRollout:
+    """A whole batch's rollout on every rank, row i*n + j = sample j of prompt i: the response tokens, the rollout
+    engine's log-prob of each (float32 [len(response)], the convention of engine/rollout/base.py) and the finish
+    reason ("stop" / "length")."""
+    responses: list[list[int]]
+    log_probs: list[torch.Tensor]
+    finish_reasons: list[str]
 
 
 def replica_bounds(num_prompts: int, replicas: int) -> list[int]:
@@ -84,9 +107,9 @@ def replica_bounds(num_prompts: int, replicas: int) -> list[int]:
     return [num_prompts * i // replicas for i in range(replicas + 1)]
 
 
-def join_replicas(gathered: list[tuple[int, list[list[int]]]], replicas: int) -> list[list[int]]:
-    """Every rank's (replica, responses) -> all responses in replica order (the ranks of one replica hold the same
-    responses; any one of them stands for it)."""
+def join_replicas(gathered: list[tuple[int, list]], replicas: int) -> list:
+    """Every rank's (replica, rows) -> all rows in replica order (the ranks of one replica hold the same rows; any
+    one of them stands for it)."""
     by_replica = dict(gathered)
     missing = [i for i in range(replicas) if i not in by_replica]
     if missing:

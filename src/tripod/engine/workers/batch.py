@@ -28,7 +28,8 @@ class PPOBatch:
 
     @property
     def recomputed_old_log_probs(self) -> bool:
-        """Whether the trainer computed old log-probs for these rows. It skips them when the actor update is exactly
+        """Whether these rows carry old log-probs: recomputed by the trainer, or the rollout's under
+        algorithm.rollout_correction.bypass_mode. The trainer skips the recompute when the actor update is exactly
         on-policy (`PPOTrainer.on_policy_update`); the update then takes its own forward's, detached."""
         return "old_log_probs" in self.tensors
 
@@ -71,10 +72,16 @@ class PPOBatch:
 
 
 def build_ppo_batch(prompts: list[list[int]], responses: list[list[int]], response_length: int,
-                    pad_token_id: int, index: list[int]) -> PPOBatch:
-    """Lay out `prompts[i] + responses[i]` right-padded; responses padded to `response_length` columns."""
+                    pad_token_id: int, index: list[int], rollout_log_probs: list[torch.Tensor] | None = None,
+                    finish_reasons: list[str] | None = None) -> PPOBatch:
+    """Lay out `prompts[i] + responses[i]` right-padded; responses padded to `response_length` columns.
+    `rollout_log_probs[i]` (the rollout engine's log-prob of each token of responses[i]) becomes row i of
+    "rollout_log_probs" [N, response_length], aligned with "responses" and 0 past each length; `finish_reasons`
+    go to meta["finish_reasons"]."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    if rollout_log_probs is not None and len(rollout_log_probs) != len(responses):
+        raise ValueError(f"{len(rollout_log_probs)} rows of rollout log-probs for {len(responses)} responses")
     n = len(prompts)
     seq = max(len(p) + max(len(r), 1) for p, r in zip(prompts, responses))
     input_ids = torch.full((n, seq), pad_token_id, dtype=torch.long)
@@ -92,7 +99,15 @@ def build_ppo_batch(prompts: list[list[int]], responses: list[list[int]], respon
             resp_mask[i, : len(r)] = 1.0
     tensors = dict(input_ids=input_ids, attention_mask=attention_mask, responses=resp, response_mask=resp_mask,
                    prompt_lens=torch.tensor([len(p) for p in prompts]), index=torch.tensor(index))
-    return PPOBatch(tensors)
+    if rollout_log_probs is not None:
+        logp = torch.zeros((n, response_length), dtype=torch.float32)
+        for i, (r, lp) in enumerate(zip(responses, rollout_log_probs)):
+            if len(lp) != len(r):
+                raise ValueError(f"response {i} has {len(r)} tokens but {len(lp)} rollout log-probs")
+            logp[i, : len(r)] = torch.as_tensor(lp, dtype=torch.float32)
+        tensors["rollout_log_probs"] = logp
+    meta = {"finish_reasons": list(finish_reasons)} if finish_reasons is not None else {}
+    return PPOBatch(tensors, meta)
 
 
 def split_rows(n: int, parts: int) -> list[slice]:
@@ -107,7 +122,8 @@ def batch_metrics(batch: PPOBatch, scores: list[float]) -> dict[str, float]:
     """What a PPO step's batch looked like (verl's names): scores, advantages, returns, response and prompt lengths,
     and with a critic its values and explained variance."""
     mask = batch["response_mask"]
-    lengths = mask.sum(-1)
+    # generated lengths from the layout, not the loss mask (rollout correction's rejection may have zeroed rows)
+    lengths = (batch["attention_mask"].sum(-1) - batch["prompt_lens"].to(batch["attention_mask"].device)).float()
     out = {"critic/score/mean": float(sum(scores) / len(scores)), "critic/score/max": float(max(scores)),
            "critic/score/min": float(min(scores)),
            "critic/advantages/mean": float(masked_mean(batch["advantages"], mask)),

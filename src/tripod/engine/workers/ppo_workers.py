@@ -213,8 +213,9 @@ class PolicyWorker(MegatronWorker):
             logp, ent = self.token_logprobs(output, mb, temperature, need_entropy)
             # exactly on-policy (the trainer skipped the recompute): old log-probs are this forward's, detached
             old = mb["old_log_probs"] if mb.recomputed_old_log_probs else logp.detach()
-            pg, m = policy_loss(old, logp, mb["advantages"], mask, cfg.clip_ratio_low,
-                                cfg.clip_ratio_high, cfg.clip_ratio_c, agg, global_norm=norm)
+            pg, m = policy_loss(old, logp, mb["advantages"], mask, cfg.clip_ratio_low, cfg.clip_ratio_high,
+                                cfg.clip_ratio_c, agg, global_norm=norm,
+                                weights=mb.tensors.get("rollout_is_weights"))  # rollout correction's IS weights
             loss = pg
             share = mask.sum() / tokens
             metrics = {"actor/pg_loss": pg.detach(), "actor/pg_clipfrac": m["pg_clipfrac"] * share,
