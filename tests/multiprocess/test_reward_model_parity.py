@@ -1,6 +1,7 @@
 """A reward model (HF `*ForSequenceClassification`, one label) in tripod: the megatron GPTModel with the family
 table's `score` row scores like transformers (fp32, 1e-5) at (1,1,1), TP2 and PP2, and exports back to the same HF
-tensors (Llama untied, Qwen2 with tie_word_embeddings=true, which a classification model ignores)."""
+tensors (Llama untied, Qwen2 with tie_word_embeddings=true, which a classification model ignores); the PPO loop's
+`RewardModelWorker.score` (engine/workers/reward_model.py) reads the same scores at TP2xDP2 and PP2xDP2."""
 import json
 import re
 
@@ -49,6 +50,8 @@ def test_reward_scores_match_transformers_and_export_round_trips(tmp_path):
     seen = {(m.group(1), m.group(2)) for m in re.finditer(r"RM_PARITY (\S+) (\S+) maxdiff", out)}
     assert seen == {(m, lay) for m in MODELS for lay in LAYOUTS}, out[-3000:]
     assert max(float(x) for x in re.findall(rf"RM_PARITY \S+ \S+ maxdiff {FLOAT}", out)) < 1e-5
+    worker = re.findall(rf"RM_WORKER \S+ \S+ rank \d maxdiff {FLOAT}", out)  # the PPO loop's scorer, every rank
+    assert len(worker) == len(MODELS) * 2 * 4 and max(float(x) for x in worker) < 1e-5, out[-3000:]
     exports = re.findall(r"RM_EXPORT (\S+) (\S+) (\S+)", out)
     assert len(exports) == 2 * len(MODELS), out[-3000:]
     for name, _, target in exports:
