@@ -166,12 +166,15 @@ def is_sequence_classification(cfg: dict[str, Any]) -> bool:
     return True
 
 
-def with_score_head(arch: ModelArch) -> ModelArch:
+def with_score_head(arch: ModelArch, pad_token_id: int | None = None) -> ModelArch:
     """`arch` as an HF `*ForSequenceClassification` model with one label (a reward model's arch; config.json's
-    `architectures` renamed from `<X>ForCausalLM`, `num_labels` 1)."""
+    `architectures` renamed from `<X>ForCausalLM`, `num_labels` 1). `pad_token_id` fills config.json's when it has
+    none: HF scores the last token that is not padding, and refuses batches without a pad token."""
     if arch.score_head:
         return arch
     cfg = dict(arch.hf_config)
+    if cfg.get("pad_token_id") is None and pad_token_id is not None:
+        cfg["pad_token_id"] = pad_token_id
     names = [str(a) for a in cfg.get("architectures") or []]
     base = names[0].removesuffix("ForCausalLM") if names else arch.family.capitalize()
     cfg["architectures"] = [base + SEQUENCE_CLASSIFICATION]

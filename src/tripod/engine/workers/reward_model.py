@@ -40,37 +40,50 @@ class RewardModelWorker(MegatronWorker):
         self.pad_token_id, self.retokenize = pad_token_id, retokenize
 
     def score(self, sequences: Sequence[Sequence[int]], micro: int | None) -> list[float]:
-        """The reward model's score of each token sequence (prompt + response, actor token ids), on every rank.
-
-        Rows are split over this layout's DP ranks in `micro`-row micro-batches (null: all of a rank's rows); the
-        batch is padded with copies of its first row up to a multiple of DP x micro, and those scores dropped."""
+        """The reward model's score of each token sequence (prompt + response, actor token ids), on every rank."""
         if self.retokenize is not None:
             actor_tok, rm_tok = self.retokenize
             texts = actor_tok.batch_decode([list(s) for s in sequences], skip_special_tokens=False)
             sequences = [rm_tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-        n, dp = len(sequences), self.layout.dp
-        per_rank = -(-n // dp)
-        micro = min(micro or per_rank, per_rank)
-        per_rank = -(-per_rank // micro) * micro
-        rows = list(sequences) + [sequences[0]] * (per_rank * dp - n)
-        seq = max(len(s) for s in rows)
-        ids = torch.full((len(rows), seq), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, s in enumerate(rows):
-            ids[i, :len(s)] = torch.as_tensor(list(s), dtype=torch.long)
-            mask[i, :len(s)] = 1
-        batch = PPOBatch({"input_ids": ids, "attention_mask": mask, "last": mask.sum(-1) - 1})
-        mine = batch.select(self.dp_rows(len(rows)))
-        micro_batches = [mine.select(s) for s in split_rows(mine.size, mine.size // micro)]
-
-        def loss_fn(output, mb):  # output [b, s, 1]: the head at every position; the score is at the last token
-            s = output[torch.arange(mb.size, device=output.device), mb["last"], 0].float()
-            return s.sum() * 0.0, {"scores": s.detach()}
-
         with self.resident():
-            outs = self.run(micro_batches, loss_fn, forward_only=True)
-        local = torch.cat([o["scores"] for o in outs]) if outs else None
-        return self.gather_rows(local, (), len(rows))[:n].tolist()
+            return score_sequences(self, sequences, micro, self.pad_token_id)
+
+
+def sequence_batch(sequences: Sequence[Sequence[int]], pad_token_id: int) -> PPOBatch:
+    """Token sequences right-padded into one batch, with `last`: the index of each row's last token."""
+    ids = torch.full((len(sequences), max(len(s) for s in sequences)), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(sequences):
+        ids[i, :len(s)] = torch.as_tensor(list(s), dtype=torch.long)
+        mask[i, :len(s)] = 1
+    return PPOBatch({"input_ids": ids, "attention_mask": mask, "last": mask.sum(-1) - 1})
+
+
+def last_token_scores(output: torch.Tensor, mb: PPOBatch) -> torch.Tensor:
+    """[b] scores of a scalar-head model's output [b, s, 1] at each row's last token (`sequence_batch`'s `last`)."""
+    return output[torch.arange(mb.size, device=output.device), mb["last"], 0].float()
+
+
+def score_sequences(worker: MegatronWorker, sequences: Sequence[Sequence[int]], micro: int | None,
+                    pad_token_id: int) -> list[float]:
+    """Forward-only scores of a scalar-head worker (a reward model, trained or frozen) for every sequence, on every
+    rank of its layout. Rows are split over its DP ranks in `micro`-row micro-batches (None: all of a rank's rows);
+    the batch is padded with copies of its first row up to a multiple of DP x micro, and those scores dropped."""
+    n, dp = len(sequences), worker.layout.dp
+    per_rank = -(-n // dp)
+    micro = min(micro or per_rank, per_rank)
+    per_rank = -(-per_rank // micro) * micro
+    rows = list(sequences) + [sequences[0]] * (per_rank * dp - n)
+    mine = sequence_batch(rows, pad_token_id).select(worker.dp_rows(len(rows)))
+    micro_batches = [mine.select(s) for s in split_rows(mine.size, mine.size // micro)]
+
+    def loss_fn(output, mb):
+        s = last_token_scores(output, mb)
+        return s.sum() * 0.0, {"scores": s.detach()}
+
+    outs = worker.run(micro_batches, loss_fn, forward_only=True)
+    local = torch.cat([o["scores"] for o in outs]) if outs else None
+    return worker.gather_rows(local, (), len(rows))[:n].tolist()
 
 
 def combine_rewards(rule: Sequence[float | None], model: Sequence[float], combine: str,
