@@ -43,7 +43,7 @@ def free_port() -> int:
 
 
 def make_tiny_hf_model(tmp_path: str | os.PathLike, family: str, *, seed: int = 0,
-                       subdir: str | None = None, **overrides: Any) -> str:
+                       subdir: str | None = None, sequence_classification: bool = False, **overrides: Any) -> str:
     """Save a tiny random fp32 Llama, Qwen2 or Qwen3 checkpoint with `save_pretrained`; return its directory.
 
     `family` is "llama", "qwen2" (always has QKV bias) or "qwen3" (per-head q/k norm; pass `head_dim`, whose
@@ -53,6 +53,8 @@ def make_tiny_hf_model(tmp_path: str | os.PathLike, family: str, *, seed: int = 
     "high_freq_factor": 4.0, "original_max_position_embeddings": 32}`.
     Weights are drawn from N(0, 0.02) but biases and norm weights are randomised too, so no
     parameter is at a trivial value. The same (family, seed, overrides) gives the same weights.
+    `sequence_classification=True` saves a `*ForSequenceClassification` model with one label (a reward model:
+    a `score` head [1, hidden] instead of `lm_head`).
     """
     import torch
     import transformers
@@ -63,6 +65,10 @@ def make_tiny_hf_model(tmp_path: str | os.PathLike, family: str, *, seed: int = 
     if family not in configs:
         raise ValueError(f"make_tiny_hf_model family={family!r}; use one of {sorted(configs)}")
     kwargs = dict(_TINY_COMMON)
+    if sequence_classification:
+        kwargs["num_labels"] = 1
+        models = {k: getattr(transformers, v.__name__.replace("ForCausalLM", "ForSequenceClassification"))
+                  for k, v in models.items()}
     kwargs.update(overrides)
     config = configs[family](**kwargs)
     with torch.random.fork_rng():

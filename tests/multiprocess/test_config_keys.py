@@ -2,7 +2,7 @@
 
 How "read" is established (tests/multiprocess/workers/config_reads.py): two tiny trainings run in-process with every config
 dataclass instrumented, one per side of each branch the trainer takes (a critic-based run with KL in the reward,
-and a critic-free GRPO run with the KL loss and dynamic micro-batches). A key counts as read when tripod's engine
+and a critic-free GRPO run with the KL loss, dynamic micro-batches and a reward model). A key counts as read when tripod's engine
 code (not the config loader or validator) reads it during CLI preflight, trainer construction, the training steps,
 validation or checkpointing, or when it feeds by interpolation (`${...}`) a key that is read.
 
@@ -23,7 +23,7 @@ import sys
 import pytest
 
 from tests.helpers import dapo_reward
-from tests.helpers.common import DIST_DIR, REPO_ROOT
+from tests.helpers.common import DIST_DIR, REPO_ROOT, make_tiny_hf_model
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
 
 NOT_EXERCISED = {
@@ -31,6 +31,8 @@ NOT_EXERCISED = {
     "actor_rollout_ref.ref.megatron.recompute_*": "the frozen reference has no backward: refused when set "
                                                  "(engine/precision.py)",
     "actor_rollout_ref.ref.megatron.optimizer_offload": "the reference has no optimizer: refused when set",
+    "reward_model.megatron.recompute_*": "the frozen reward model has no backward: refused when set (engine/precision.py)",
+    "reward_model.megatron.optimizer_offload": "the reward model has no optimizer: refused when set",
     "trainer.divergence_guard.max_rollbacks": "read once the guard is on and trips (tests/multiprocess/test_guard.py)",
     "trainer.divergence_guard.remedy_clip_ratio": "read once the guard is on and trips (tests/multiprocess/test_guard.py)",
     "trainer.divergence_guard.remedy_kl_coef_add": "read once the guard is on and trips (tests/multiprocess/test_guard.py)",
@@ -53,7 +55,10 @@ CRITIC_RUN = ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", 
 GRPO_RUN = ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
             "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=k2",
             "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512",
-            "trainer.total_training_steps=null", "trainer.total_epochs=1"]
+            "trainer.total_training_steps=null", "trainer.total_epochs=1",
+            # a reward model summed with the rule reward (its path is added by _reads)
+            "reward_model.enable=true", "reward_model.combine=sum", "reward_model.reward_weight=0.5",
+            "reward_model.micro_batch_size_per_gpu=2", "reward_model.offload=true"]
 
 
 def _leaves_and_interpolations():
@@ -88,6 +93,13 @@ def _reads(tmp_path, name, overrides, n_train=32, train_source=None):
     from tripod.engine.data import make_arithmetic_rows, write_prompt_parquet
 
     setup = make_ppo_setup(tmp_path / name, n_train=n_train)
+    if "reward_model.enable=true" in overrides:
+        from tripod.engine.data.char_tokenizer import char_tokenizer
+
+        rm = make_tiny_hf_model(tmp_path / name, "qwen2", subdir="rm", sequence_classification=True, vocab_size=128,
+                                max_position_embeddings=256)
+        char_tokenizer().save_pretrained(rm)
+        overrides = [*overrides, f"reward_model.model.path={rm}"]
     rows = make_arithmetic_rows(n_train, seed=0, max_digits=1, instruction="Answer as #### N.")  # make_ppo_setup's
     if train_source:
         for row in rows:
@@ -140,7 +152,7 @@ def test_the_walk_sees_an_unread_key():
     assert "data.val_batch_size" in unread and "actor_rollout_ref.actor.optim.min_lr_ratio" in unread
     # a read key pulls in what it interpolates: critic.ppo_epochs follows actor.ppo_epochs
     assert "actor_rollout_ref.actor.ppo_epochs" in honoured({"critic.ppo_epochs"})
-    assert len(NOT_EXERCISED) <= 6  # SGLang-only, reference-only refusals and the guard's on-trip remedies
+    assert len(NOT_EXERCISED) <= 8  # SGLang-only, the frozen models' (reference, reward model) refusals, guard remedies
 
 
 def test_reads_in_preflight_do_not_count():

@@ -645,9 +645,37 @@ class OverlongBufferConfig:
         return []
 
 
+REWARD_COMBINE = ("fallback", "sum")  # how a reward model's score combines with the rule rewards
+
+
 @dataclass
 class RewardModelConfig:
-    """Rule rewards, chosen per row by the `data.reward_fn_key` column (see engine.rewards)."""
+    """Rule rewards, chosen per row by the `data.reward_fn_key` column (see engine.rewards), and optionally a reward
+    model: a frozen megatron GPTModel with a scalar score head loaded from an HF *ForSequenceClassification
+    checkpoint, read at the last response token (engine/workers/reward_model.py)."""
+    enable: bool = False
+    """Score responses with the reward model in `model.path` too (combined with the rule rewards as `combine`
+    says; logged: reward/model_mean, reward/rule_mean, reward/rule_frac). verl: reward_model.enable."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The reward model: an HF *ForSequenceClassification directory with one label (`score.weight`; `tripod
+    train-rm` exports one) and the actor's tokenizer. verl: reward_model.model.path."""
+    micro_batch_size_per_gpu: Optional[int] = None
+    """Sequences per reward-model forward on one rank; null: all of a rank's rows at once.
+    verl: reward_model.micro_batch_size_per_gpu."""
+    megatron: MegatronConfig = field(default_factory=_megatron_like_actor)
+    """Parallel layout (TP x PP x DP, EP for MoE), precision and seed of the reward model (defaults: the actor's)."""
+    offload: bool = False
+    """Keep the reward model's parameters on the host and bring them to the device for each scoring (like
+    actor_rollout_ref.ref.offload). verl: reward_model.megatron.param_offload."""
+    combine: str = "fallback"
+    """fallback: a row's reward is its rule reward where its data source has a rule function, else reward_weight x
+    the model's score; sum: rule reward (0 where the data source has none) + reward_weight x the model's score."""
+    reward_weight: float = 1.0
+    """Factor on the reward model's score before it is combined (tripod's key)."""
+    retokenize: bool = False
+    """The reward model's tokenizer differs from the actor's: decode each prompt + response with the actor's
+    tokenizer and encode the text with the reward model's (`model.path`'s tokenizer files). false refuses such a
+    reward model. verl re-tokenizes whenever reward_model.model.input_tokenizer differs."""
     num_workers: int = 1
     """Processes that score responses; <= 1: in the trainer's process. (verl: reward_model.reward_manager)"""
     timeout_s: float = 10.0
@@ -660,6 +688,11 @@ class RewardModelConfig:
     def check(self, key: str = "reward_model") -> list[str]:
         e = _positive({f"{key}.num_workers": self.num_workers})
         e += self.overlong_buffer.check(f"{key}.overlong_buffer")
+        if self.enable:
+            e += _choice(f"{key}.combine", self.combine, REWARD_COMBINE) + self.megatron.check(f"{key}.megatron")
+            micro = self.micro_batch_size_per_gpu
+            e += [f"{key}.micro_batch_size_per_gpu={micro} must be >= 1 (or null)"] if micro is not None \
+                and micro < 1 else []
         return e + ([f"{key}.timeout_s={self.timeout_s} must be > 0 seconds"] if self.timeout_s <= 0 else [])
 
 

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from tripod.engine.config import ConfigError, MegatronConfig, TripodConfig
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # need rollout.n >= 2
+FROZEN = ("actor_rollout_ref.ref", "reward_model")  # models that never train
 
 
 def _layout_fits(errors: list[str], key: str, m: MegatronConfig, world_size: int) -> bool:
@@ -115,6 +116,9 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
     layouts = [("actor_rollout_ref.actor", actor.megatron)]
     layouts += [("critic", critic.megatron)] if use_critic else []
     layouts += [("actor_rollout_ref.ref", ref.megatron)] if use_ref else []
+    if cfg.reward_model.enable:
+        _check_model(e, "reward_model.model.path", cfg.reward_model.model.path)
+        layouts += [("reward_model", cfg.reward_model.megatron)]
     layout_ok = {key: _layout_fits(e, f"{key}.megatron", m, world_size) for key, m in layouts}
     from tripod.engine.precision import precision_problems  # precision / memory keys (engine/precision.py)
 
@@ -122,7 +126,7 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
         if m.megatron.use_distributed_optimizer and m.optim.optimizer != "adam":
             e.append(f"{key}.megatron.use_distributed_optimizer=true needs {key}.optim.optimizer=adam (megatron's "
                      "DistributedOptimizer supports Adam only); turn one of them off")
-    e += precision_problems(cfg, world_size, [(f"{key}.megatron", m, key != "actor_rollout_ref.ref") for key, m in layouts])
+    e += precision_problems(cfg, world_size, [(f"{key}.megatron", m, key not in FROZEN) for key, m in layouts])
 
     # rollout groups are carved out of the actor's model-parallel ranks
     rtp, amp = rollout.tensor_model_parallel_size, (actor.megatron.tensor_model_parallel_size

@@ -138,6 +138,8 @@ def check_stage_splits(cfg, arch) -> None:
         models.append(("critic", cfg.critic.megatron, critic_arch))
     if cfg.uses_reference:
         models.append(("actor_rollout_ref.ref", arc.ref.megatron, arch))
+    if cfg.reward_model.enable:
+        models.append(("reward_model", cfg.reward_model.megatron, arch_from_hf(cfg.reward_model.model.path)))
     problems, seen = [], set()
     for key, m, a in models:
         split = split_of(m, a.num_layers)
@@ -191,6 +193,14 @@ def preflight(cfg, world: int) -> None:
         if files:
             ds = PromptDataset(files, tokenizer, d.prompt_key, d.max_prompt_length, d.filter_overlong_prompts,
                                d.apply_chat_template, d.reward_fn_key)
-            check_data_sources(ds.data_sources)
+            if not cfg.reward_model.enable:  # with a reward model, rows without a rule function get its score
+                check_data_sources(ds.data_sources)
+    if cfg.reward_model.enable:
+        from tripod.engine.workers.reward_model import reward_model_problems
+
+        check_model_dir(cfg.reward_model.model.path, "reward_model.model.path")
+        problems = reward_model_problems(cfg, tokenizer)
+        if problems:
+            raise ValueError("; ".join(problems))
     check_resume(cfg, arch, world)
     check_run_dir(cfg.trainer.default_local_dir)

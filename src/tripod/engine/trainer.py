@@ -7,7 +7,8 @@
 
 Every rank runs this same code; each model runs on its own parallel layout (parallel/layout.py) and the batch is
 replicated on every rank (workers take their DP rows). Critic-free estimators (grpo, rloo, reinforce++) skip the
-critic entirely; the reference model is only built when a KL term needs it.
+critic entirely; the reference model is only built when a KL term needs it, the reward model
+(engine/workers/reward_model.py) only when reward_model.enable.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from tripod.engine.device import DeviceGuard, check_devices_enabled, current_dev
 from tripod.engine.divergence_guard import DivergenceGuard, GuardDecision, Remedies
 from tripod.engine.logging import StepProfiler, Timer, Tracker, validation_samples
 from tripod.engine.precision import resolve_precision, rollout_dtype
-from tripod.engine.rewards import RewardPool
+from tripod.engine.rewards import RewardPool, registered_data_sources
 from tripod.engine.rewards.overlong import OverlongShaper
 from tripod.engine.rollout import SamplingParams, make_rollout_engine
 from tripod.engine.rollout.weight_sync import WeightSync
@@ -36,6 +37,7 @@ from tripod.engine.throughput import PerfCounter
 from tripod.engine.workers.batch import batch_metrics, build_ppo_batch
 from tripod.engine.workers.moe_config import moe_config_overrides
 from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
+from tripod.engine.workers.reward_model import RewardModelWorker, combine_rewards, rule_rewards_where_defined
 from tripod.parallel.arch import arch_from_hf
 from tripod.parallel.hybrid_engine.engine import HybridEngine
 from tripod.parallel.layout import ParallelLayout
@@ -78,6 +80,8 @@ class PPOTrainer:
         self.val_set = PromptDataset(cfg.data.val_files, **ds_args) if cfg.data.val_files else None
         self.loader = PromptDataLoader(self.train_set, cfg.data.gen_batch_size, cfg.data.shuffle, cfg.data.seed)
         sources = self.train_set.data_sources | (self.val_set.data_sources if self.val_set else set())
+        if cfg.reward_model.enable:  # the reward model scores the rows whose data source has no rule function
+            sources &= set(registered_data_sources())
         self.rewards = RewardPool(cfg.reward_model.num_workers, cfg.reward_model.timeout_s,
                                   cfg.reward_model.use_ray, data_sources=sources) if self.rank == 0 else None
 
@@ -114,6 +118,7 @@ class PPOTrainer:
                                     **_model_options(cfg.critic.megatron, critic_layout, "critic", self.arch, True,
                                                      cfg.critic.optim.optimizer))
                        if self.use_critic else None)
+        self.reward_model = self._build_reward_model() if cfg.reward_model.enable else None
 
         rollout = arc.rollout
         gen_dtype = rollout_dtype(rollout.dtype, self.device)
@@ -138,6 +143,17 @@ class PPOTrainer:
         self.step = 0
         freeze_long_lived_objects()  # the models are built: the per-stage heap trims stop rescanning them
 
+    def _build_reward_model(self) -> RewardModelWorker:
+        from transformers import AutoTokenizer
+
+        rm = self.cfg.reward_model
+        arch = arch_from_hf(rm.model.path)
+        layout = _layout(rm.megatron, "reward_model", arch)
+        return RewardModelWorker(arch, layout, rm.model.path, pad_token_id=self.pad_id, offload=rm.offload,
+                                 seed=rm.megatron.seed, retokenize=(self.tokenizer, AutoTokenizer.from_pretrained(
+                                     rm.model.path)) if rm.retokenize else None,
+                                 **_model_options(rm.megatron, layout, "reward_model", arch, False))
+
     # ---- rollout -----------------------------------------------------------------------------
     def sampling_params(self, validate: bool, step: int, gen_batch: int = 0) -> SamplingParams:
         """The rollout's `SamplingParams` for a training step's `gen_batch`-th generation batch (`validate=False`;
@@ -155,14 +171,23 @@ class PPOTrainer:
         return self.weight_sync.generate_all(prompts, params, timer or Timer())
 
     def score(self, batch: PromptBatch, responses: list[list[int]], n: int) -> tuple[list[float], dict]:
+        """Rule rewards (rank 0's pool), combined with the reward model's scores when it is on (every rank)."""
         payload = [None, None]
+        rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731  prompt-major like the rollout
         if self.rank == 0:
             texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-            rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731  prompt-major like the rollout
-            payload = list(self.rewards.score(texts, rep(batch.ground_truths), rep(batch.data_sources),
-                                              rep(batch.extra_infos) if batch.extra_infos else None))
+            args = (texts, rep(batch.ground_truths), rep(batch.data_sources),
+                    rep(batch.extra_infos) if batch.extra_infos else None)
+            payload = list(rule_rewards_where_defined(self.rewards, *args) if self.reward_model is not None
+                           else self.rewards.score(*args))
         dist.broadcast_object_list(payload, src=0)
-        return payload[0], payload[1]
+        if self.reward_model is None:
+            return payload[0], payload[1]
+        rm = self.cfg.reward_model
+        model = self.reward_model.score([p + r for p, r in zip(rep(batch.input_ids), responses)],
+                                        rm.micro_batch_size_per_gpu)
+        scores, metrics = combine_rewards(payload[0], model, rm.combine, rm.reward_weight)
+        return scores, {**payload[1], **metrics}
 
     # ---- one PPO step ----------------------------------------------------------------------------
     def train_step(self, prompts: PromptBatch) -> dict[str, float]:

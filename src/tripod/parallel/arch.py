@@ -2,7 +2,8 @@
 
 Every room that needs the shape of a model (Megatron model building, the weight converter, the
 embedded rollout engine, the resharding plan) reads it from `ModelArch`, so the HF config is parsed
-in exactly one place. Which HF `model_type`s are supported is the family registry's business
+in exactly one place. A `*ForSequenceClassification` config (one label) is a reward model: `score_head` says so,
+and the family table then names HF's `score.weight` [1, hidden] where a causal LM has `lm_head.weight`. Which HF `model_type`s are supported is the family registry's business
 (parallel/families/): built in are Llama, Qwen2/Qwen2.5 and Qwen3 (RMSNorm, SwiGLU, RoPE with optional
 scaling, GQA, optional QKV bias, Qwen3's per-head q/k RMSNorm, tied or untied embeddings) and the MoE families Qwen3-MoE, Qwen2-MoE and
 DeepSeek-V3/V2, whose routed-expert MLP (`ModelArch.moe`) and multi-head latent attention (`ModelArch.mla`) are
@@ -15,6 +16,7 @@ embedding of MLA. The q/k/v head dims of MLA live in `ModelArch.mla`.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -45,6 +47,9 @@ class ModelArch:
     eos_token_id: int | list[int] | None = None
     moe: MoEArch | None = None  # routed experts (None: dense MLP in every layer)
     mla: MLAArch | None = None  # multi-head latent attention (None: standard GQA attention)
+    # an HF *ForSequenceClassification model with one label: a scalar `score` head [1, hidden] instead of an LM head
+    # (tie_word_embeddings is then False: such a model has no LM head to tie)
+    score_head: bool = False
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -119,6 +124,7 @@ def arch_from_hf(path_or_dict: str | os.PathLike | dict) -> ModelArch:
         rope["rope_type"] = rope["type"]
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     qkv_bias = family.qkv_bias(cfg)
+    score_head = is_sequence_classification(cfg)
     if cfg.get("mlp_bias"):
         raise ValueError("config.json mlp_bias=true is not supported (Llama/Qwen2 MLPs have no bias)")
     return ModelArch(
@@ -134,11 +140,45 @@ def arch_from_hf(path_or_dict: str | os.PathLike | dict) -> ModelArch:
         rope_theta=float(theta),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         qkv_bias=qkv_bias,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and not score_head,
         rope_parameters=rope,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=cfg.get("eos_token_id"),
         moe=moe_from_hf(cfg),
         mla=mla,
+        score_head=score_head,
         hf_config=cfg,
     )
+
+
+SEQUENCE_CLASSIFICATION = "ForSequenceClassification"
+
+
+def is_sequence_classification(cfg: dict[str, Any]) -> bool:
+    """Whether an HF config is a `*ForSequenceClassification` model (a reward model); refuses more than one label
+    (tripod's score head is a scalar)."""
+    if not any(str(a).endswith(SEQUENCE_CLASSIFICATION) for a in cfg.get("architectures") or []):
+        return False
+    labels = len(cfg["id2label"]) if cfg.get("id2label") else cfg.get("num_labels") or 2  # transformers' default
+    if labels != 1:
+        raise ValueError(f"config.json architectures={cfg.get('architectures')} has num_labels={labels}; a reward "
+                         "model has one scalar score: re-save it with num_labels=1")
+    return True
+
+
+def with_score_head(arch: ModelArch, pad_token_id: int | None = None) -> ModelArch:
+    """`arch` as an HF `*ForSequenceClassification` model with one label (a reward model's arch; config.json's
+    `architectures` renamed from `<X>ForCausalLM`, `num_labels` 1). `pad_token_id` fills config.json's when it has
+    none: HF scores the last token that is not padding, and refuses batches without a pad token."""
+    if arch.score_head:
+        return arch
+    cfg = dict(arch.hf_config)
+    if cfg.get("pad_token_id") is None and pad_token_id is not None:
+        cfg["pad_token_id"] = pad_token_id
+    names = [str(a) for a in cfg.get("architectures") or []]
+    base = names[0].removesuffix("ForCausalLM") if names else arch.family.capitalize()
+    cfg["architectures"] = [base + SEQUENCE_CLASSIFICATION]
+    cfg["id2label"] = {"0": "LABEL_0"}
+    cfg["label2id"] = {"LABEL_0": 0}
+    cfg.pop("num_labels", None)
+    return dataclasses.replace(arch, score_head=True, tie_word_embeddings=False, hf_config=cfg)

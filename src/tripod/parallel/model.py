@@ -7,7 +7,8 @@ head and the explicit causal attention mask used on CPU. The layer spec comes fr
 
 Shapes: the actor's GPTModel returns [b, s, V_pad / tp] logits (vocab-parallel) on the last stage.
 A critic (`value_head=True`) returns [b, s, 1] float values on the last stage (the output layer is
-replaced by `ValueHead`). With `virtual_pipeline_model_parallel_size=v`, `build_model_chunks` gives
+replaced by `ValueHead`); so does a reward model (`arch.score_head`), whose head is HF's bias-free `score.weight`.
+With `virtual_pipeline_model_parallel_size=v`, `build_model_chunks` gives
 each rank v chunks (megatron's interleaved layout: chunk c of PP rank r holds the layers of virtual
 stage c * pp + r). A layout with uneven stages (`first_stage_layers` / `last_stage_layers`) sets megatron's
 num_layers_in_first/last_pipeline_stage; megatron then builds each stage's layers (parallel/stages.py).
@@ -124,14 +125,15 @@ class ValueHead(torch.nn.Module):
     """
 
     def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool, tp_group,
-                 seed: int = 1234, device: torch.device | str = "cpu") -> None:
+                 seed: int = 1234, device: torch.device | str = "cpu", bias: bool = True) -> None:
         super().__init__()
         # same init on every rank (TP and DP replicas must agree), independent of the global RNG: drawn on the host,
         # then placed on the device the rest of the model lives on
         generator = torch.Generator().manual_seed(seed)
         weight = torch.randn(1, hidden_size, generator=generator).to(dtype) * hidden_size ** -0.5
         self.weight = torch.nn.Parameter(weight.to(device))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
+        # a reward model's head is HF's `score` Linear, which has no bias
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device)) if bias else None
         self.sequence_parallel = sequence_parallel
         self.tp_group = tp_group
 
@@ -184,13 +186,15 @@ def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool
     """A megatron GPTModel (this rank's TP shard of its PP stage, or of virtual stage `vp_stage`).
 
     Weights are megatron's random init; load real ones with parallel.convert.load_hf_weights.
-    `value_head=True` builds the critic (last stage outputs [b, s] values, untied output).
+    `value_head=True` builds the critic (last stage outputs [b, s] values, untied output). A reward model's arch
+    (`arch.score_head`, HF *ForSequenceClassification) always gets the scalar head, without a bias like HF's `score`.
     `use_te`: `megatron.use_te` (auto | true | false, `resolve_use_te`); `model.tripod_use_te` records the outcome.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     layout.validate_for(arch)
+    value_head = value_head or arch.score_head
     inv_freq, attention_scaling = arch.rope_inv_freq()
     if abs(attention_scaling - 1.0) > 1e-12:
         raise ValueError(f"rope_parameters.rope_type={arch.rope_parameters.get('rope_type')!r} scales attention "
@@ -230,7 +234,7 @@ def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool
     model.tripod_use_te = use_te
     if value_head and last:
         model.output_layer = ValueHead(arch.hidden_size, params_dtype, config.sequence_parallel,
-                                       layout.tp_group, seed, device=device)
+                                       layout.tp_group, seed, device=device, bias=not arch.score_head)
     # megatron's local-spec norm (WrappedTorchNorm = torch.nn.RMSNorm) ignores the init device and lands on the host;
     # Megatron-LM moves the whole model with .cuda() after building it, and so does this
     model.to(device)

@@ -3,6 +3,7 @@
     tripod convert HF_DIR OUT_DIR --tp T --pp P [--ep E --etp X]   HF checkpoint -> megatron dist checkpoint (convert.py)
     tripod export CKPT_DIR HF_DIR [--tp --pp --ep --etp]          tripod checkpoint -> safetensors + config.json (export.py)
     tripod train RECIPE [key=value ...]           PPO training (train.py)
+    tripod train-rm RECIPE [key=value ...]        reward-model training on preference pairs (train_rm.py)
     tripod plan RECIPE [key=value ...]            the hybrid engine's resharding and memory plan (plan.py)
     tripod bench RECIPE [key=value ...] --steps N --out DIR [--baseline trl hf]   throughput vs peers (bench.py)
     tripod report RUN_DIR [--out PNG]             dashboard PNG + health verdict from metrics.jsonl (report.py)
@@ -27,10 +28,12 @@ from tripod.engine.cli.export import add_export_command
 from tripod.engine.cli.plan import add_plan_command
 from tripod.engine.cli.report import add_report_command
 from tripod.engine.cli.train import add_train_command
+from tripod.engine.cli.train_rm import add_train_rm_command
 from tripod.engine.launch import USER_ERRORS, CommandFailed, error_line, is_rank_zero
 
 SUBCOMMANDS: list[Callable[[Any], None]] = [add_convert_command, add_export_command, add_train_command,
-                                             add_plan_command, add_bench_command, add_report_command]
+                                             add_train_rm_command, add_plan_command, add_bench_command,
+                                             add_report_command]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -52,12 +52,15 @@ class MegatronWorker:
                  trainable: bool = True, optim: OptimConfig | None = None, grad_clip: float = 1.0,
                  total_steps: int = 1, seed: int = 1234, precision: PrecisionSettings | None = None,
                  offload: bool = False, sequence_parallel: bool = False, virtual_pipeline_size: int | None = None,
-                 config_overrides: dict | None = None, share_prompt_prefix: bool = True, use_te: str = "auto"):
+                 config_overrides: dict | None = None, share_prompt_prefix: bool = True, use_te: str = "auto",
+                 load_arch: ModelArch | None = None):
         """`optim`, `grad_clip` and `total_steps` (optimizer steps of the whole run, for the LR schedule) matter
         only when `trainable`. `config_overrides`: extra TransformerConfig fields (the MoE router's, from
         `moe_config_overrides`). `share_prompt_prefix`: run a prompt shared by several rows once per micro-batch
         (where the attention takes an arbitrary mask: megatron's local spec, i.e. without Transformer Engine).
-        `use_te`: `{key}.megatron.use_te` (auto | true | false; parallel/model.py's resolve_use_te)."""
+        `use_te`: `{key}.megatron.use_te` (auto | true | false; parallel/model.py's resolve_use_te).
+        `load_arch`: the arch `hf_dir` is read as, where it differs from the built model's (a reward model built with
+        a score head from a causal LM's weights: the head stays freshly initialised)."""
         from tripod.parallel.convert import load_hf_weights
         from tripod.parallel.model import build_model_chunks
 
@@ -73,7 +76,7 @@ class MegatronWorker:
                                          **self.precision.transformer_overrides(), **(config_overrides or {}))
         model = self.chunks[-1]
         with layout.activate():
-            load_hf_weights(self.chunks, hf_dir, arch, layout)
+            load_hf_weights(self.chunks, hf_dir, load_arch or arch, layout)
         for chunk in self.chunks:
             cast_floating_params(chunk, self.precision.param_dtype)
         if not value_head and layout.is_last_stage:

@@ -163,8 +163,10 @@ def global_params(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _is_value_head(model, name: str) -> bool:
-    return bool(getattr(model_chunks(model)[0], "tripod_value_head", False)) and name.startswith("output_layer.")
+def _is_value_head(model, arch: ModelArch, name: str) -> bool:
+    """A critic's value head, which no HF causal-LM tensor initialises (a reward model's is HF's `score.weight`)."""
+    return bool(getattr(model_chunks(model)[0], "tripod_value_head", False)) and name.startswith("output_layer.") \
+        and not arch.score_head
 
 
 def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike, arch: ModelArch, layout) -> list[str]:
@@ -182,7 +184,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike, arch: Mod
     with torch.no_grad():
         for name, param in global_params(model).items():
             local = name
-            if _is_value_head(model, name):
+            if _is_value_head(model, arch, name):
                 not_loaded.append(local)
                 continue
             source = EMBEDDING if (name == OUTPUT_LAYER and arch.tie_word_embeddings) else name
@@ -232,7 +234,7 @@ def export_hf_weights(model: torch.nn.Module, arch: ModelArch, layout, *,
     expert-TP group and broadcast over its EP group, so every rank of its stage holds it before the PP move.
     """
     names = family_of(arch)
-    if getattr(model_chunks(model)[0], "tripod_value_head", False):
+    if getattr(model_chunks(model)[0], "tripod_value_head", False) and not arch.score_head:
         raise ValueError("export_hf_weights: a critic (value_head=True) has no HF causal-LM form; "
                          "keep it as a tripod checkpoint (parallel.checkpoint.save_model_checkpoint)")
     local = global_params(model)

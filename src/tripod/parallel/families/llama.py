@@ -41,6 +41,10 @@ def dense_gpt_weights(arch: ModelArch) -> tuple[Weight, ...]:
         Weight("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), lambda a: (a.hidden_size, a.ffn_hidden_size),
                Split.COL, layers=Layers.DENSE),
         Weight(FINAL_NORM, ("model.norm.weight",), lambda a: (a.hidden_size,), Split.REPLICATED, per_layer=False),
+        # a reward model (HF *ForSequenceClassification, one label): the scalar head megatron's value head holds,
+        # replicated over TP like the critic's
+        Weight(OUTPUT_LAYER, ("score.weight",), lambda a: (1, a.hidden_size), Split.REPLICATED, per_layer=False)
+        if arch.score_head else
         Weight(OUTPUT_LAYER, ("lm_head.weight",), lambda a: (a.vocab_size, a.hidden_size), Split.VOCAB,
                per_layer=False),
     ]

@@ -1,0 +1,1 @@
+"""Reward-model training (`tripod train-rm`): config schema, preference data, the Bradley-Terry loop."""

@@ -1,0 +1,184 @@
+"""`tripod train-rm`'s loop: a scalar-head GPTModel trained with the Bradley-Terry loss on preference pairs.
+
+The model is the PPO loop's reward model (a critic-shaped GPTModel whose head is HF's `score`), built on any layout
+from an HF causal LM (fresh score head) or *ForSequenceClassification checkpoint. Each step takes
+data.train_batch_size pairs (`PairSchedule`), splits them over DP ranks and into micro-batches of
+data.micro_batch_size_per_gpu pairs (the chosen and the rejected sequences of a pair in one micro-batch), and
+minimises the mean of `bradley_terry_loss` over the pairs. Loss scaling follows engine/workers/ppo_workers.py: each
+micro-batch's loss is its share of the global mean, times num_microbatches x DP to undo megatron's division by the
+number of micro-batches and its DP averaging, so every layout computes the same gradient.
+
+Logged (metrics.jsonl, TensorBoard, progress line): train/loss, train/accuracy (share of pairs with r_chosen >
+r_rejected), train/margin (mean r_chosen - r_rejected), train/grad_norm, train/lr; per validation val/loss,
+val/accuracy and val/margin on the held-out pairs. Checkpoints and resume are `tripod train`'s (CheckpointManager,
+model "reward_model" with its optimizer and LR schedule); at the end the model is exported to `<run dir>/hf` as an
+HF *ForSequenceClassification directory.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tripod.engine.reward_training.data import Pair, PairSchedule, preference_pairs
+from tripod.engine.workers.batch import split_rows
+from tripod.engine.workers.megatron_worker import MegatronWorker
+from tripod.engine.workers.reward_model import last_token_scores, score_sequences, sequence_batch
+
+CONSOLE_KEYS = ("train/loss", "train/accuracy", "train/margin", "val/accuracy", "val/margin", "train/lr")
+
+
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """Per-pair Bradley-Terry negative log-likelihood -log sigmoid(r_chosen - r_rejected) (softplus form: exact for
+    large margins of either sign)."""
+    return F.softplus(rejected - chosen)
+
+
+def pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, float]:
+    """Mean loss, pairwise accuracy (r_chosen > r_rejected) and margin over pairs of scores."""
+    return {"loss": float(bradley_terry_loss(chosen, rejected).mean()),
+            "accuracy": float((chosen > rejected).double().mean()), "margin": float((chosen - rejected).mean())}
+
+
+class RewardModelTrainer:
+    def __init__(self, cfg) -> None:
+        from transformers import AutoTokenizer
+
+        from tripod.engine.checkpoints import CheckpointManager
+        from tripod.engine.precision import resolve_precision
+        from tripod.engine.trainer import _layout
+        from tripod.engine.workers.moe_config import moe_config_overrides
+        from tripod.parallel.arch import arch_from_hf, with_score_head
+
+        self.cfg, self.rank, self.world = cfg, dist.get_rank(), dist.get_world_size()
+        path, d, m = cfg.model.path, cfg.data, cfg.megatron
+        self.tokenizer = AutoTokenizer.from_pretrained(d.tokenizer or path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.train_pairs = preference_pairs(d.train_files, self.tokenizer, d)
+        self.val_pairs = preference_pairs(d.val_files, self.tokenizer, d) if d.val_files else []
+        self.schedule = PairSchedule(len(self.train_pairs), d.train_batch_size, d.shuffle, d.seed)
+        if self.schedule.steps_per_epoch < 1:
+            raise ValueError(f"data.train_files hold {len(self.train_pairs)} pairs < data.train_batch_size="
+                             f"{d.train_batch_size}; lower the batch size or add pairs")
+        t = cfg.trainer
+        self.total_steps = t.total_training_steps or t.total_epochs * self.schedule.steps_per_epoch
+        source = arch_from_hf(path)
+        self.arch = with_score_head(source, self.pad_id)
+        layout = _layout(m, "reward_model", self.arch)
+        self.worker = MegatronWorker(
+            "reward_model", self.arch, layout, path, value_head=True, trainable=True, optim=cfg.optim,
+            grad_clip=cfg.grad_clip, total_steps=self.total_steps, seed=m.seed, share_prompt_prefix=False,
+            load_arch=None if source.score_head else source, sequence_parallel=m.sequence_parallel,
+            virtual_pipeline_size=m.virtual_pipeline_model_parallel_size,
+            precision=resolve_precision(m, layout.dp, True, cfg.optim.optimizer), use_te=m.use_te,
+            config_overrides=moe_config_overrides(m, self.arch, "megatron"))
+        self.run_dir = t.default_local_dir
+        self.ckpt = CheckpointManager(os.path.join(self.run_dir, "checkpoints"), self.arch, d.tokenizer or path)
+        self.step = 0
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        w, d = self.worker, self.cfg.data
+        pairs = [self.train_pairs[i] for i in self.schedule.batch(self.step)]
+        total = len(pairs)
+        mine = pairs[w.dp_rows(total)]
+        micro = d.micro_batch_size_per_gpu
+        batches = [_pair_batch(mine[s], self.pad_id) for s in split_rows(len(mine), len(mine) // micro)]
+        scale = len(batches) * w.layout.dp
+
+        def loss_fn(output, mb):
+            scores = last_token_scores(output, mb)
+            chosen, rejected = scores.chunk(2)
+            loss = bradley_terry_loss(chosen, rejected).sum() / total
+            return loss * scale, {"train/loss": loss.detach(),
+                                  "train/accuracy": (chosen > rejected).float().sum().detach() / total,
+                                  "train/margin": (chosen - rejected).sum().detach() / total}
+
+        outs = w.run(batches, loss_fn, forward_only=False)
+        summed: dict[str, float] = {}
+        for o in outs:
+            for k, v in o.items():
+                summed[k] = summed.get(k, 0.0) + float(v)
+        metrics = w.sum_over_dp(summed)
+        metrics["train/lr"] = w.lr
+        metrics["train/grad_norm"] = w.step()
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        """Held-out pairwise accuracy, margin and loss (forward only, every rank)."""
+        if not self.val_pairs:
+            return {}
+        seqs = [c for c, _ in self.val_pairs] + [r for _, r in self.val_pairs]
+        scores = torch.tensor(score_sequences(self.worker, seqs, self.cfg.data.micro_batch_size_per_gpu * 2,
+                                              self.pad_id), dtype=torch.float64)
+        chosen, rejected = scores.chunk(2)
+        return {f"val/{k}": v for k, v in pair_metrics(chosen, rejected).items()}
+
+    # ---- state ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "world_size": self.world,
+                "lr_scheduler": {"reward_model": self.worker.lr_scheduler.state_dict()},
+                "rng": {"torch": torch.get_rng_state()}}
+
+    def resume(self, mode: str | None) -> None:
+        state = self.ckpt.load(mode, {"reward_model": self.worker})
+        if state is None:
+            return
+        self.worker.lr_scheduler.num_steps = 0  # megatron's load_state_dict adds the saved count to the live one
+        self.worker.lr_scheduler.load_state_dict(state["lr_scheduler"]["reward_model"])
+        torch.set_rng_state(state["rng"]["torch"])
+        self.step = int(state["step"])
+
+    def export(self) -> str:
+        """The trained model as an HF *ForSequenceClassification directory (`<run dir>/hf`); every rank calls it."""
+        from tripod.parallel.convert import save_hf_checkpoint
+
+        out = os.path.join(self.run_dir, "hf")
+        save_hf_checkpoint(self.worker.model, self.arch, self.worker.layout, out,
+                           tokenizer_dir=self.cfg.data.tokenizer or self.cfg.model.path)
+        dist.barrier()
+        return out
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        from tripod.engine.config_loading import config_to_dict, save_resolved_config
+        from tripod.engine.logging import Tracker
+
+        cfg, t = self.cfg, self.cfg.trainer
+        self.resume(t.resume)
+        if self.rank == 0:
+            save_resolved_config(cfg, self.run_dir)
+        tracker = Tracker(self.run_dir, t.logger, resume_step=self.step or None, total_steps=self.total_steps,
+                          console_keys=CONSOLE_KEYS, project_name=t.project_name, experiment_name=t.experiment_name,
+                          config=config_to_dict(cfg)) if self.rank == 0 else None
+        last_val: dict[str, float] = {}
+        if self.step == 0 and t.val_before_train and self.val_pairs:
+            last_val = self.validate()
+            if tracker:
+                tracker.log(last_val, 0)
+        while self.step < self.total_steps:
+            metrics = self.train_step()
+            self.step += 1
+            done = self.step >= self.total_steps
+            if self.val_pairs and (done or (t.test_freq > 0 and self.step % t.test_freq == 0)):
+                last_val = self.validate()
+                metrics.update(last_val)
+            metrics["training/epoch"] = (self.step - 1) // self.schedule.steps_per_epoch
+            if tracker:
+                tracker.log(metrics, self.step)
+            if done or (t.save_freq > 0 and self.step % t.save_freq == 0):
+                self.ckpt.save(self.step, self.state_dict(), {"reward_model": self.worker})
+        if tracker:
+            tracker.close()
+        out = self.export()
+        if self.rank == 0:
+            print(f"tripod train-rm: exported the reward model to {out}", flush=True)
+        return last_val
+
+
+def _pair_batch(pairs: list[Pair], pad_id: int):
+    """A micro-batch of m pairs: rows 0..m-1 the chosen sequences, rows m..2m-1 the rejected ones."""
+    return sequence_batch([c for c, _ in pairs] + [r for _, r in pairs], pad_id)
