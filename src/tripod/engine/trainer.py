@@ -25,6 +25,7 @@ from tripod.engine.data import PromptBatch, PromptDataLoader, PromptDataset
 from tripod.engine.device import DeviceGuard, check_devices_enabled, current_device, freeze_long_lived_objects
 from tripod.engine.divergence_guard import DivergenceGuard, GuardDecision, Remedies
 from tripod.engine.logging import StepProfiler, Timer, Tracker, validation_samples
+from tripod.engine.offload import flags_of, manager_for
 from tripod.engine.precision import resolve_precision, rollout_dtype
 from tripod.engine.rewards import RewardPool
 from tripod.engine.rewards.overlong import OverlongShaper
@@ -100,7 +101,7 @@ class PPOTrainer:
                                                    self.arch, True, actor_cfg.optim.optimizer))
         ref_layout = _layout(arc.ref.megatron, "reference", self.arch)
         self.ref = (PolicyWorker("reference", self.arch, ref_layout, path, trainable=False, seed=arc.ref.megatron.seed,
-                                 offload=arc.ref.offload, share_prompt_prefix=actor_cfg.share_prompt_prefix,
+                                 share_prompt_prefix=actor_cfg.share_prompt_prefix,
                                  **_model_options(arc.ref.megatron, ref_layout, "actor_rollout_ref.ref", self.arch,
                                                   False))
                     if self.use_ref else None)
@@ -113,6 +114,10 @@ class PPOTrainer:
                                                      cfg.critic.optim.optimizer))
                        if self.use_critic else None)
 
+        # host offload between phases (engine/offload.py): moves on CUDA, recorded only on CPU
+        self.offload = manager_for({"actor": self.actor, "critic": self.critic, "reference": self.ref}, {
+            "actor": flags_of(actor_cfg.megatron, True), "critic": flags_of(cfg.critic.megatron, True),
+            "reference": flags_of(arc.ref.megatron, False, arc.ref.offload)}, self.device)
         rollout = arc.rollout
         gen_dtype = rollout_dtype(rollout.dtype, self.device)
         self.hybrid = HybridEngine(self.arch, actor_layout, rollout.tensor_model_parallel_size, dtype=gen_dtype,
@@ -148,6 +153,7 @@ class PPOTrainer:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, timer: Timer | None = None) -> list[list[int]]:
         """Every prompt's responses on every rank (the rollout replicas split the prompts: WeightSync.generate_all)."""
+        self.offload.enter("rollout")
         return self.weight_sync.generate_all(prompts, params, timer or Timer())
 
     def score(self, batch: PromptBatch, responses: list[list[int]], n: int) -> tuple[list[float], dict]:
@@ -182,13 +188,16 @@ class PPOTrainer:
             micro = arc.rollout.log_prob_micro_batch_size_per_gpu or batch.size
             if not self.on_policy_update(batch.size):  # else the update takes them from its own forward
                 with timer("old_log_prob"):
+                    self.offload.enter("old_log_prob")
                     batch["old_log_probs"], _ = self.actor.compute_log_probs(batch, micro, temperature)
             if self.ref is not None:
                 with timer("ref"):
+                    self.offload.enter("ref")
                     batch["ref_log_probs"], _ = self.ref.compute_log_probs(
                         batch, arc.ref.log_prob_micro_batch_size_per_gpu or batch.size, temperature)
             if self.critic is not None:
                 with timer("values"):
+                    self.offload.enter("values")
                     batch["values"] = self.critic.compute_values(
                         batch, cfg.critic.ppo_micro_batch_size_per_gpu or batch.size)
             metrics = dict(reward_metrics)
@@ -207,9 +216,11 @@ class PPOTrainer:
                 batch["advantages"], batch["returns"] = adv, ret
             if self.critic is not None:
                 with timer("update_critic"):
+                    self.offload.enter("update_critic")
                     metrics.update(self.critic.update(batch, cfg.critic, n))
             if self.step >= cfg.trainer.critic_warmup:
                 with timer("update_actor"):
+                    self.offload.enter("update_actor")
                     metrics.update(self.actor.update(batch, arc.actor, temperature, n))
         timings = timer.metrics()
         metrics.update(batch_metrics(batch, scores))
@@ -293,6 +304,7 @@ class PPOTrainer:
 
     def resume(self, mode: str | None) -> None:
         """Continue from the checkpoint `mode` names (trainer.resume: auto, disable or a path), if there is one."""
+        self.offload.enter("checkpoint")
         state = self.ckpt.load(mode, self.trainable_workers())
         if state is not None:
             self.load_state_dict(state)
@@ -323,6 +335,7 @@ class PPOTrainer:
         actor_lr = lambda: float(self.actor.optimizer.param_groups[0]["lr"])  # noqa: E731
         self.ckpt.reject_after(decision.checkpoint_step)
         before = (a.clip_ratio, self.kl_ctrl.value, actor_lr())
+        self.offload.enter("checkpoint")
         state = self.ckpt.load(decision.checkpoint, self.trainable_workers())
         state.pop("guard", None)  # the guard's own count and best validation reward go on across a rollback
         self.load_state_dict(state)
@@ -385,6 +398,7 @@ class PPOTrainer:
                 tracker.log_samples(self.val_samples if "val/reward_mean" in metrics else [], self.step)
             if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or done:
                 with self.profiler.range("checkpoint"):
+                    self.offload.enter("checkpoint")
                     saved = self.ckpt.save(self.step, self.state_dict(), self.trainable_workers())
                 if self.rank == 0:
                     self.guard.mark_good(saved)
