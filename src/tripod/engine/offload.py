@@ -31,7 +31,9 @@ USES: dict[str, dict[str, tuple[str, ...]]] = {
     "values": {"critic": ("params",)},
     "update_critic": {"critic": KINDS},
     "update_actor": {"actor": KINDS},
-    "checkpoint": {"actor": KINDS, "critic": KINDS},  # saving / loading reads every trained tensor in place
+    # saving / loading reads the params (freed DDP storage cannot be read) and the optimizer states in place;
+    # gradients are not saved
+    "checkpoint": {"actor": ("params", "optim"), "critic": ("params", "optim")},
 }
 DEVICE, HOST = "device", "host"
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from tripod.engine.algorithms import apply_kl_penalty, build_kl_controller, compute_advantage
 from tripod.engine.algorithms.dynamic_sampling import DynamicSampler
 from tripod.engine.checkpoints import CheckpointManager
+from tripod.engine.checkpoints.manager import latest_complete
 from tripod.engine.config import TripodConfig, save_resolved_config
 from tripod.engine.config_loading import config_to_dict
 from tripod.engine.data import PromptBatch, PromptDataLoader, PromptDataset
@@ -304,7 +305,8 @@ class PPOTrainer:
 
     def resume(self, mode: str | None) -> None:
         """Continue from the checkpoint `mode` names (trainer.resume: auto, disable or a path), if there is one."""
-        self.offload.enter("checkpoint")
+        if mode not in ("disable", "", None) and (mode != "auto" or latest_complete(self.ckpt.root)):
+            self.offload.enter("checkpoint")  # loads in place: params and optimizer states on the device
         state = self.ckpt.load(mode, self.trainable_workers())
         if state is not None:
             self.load_state_dict(state)

@@ -6,7 +6,8 @@ Per phase, on one rank (the largest PP stage of each model, parallel/memory_plan
     device = the kinds `placement` keeps on the device (params; grads; optim = Adam moments + fp32 main weights)
              + the phase's own working set: rollout = generation shard + KV cache; update_actor / update_critic =
              one micro-batch's saved activations; the log-prob phases run forward-only (no saved activations;
-             their transient logits chunks are not counted)
+             their transient logits chunks are not counted); checkpoint = the save after a step (params and
+             optimizer states of the trained models on the device, gradients where grad_offload leaves them)
     host   = the kinds on the host in that phase (pinned host memory on CUDA).
 Not counted: the CUDA context, NCCL buffers and the allocator's fragmentation (a few GiB on a real GPU).
 """
@@ -19,7 +20,7 @@ from tripod.parallel.memory_plan import MemoryPlan, ModelMemory
 
 GIB = 1 << 30
 MIB = 1 << 20
-STEP_PHASES = ("rollout", "old_log_prob", "ref", "values", "update_critic", "update_actor")
+STEP_PHASES = ("rollout", "old_log_prob", "ref", "values", "update_critic", "update_actor", "checkpoint")
 
 
 def kind_bytes(m: ModelMemory) -> dict[str, int]:

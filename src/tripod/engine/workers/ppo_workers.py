@@ -106,8 +106,7 @@ class PolicyWorker(MegatronWorker):
                 out["entropy"] = ent.detach()
             return logp.sum() * 0.0, out
 
-        with self.resident():
-            outs = self.run(_microbatches(mine, micro), loss_fn, forward_only=True)
+        outs = self.run(_microbatches(mine, micro), loss_fn, forward_only=True)
         logp = torch.cat([o["logp"] for o in outs]) if outs else None
         ent = torch.cat([o["entropy"] for o in outs]) if outs and with_entropy else None
         logp = self.gather_rows(logp, (r,), n)
