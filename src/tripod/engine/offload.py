@@ -136,9 +136,13 @@ def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
 
 
 def _move_optimizer(worker, to: str) -> None:
-    target = torch.device("cpu") if to == HOST else worker.device
     for t in optimizer_state_tensors(worker.optimizer):
-        t.data = t.data.to(target, non_blocking=True).pin_memory() if to == HOST else t.data.to(target)
+        if to == HOST:  # into pinned memory, on the compute stream: the copy back is ordered after it
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t.data, non_blocking=True)
+            t.data = host
+        else:
+            t.data = t.data.to(worker.device, non_blocking=True)
 
 
 def worker_movers(worker) -> dict[str, Callable[[str], None]]:
