@@ -8,7 +8,8 @@ Per phase, on one rank (the largest PP stage of each model, parallel/memory_plan
              one micro-batch's saved activations; the log-prob phases run forward-only (no saved activations;
              their transient logits chunks are not counted); checkpoint = the save after a step (params and
              optimizer states of the trained models on the device, gradients where grad_offload leaves them)
-    host   = the kinds on the host in that phase (pinned host memory on CUDA).
+    host   = the kinds on the host in that phase (pinned host memory on CUDA); with optimizer_cpu_offload a model's
+             optimizer states are there in every phase (megatron's HybridDeviceOptimizer updates on the host).
 Not counted: the CUDA context, NCCL buffers and the allocator's fragmentation (a few GiB on a real GPU).
 """
 from __future__ import annotations
@@ -36,13 +37,15 @@ class PhaseMemory:
     parts: dict[str, int] = field(default_factory=dict)  # what is on the device: "actor.params", "KV cache", ...
 
 
-def phase_memory(plan: MemoryPlan, offload: dict[str, OffloadFlags]) -> list[PhaseMemory]:
-    """Device and host bytes of each phase the run has (a critic-free run has no values / update_critic phase)."""
+def phase_memory(plan: MemoryPlan, offload: dict[str, OffloadFlags],
+                 cpu_optimizer: frozenset[str] = frozenset()) -> list[PhaseMemory]:
+    """Device and host bytes of each phase the run has (a critic-free run has no values / update_critic phase).
+    `cpu_optimizer`: models whose optimizer states never leave the host (optimizer_cpu_offload: megatron's
+    HybridDeviceOptimizer runs the update there)."""
     names = {m.name for m in plan.models}
     out = []
     for phase in STEP_PHASES:
-        owners = set(USES[phase])
-        if not owners <= names:
+        if not set(USES[phase]) & names:  # a critic-free run has no values / update_critic (its save: the actor's)
             continue
         pm = PhaseMemory(phase)
         for m in plan.models:
@@ -51,7 +54,7 @@ def phase_memory(plan: MemoryPlan, offload: dict[str, OffloadFlags]) -> list[Pha
             for kind, size in kind_bytes(m).items():
                 if not size:
                     continue
-                if where[kind] == DEVICE:
+                if where[kind] == DEVICE and not (kind == "optim" and m.name in cpu_optimizer):
                     pm.device += size
                     pm.parts[f"{m.name}.{kind}"] = size
                 else:
@@ -67,10 +70,12 @@ def phase_memory(plan: MemoryPlan, offload: dict[str, OffloadFlags]) -> list[Pha
     return out
 
 
-def describe_phases(plan: MemoryPlan, offload: dict[str, OffloadFlags], gpu_memory_gb: float | None) -> str:
+def describe_phases(plan: MemoryPlan, offload: dict[str, OffloadFlags], gpu_memory_gb: float | None,
+                    cpu_optimizer: frozenset[str] = frozenset()) -> str:
     """The per-phase table and, with `gpu_memory_gb` (GiB), whether each phase's device peak fits."""
-    phases = phase_memory(plan, offload)
+    phases = phase_memory(plan, offload, cpu_optimizer)
     on = [f"{n}: " + "+".join(k for k in KINDS if f[k]) for n, f in offload.items() if f.any()]
+    on += [f"{n}: optimizer_cpu_offload" for n in sorted(cpu_optimizer)]
     lines = ["where the bytes live, per phase (offload: " + (", ".join(on) if on else "none") + "; MiB per rank)",
              "phase          device_MiB    host_MiB  on the device"]
     for pm in phases:

@@ -90,7 +90,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     offload = {"actor": flags_of(arc.actor.megatron, True), "critic": flags_of(cfg.critic.megatron, True),
                "reference": flags_of(arc.ref.megatron, False, arc.ref.offload)} if on_cuda else {}
     gpu_gb = args.gpu_memory_gb if args.gpu_memory_gb is not None else (80.0 if on_cuda else None)
-    print("\n" + describe_phases(memory, offload, gpu_gb))
+    cpu_optimizer = frozenset(n for n, c in (("actor", arc.actor.megatron), ("critic", cfg.critic.megatron))
+                              if on_cuda and c.optimizer_cpu_offload)
+    print("\n" + describe_phases(memory, offload, gpu_gb, cpu_optimizer))
     return 0
 
 
