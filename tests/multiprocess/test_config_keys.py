@@ -30,9 +30,11 @@ NOT_EXERCISED = {
     "actor_rollout_ref.rollout.mem_fraction_static": "SGLang backend only (needs a GPU and sglang)",
     "actor_rollout_ref.ref.megatron.recompute_*": "the frozen reference has no backward: refused when set "
                                                  "(engine/precision.py)",
-    "actor_rollout_ref.ref.megatron.optimizer_offload": "the reference has no optimizer: refused when set",
+    "actor_rollout_ref.ref.megatron.[og]*_offload": "optimizer_offload, optimizer_cpu_offload, grad_offload: the "
+                                                   "reference has no optimizer or gradients: refused when set",
     "reward_model.megatron.recompute_*": "the frozen reward model has no backward: refused when set (engine/precision.py)",
-    "reward_model.megatron.optimizer_offload": "the reward model has no optimizer: refused when set",
+    "reward_model.megatron.[og]*_offload": "optimizer_offload, optimizer_cpu_offload, grad_offload: the reward model "
+                                           "has no optimizer or gradients: refused when set",
     "trainer.divergence_guard.max_rollbacks": "read once the guard is on and trips (tests/multiprocess/test_guard.py)",
     "trainer.divergence_guard.remedy_clip_ratio": "read once the guard is on and trips (tests/multiprocess/test_guard.py)",
     "trainer.divergence_guard.remedy_kl_coef_add": "read once the guard is on and trips (tests/multiprocess/test_guard.py)",

@@ -196,9 +196,23 @@ class MegatronConfig:
     recompute_num_layers: Optional[int] = None
     """With recompute_granularity=full: layers per recomputed group (uniform) or recomputed layers per stage
     (block); null = 1."""
+    param_offload: bool = False
+    """Move this model's parameters to host memory between the phases that use them (engine/offload.py: the actor's
+    are on the device for the rollout, its log-probs and its update; the critic's for its values and update; the
+    reference's for its log-probs). CUDA only: refused on CPU runs, where they already live in host memory.
+    verl: actor_rollout_ref.actor.megatron.param_offload (critic.megatron., actor_rollout_ref.ref.megatron.)."""
+    grad_offload: bool = False
+    """Free this model's gradient buffers (megatron DDP's main_grad buffers) outside its update; they come back
+    zeroed for the update. CUDA only; training models only. verl: megatron.grad_offload."""
     optimizer_offload: bool = False
-    """Keep optimizer states (and the fp32 update) on the CPU: megatron's HybridDeviceOptimizer. Needs CUDA and the
-    distributed optimizer; refused on CPU runs (the states are already in host memory there)."""
+    """Move this model's optimizer states (Adam moments, and the fp32 main weights of 16-bit parameters) to host
+    memory outside its update and back for the optimizer step. CUDA only; training models only.
+    verl: megatron.optimizer_offload (tripod's earlier meaning, megatron's HybridDeviceOptimizer, is now
+    optimizer_cpu_offload)."""
+    optimizer_cpu_offload: bool = False
+    """Keep optimizer states on the CPU for good and run the fp32 update there: megatron's HybridDeviceOptimizer.
+    Needs CUDA and the distributed optimizer; refused on CPU runs (the states are already in host memory there).
+    Megatron-LM: --optimizer-cpu-offload."""
     use_te: str = "auto"
     """megatron's layer spec: auto (Transformer Engine when it imports and CUDA is visible; MLA models keep the
     local spec) | true (TE, else one clear error) | false (the local spec: PyTorch SDPA attention, torch norms).
@@ -449,8 +463,9 @@ class RefConfig:
     megatron: MegatronConfig = field(default_factory=_megatron_like_actor)
     """Parallel layout and seed of the frozen reference model (defaults: the actor's)."""
     offload: bool = False
-    """Keep the reference parameters on the host and bring them to the device for each forward.
-    verl: ref.megatron.param_offload."""
+    """Keep the reference parameters on the host and bring them to the device for each forward: tripod's earlier
+    name of actor_rollout_ref.ref.megatron.param_offload (either turns it on; this one stays accepted, as a no-op,
+    on CPU runs). verl: ref.megatron.param_offload."""
     log_prob_micro_batch_size_per_gpu: Optional[int] = "${actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu}"
     """Rows per micro-batch of the reference forward; null: all of a rank's rows at once.
     verl: ref.log_prob_micro_batch_size_per_gpu."""

@@ -1,7 +1,7 @@
 """Precision and memory-saving settings of one Megatron model, resolved from the config for a layout and a device.
 
 Owns the names tripod accepts (`megatron.param_dtype`, `use_distributed_optimizer`, `recompute_*`,
-`optimizer_offload`, `rollout.dtype`), what they mean for megatron-core, and their up-front validation:
+`optimizer_cpu_offload`, `*_offload`, `rollout.dtype`), what they mean for megatron-core, and their up-front validation:
 
     param_dtype=bf16|fp16   TransformerConfig(bf16/fp16=True, params_dtype) -> megatron's optimizer keeps fp32 main
                             weights and Adam states (Float16OptimizerWithFloat16Params, or DistributedOptimizer), DDP
@@ -10,8 +10,10 @@ Owns the names tripod accepts (`megatron.param_dtype`, `use_distributed_optimize
                             Adam (megatron's DistributedOptimizer supports Adam only; at DP = 1 there is nothing to
                             shard). Its checkpoints resume at any layout (tests/multiprocess/test_precision.py).
     recompute_granularity   TransformerConfig.recompute_granularity / recompute_method / recompute_num_layers.
-    optimizer_offload       OptimizerConfig(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0): megatron's
+    optimizer_cpu_offload   OptimizerConfig(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0): megatron's
                             HybridDeviceOptimizer, which uses CUDA streams; needs CUDA and the distributed optimizer.
+    param_offload, grad_offload, optimizer_offload   moves to host memory between phases (engine/offload.py);
+                            checked here: CUDA only, and grads / optimizer states only on training models.
     rollout.dtype           generation shard + KV cache dtype; null = bf16 on CUDA, fp32 on CPU.
 """
 from __future__ import annotations
@@ -39,7 +41,7 @@ class PrecisionSettings:
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
-    optimizer_offload: bool = False
+    optimizer_cpu_offload: bool = False
 
     def transformer_overrides(self) -> dict[str, Any]:
         """TransformerConfig fields for activation recomputation (empty when off)."""
@@ -57,7 +59,7 @@ class PrecisionSettings:
                                    use_distributed_optimizer=self.use_distributed_optimizer)
         if self.param_dtype == torch.float16:
             out.update(loss_scale=None, initial_loss_scale=2.0 ** 16)  # dynamic loss scaling
-        if self.optimizer_offload:
+        if self.optimizer_cpu_offload:
             out.update(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
                        use_precision_aware_optimizer=True)
         return out
@@ -77,7 +79,7 @@ def resolve_precision(m, dp: int, trainable: bool, optimizer: str = "adam") -> P
     return PrecisionSettings(param_dtype=dtype_of(m.param_dtype), use_distributed_optimizer=bool(dist_opt),
                              recompute_granularity=m.recompute_granularity,
                              recompute_method=m.recompute_method if m.recompute_granularity == "full" else None,
-                             recompute_num_layers=m.recompute_num_layers, optimizer_offload=m.optimizer_offload)
+                             recompute_num_layers=m.recompute_num_layers, optimizer_cpu_offload=m.optimizer_cpu_offload)
 
 
 def rollout_dtype(name: Optional[str], device: torch.device | str) -> torch.dtype:
@@ -108,23 +110,35 @@ def precision_problems(cfg, world_size: int, models: list[tuple[str, Any, bool]]
                          " set it to null or turn full recomputation on")
             elif m.recompute_num_layers < 1:
                 e.append(f"{key}.recompute_num_layers={m.recompute_num_layers} must be >= 1 (or null for 1)")
+        if on_cpu:  # the moves would save nothing: the "device" is host memory already
+            e += [f"{key}.{name}=true moves {what} to host memory between phases on CUDA; this run computes on "
+                  f"the CPU (trainer.device={cfg.trainer.device}), where they already live in host memory, so it "
+                  "would save nothing: set it to false (`tripod plan ... trainer.device=cuda` shows what it saves)"
+                  for name, what in (("param_offload", "parameters"), ("grad_offload", "gradient buffers"),
+                                     ("optimizer_offload", "optimizer states"))
+                  if getattr(m, name) and (trainable or name == "param_offload")]
         if not trainable:
             for name, value, default in (("use_distributed_optimizer", m.use_distributed_optimizer, None),
+                                         ("grad_offload", m.grad_offload, False),
                                          ("optimizer_offload", m.optimizer_offload, False),
+                                         ("optimizer_cpu_offload", m.optimizer_cpu_offload, False),
                                          ("recompute_granularity", m.recompute_granularity, None)):
                 if value != default:
                     e.append(f"{key}.{name}={value} has no effect on a frozen model (no optimizer, no backward); "
                              f"leave it at {default}")
             continue
-        if m.optimizer_offload:
+        if m.optimizer_cpu_offload:
             if on_cpu:
-                e.append(f"{key}.optimizer_offload=true needs trainer.device=cuda (megatron's HybridDeviceOptimizer "
+                e.append(f"{key}.optimizer_cpu_offload=true needs trainer.device=cuda (megatron's HybridDeviceOptimizer "
                          "runs on CUDA streams; on CPU the optimizer states already live in host memory); set it "
                          "to false")
             dist_opt = m.use_distributed_optimizer is not False  # null = auto: on at DP > 1 with Adam
             if not dist_opt or m.data_parallel_size(world_size) <= 1:
-                e.append(f"{key}.optimizer_offload=true needs the distributed optimizer (megatron offloads its "
+                e.append(f"{key}.optimizer_cpu_offload=true needs the distributed optimizer (megatron offloads its "
                          f"shards); set {key}.use_distributed_optimizer=true")
+        if m.optimizer_offload and m.optimizer_cpu_offload:
+            e.append(f"{key}.optimizer_offload=true and {key}.optimizer_cpu_offload=true: the second already keeps "
+                     "the optimizer states on the host; set one of them to false")
         if m.param_dtype == "fp16" and on_cpu:
             e.append(f"{key}.param_dtype=fp16 needs trainer.device=cuda (CPU kernels lack fp16 matmuls); use bf16 "
                      "or fp32 on CPU")

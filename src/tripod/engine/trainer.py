@@ -22,12 +22,14 @@ from tripod.engine.algorithms import apply_kl_penalty, build_kl_controller, comp
 from tripod.engine.algorithms.dynamic_sampling import DynamicSampler
 from tripod.engine.algorithms.rollout_correction import correct_batch
 from tripod.engine.checkpoints import CheckpointManager
+from tripod.engine.checkpoints.manager import latest_complete
 from tripod.engine.config import TripodConfig, save_resolved_config
 from tripod.engine.config_loading import config_to_dict
 from tripod.engine.data import PromptBatch, PromptDataLoader, PromptDataset
 from tripod.engine.device import DeviceGuard, check_devices_enabled, current_device, freeze_long_lived_objects
 from tripod.engine.divergence_guard import DivergenceGuard, GuardDecision, Remedies
 from tripod.engine.logging import StepProfiler, Timer, Tracker, validation_samples
+from tripod.engine.offload import flags_of, manager_for
 from tripod.engine.precision import resolve_precision, rollout_dtype
 from tripod.engine.rewards import RewardPool, registered_data_sources
 from tripod.engine.rewards.overlong import OverlongShaper
@@ -106,7 +108,7 @@ class PPOTrainer:
                                                    self.arch, True, actor_cfg.optim.optimizer))
         ref_layout = _layout(arc.ref.megatron, "reference", self.arch)
         self.ref = (PolicyWorker("reference", self.arch, ref_layout, path, trainable=False, seed=arc.ref.megatron.seed,
-                                 offload=arc.ref.offload, share_prompt_prefix=actor_cfg.share_prompt_prefix,
+                                 share_prompt_prefix=actor_cfg.share_prompt_prefix,
                                  **_model_options(arc.ref.megatron, ref_layout, "actor_rollout_ref.ref", self.arch,
                                                   False))
                     if self.use_ref else None)
@@ -120,6 +122,10 @@ class PPOTrainer:
                        if self.use_critic else None)
         self.reward_model = self._build_reward_model() if cfg.reward_model.enable else None
 
+        # host offload between phases (engine/offload.py): moves on CUDA, recorded only on CPU
+        self.offload = manager_for({"actor": self.actor, "critic": self.critic, "reference": self.ref}, {
+            "actor": flags_of(actor_cfg.megatron, True), "critic": flags_of(cfg.critic.megatron, True),
+            "reference": flags_of(arc.ref.megatron, False, arc.ref.offload)}, self.device)
         rollout = arc.rollout
         gen_dtype = rollout_dtype(rollout.dtype, self.device)
         self.hybrid = HybridEngine(self.arch, actor_layout, rollout.tensor_model_parallel_size, dtype=gen_dtype,
@@ -149,7 +155,7 @@ class PPOTrainer:
         rm = self.cfg.reward_model
         arch = arch_from_hf(rm.model.path)
         layout = _layout(rm.megatron, "reward_model", arch)
-        return RewardModelWorker(arch, layout, rm.model.path, pad_token_id=self.pad_id, offload=rm.offload,
+        return RewardModelWorker(arch, layout, rm.model.path, pad_token_id=self.pad_id, offload=rm.offload or rm.megatron.param_offload,
                                  seed=rm.megatron.seed, retokenize=(self.tokenizer, AutoTokenizer.from_pretrained(
                                      rm.model.path)) if rm.retokenize else None,
                                  **_model_options(rm.megatron, layout, "reward_model", arch, False))
@@ -168,6 +174,7 @@ class PPOTrainer:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, timer: Timer | None = None) -> list[list[int]]:
         """Every prompt's responses on every rank (the rollout replicas split the prompts: WeightSync.generate_all)."""
+        self.offload.enter("rollout")
         return self.weight_sync.generate_all(prompts, params, timer or Timer())
 
     def score(self, batch: PromptBatch, responses: list[list[int]], n: int) -> tuple[list[float], dict]:
@@ -216,16 +223,19 @@ class PPOTrainer:
                 batch["old_log_probs"] = batch["rollout_log_probs"]
             elif not self.on_policy_update(batch.size):  # else the update takes them from its own forward
                 with timer("old_log_prob"):
+                    self.offload.enter("old_log_prob")
                     batch["old_log_probs"], _ = self.actor.compute_log_probs(
                         batch, ro.log_prob_micro_batch_size_per_gpu or batch.size, temperature,
                         token_budget=ro.log_prob_max_token_len_per_gpu if ro.log_prob_use_dynamic_bsz else None)
             if self.ref is not None:
                 with timer("ref"):
+                    self.offload.enter("ref")
                     batch["ref_log_probs"], _ = self.ref.compute_log_probs(
                         batch, ref.log_prob_micro_batch_size_per_gpu or batch.size, temperature,
                         token_budget=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None)
             if self.critic is not None:
                 with timer("values"):
+                    self.offload.enter("values")
                     batch["values"] = self.critic.compute_values(
                         batch, critic.ppo_micro_batch_size_per_gpu or batch.size,
                         token_budget=critic.forward_max_token_len_per_gpu if critic.use_dynamic_bsz else None)
@@ -248,9 +258,11 @@ class PPOTrainer:
                 batch["advantages"], batch["returns"] = adv, ret
             if self.critic is not None:
                 with timer("update_critic"):
+                    self.offload.enter("update_critic")
                     metrics.update(self.critic.update(batch, cfg.critic, n))
             if self.step >= cfg.trainer.critic_warmup:
                 with timer("update_actor"):
+                    self.offload.enter("update_actor")
                     metrics.update(self.actor.update(batch, arc.actor, temperature, n))
         timings = timer.metrics()
         metrics.update(batch_metrics(batch, scores))
@@ -335,6 +347,8 @@ class PPOTrainer:
 
     def resume(self, mode: str | None) -> None:
         """Continue from the checkpoint `mode` names (trainer.resume: auto, disable or a path), if there is one."""
+        if mode not in ("disable", "", None) and (mode != "auto" or latest_complete(self.ckpt.root)):
+            self.offload.enter("checkpoint")  # loads in place: params and optimizer states on the device
         state = self.ckpt.load(mode, self.trainable_workers())
         if state is not None:
             self.load_state_dict(state)
@@ -365,6 +379,7 @@ class PPOTrainer:
         actor_lr = lambda: float(self.actor.optimizer.param_groups[0]["lr"])  # noqa: E731
         self.ckpt.reject_after(decision.checkpoint_step)
         before = (a.clip_ratio, self.kl_ctrl.value, actor_lr())
+        self.offload.enter("checkpoint")
         state = self.ckpt.load(decision.checkpoint, self.trainable_workers())
         state.pop("guard", None)  # the guard's own count and best validation reward go on across a rollback
         self.load_state_dict(state)
@@ -427,6 +442,7 @@ class PPOTrainer:
                 tracker.log_samples(self.val_samples if "val/reward_mean" in metrics else [], self.step)
             if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or done:
                 with self.profiler.range("checkpoint"):
+                    self.offload.enter("checkpoint")
                     saved = self.ckpt.save(self.step, self.state_dict(), self.trainable_workers())
                 if self.rank == 0:
                     self.guard.mark_good(saved)

@@ -256,7 +256,8 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
     if cfg.uses_critic:
         models.append(model("critic", cfg.critic.megatron, True, value_head=True, optimizer=cfg.critic.optim.optimizer))
     if cfg.uses_reference:
-        models.append(model("reference", arc.ref.megatron, False, offloaded=arc.ref.offload and device == "cuda"))
+        ref_offload = arc.ref.offload or arc.ref.megatron.param_offload  # placement by phase: memory_phases.py
+        models.append(model("reference", arc.ref.megatron, False, offloaded=ref_offload and device == "cuda"))
     r = arc.rollout
     gdt = rollout_dtype(r.dtype, device)
     replicas = world_size // r.tensor_model_parallel_size

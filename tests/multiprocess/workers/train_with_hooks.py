@@ -10,6 +10,9 @@ here, never by the engine), to prove that the cross-layout equivalence check fai
                          engine/checkpoints/manager.py's _unshare_adam_steps fixes)
       adam_exp_avg_sq_on_load   a resumed optimizer's exp_avg_sq is zeroed after loading
       expert_bias_frozen the router's expert-bias update (megatron's finalize_model_grads step) does nothing
+TRIPOD_TEST_OFFLOAD_RECORD=<path> turns every offload kind of every model on inside engine/offload.py's manager (a CPU
+run refuses the keys themselves; there the manager only records) and appends rank 0's placement after each phase the
+trainer enters to <path>, one JSON line each.
 """
 import os
 import sys
@@ -88,12 +91,34 @@ def _freeze_expert_bias() -> None:
     module._update_router_expert_bias = lambda model, config: None
 
 
+def _record_offload(path: str) -> None:
+    import json
+
+    from tripod.engine import offload
+
+    init, enter = offload.OffloadManager.__init__, offload.OffloadManager.enter
+
+    def all_on(self, flags, movers, execute):
+        on = {m: offload.OffloadFlags(True, m != "reference", m != "reference") for m in flags}
+        init(self, on, movers, execute)
+
+    def recorded(self, phase):
+        enter(self, phase)
+        if int(os.environ.get("RANK", "0")) == 0:
+            with open(path, "a") as f:
+                f.write(json.dumps({"phase": phase, "where": self.where, "execute": self.execute}) + "\n")
+
+    offload.OffloadManager.__init__, offload.OffloadManager.enter = all_on, recorded
+
+
 PLANTS = {"lm_head_tp_split": _flip_lm_head_split, "pp_stage_grads": _drop_first_stage_grads,
           "expert_dp_grads": _sum_expert_dp_grads, "adam_step_shared": _share_adam_step,
           "adam_exp_avg_sq_on_load": _zero_exp_avg_sq_on_load, "expert_bias_frozen": _freeze_expert_bias}
 _plant = os.environ.get("TRIPOD_TEST_PLANT")
 if _plant:
     PLANTS[_plant]()
+if os.environ.get("TRIPOD_TEST_OFFLOAD_RECORD"):
+    _record_offload(os.environ["TRIPOD_TEST_OFFLOAD_RECORD"])
 
 if __name__ == "__main__":
     from tripod.engine.cli import main

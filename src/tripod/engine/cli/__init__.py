@@ -4,7 +4,7 @@
     tripod export CKPT_DIR HF_DIR [--tp --pp --ep --etp]          tripod checkpoint -> safetensors + config.json (export.py)
     tripod train RECIPE [key=value ...]           PPO training (train.py)
     tripod train-rm RECIPE [key=value ...]        reward-model training on preference pairs (train_rm.py)
-    tripod plan RECIPE [key=value ...]            the hybrid engine's resharding and memory plan (plan.py)
+    tripod plan RECIPE|MODEL [key=value ...] [--per-rank] [--gpu-memory-gb G]   resharding + memory plan (plan.py)
     tripod bench RECIPE [key=value ...] --steps N --out DIR [--baseline trl hf]   throughput vs peers (bench.py)
     tripod report RUN_DIR [--out PNG]             dashboard PNG + health verdict from metrics.jsonl (report.py)
 

@@ -1,10 +1,13 @@
-"""`tripod plan CONFIG [key=value ...]`: the hybrid engine's resharding plan and the memory plan of a recipe.
+"""`tripod plan RECIPE|MODEL [key=value ...] [--per-rank] [--gpu-memory-gb G]`: the hybrid engine's resharding plan
+and the memory plan of a run, without starting any process.
 
-Prints the hybrid engine's resharding plan for the recipe's actor layout and rollout TP (groups, bytes
-received and peak extra memory per rank) and the memory plan per rank (params, grads, fp32 main weights, optimizer
-states of each model, generation shard, KV cache: parallel/memory_plan.py), without starting any process. It needs
-only the model's config.json: a local directory, the local Hugging Face cache, or recipes/model_configs/ for a repo id
-(`plan_model_config`).
+RECIPE is a YAML recipe; MODEL (instead of a recipe: tripod's defaults plus the overrides) is a local model
+directory, a config.json, or a hub name whose config.json recipes/model_configs/ holds (`plan_model_config`; the
+local Hugging Face cache is tried too). It prints the resharding plan for the actor layout and rollout TP (groups,
+bytes received and peak extra memory: one row per distinct rank role, `--per-rank` for every rank;
+parallel/hybrid_engine/plan_report.py), the memory plan per rank (params, grads, fp32 main weights, optimizer states
+of each model, generation shard, KV cache, activations: parallel/memory_plan.py) and where those bytes live in each
+phase with the offload keys, with the verdict against the device memory (parallel/memory_phases.py).
 """
 from __future__ import annotations
 
@@ -23,9 +26,14 @@ def _world_size(cfg) -> int:
 MODEL_CONFIGS = CHECKOUT / "recipes" / "model_configs"
 
 
+def bundled_model_names() -> list[str]:
+    """The hub names recipes/model_configs/ holds a config.json of (`<org>--<name>.json` -> `org/name`)."""
+    return sorted(p.stem.replace("--", "/") for p in MODEL_CONFIGS.glob("*.json"))
+
+
 def plan_model_config(path: str, key: str = "actor_rollout_ref.model.path") -> str:
-    """Where `tripod plan` reads the config.json of `path`: the directory itself, the local Hugging Face cache, or
-    the architecture-only copy in recipes/model_configs/<org>--<name>.json (see its README for the sources)."""
+    """Where `tripod plan` reads the config.json of `path`: a local directory or config.json file, the local Hugging
+    Face cache, or the architecture-only copy in recipes/model_configs/<org>--<name>.json (see its README)."""
     if os.path.exists(path):
         return path
     try:
@@ -39,8 +47,13 @@ def plan_model_config(path: str, key: str = "actor_rollout_ref.model.path") -> s
     bundled = MODEL_CONFIGS / (path.replace("/", "--") + ".json")
     if bundled.is_file():
         return str(bundled)
-    raise FileNotFoundError(f"{key}={path}: no local directory, no cached config.json and no {bundled}; "
-                            "download the model (or just its config.json) and point the key at it")
+    raise FileNotFoundError(f"{key}={path}: no local directory or config.json, not in the Hugging Face cache, and "
+                            f"recipes/model_configs/ holds only {', '.join(bundled_model_names())}; point it at a "
+                            "model directory or its config.json")
+
+
+def _is_recipe(arg: str) -> bool:
+    return arg.endswith((".yaml", ".yml"))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -48,7 +61,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.hybrid_engine import reshard_plan_from_config
 
-    cfg = load_config(args.config, args.overrides)
+    if _is_recipe(args.config):
+        cfg = load_config(args.config, args.overrides)
+    else:  # a model: check it before the config, so that a wrong name is the one line printed
+        plan_model_config(args.config, "tripod plan MODEL")
+        cfg = load_config(None, [f"actor_rollout_ref.model.path={args.config}", *args.overrides])
     world = _world_size(cfg)
     m = cfg.actor_rollout_ref.actor.megatron
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
@@ -59,20 +76,36 @@ def cmd_plan(args: argparse.Namespace) -> int:
     arch = arch_from_hf(source)
     print(f"architecture: {source}")
     plan = reshard_plan_from_config(cfg, world, arch, bucket_bytes=int(args.bucket_mb * (1 << 20)))
-    print(plan.describe())
+    print(plan.describe(per_rank=args.per_rank))
+    from tripod.engine.offload import flags_of
+    from tripod.parallel.memory_phases import describe_phases
     from tripod.parallel.memory_plan import plan_from_config
 
     critic_arch = arch_from_hf(plan_model_config(cfg.critic.model.path, "critic.model.path")) \
         if cfg.uses_critic and cfg.critic.model.path else None
     print("\nmemory per rank (parallel/memory_plan.py):")
-    print(plan_from_config(cfg, world, arch, critic_arch).describe())
+    memory = plan_from_config(cfg, world, arch, critic_arch)
+    print(memory.describe())
+    arc, on_cuda = cfg.actor_rollout_ref, cfg.trainer.device == "cuda"
+    offload = {"actor": flags_of(arc.actor.megatron, True), "critic": flags_of(cfg.critic.megatron, True),
+               "reference": flags_of(arc.ref.megatron, False, arc.ref.offload)} if on_cuda else {}
+    gpu_gb = args.gpu_memory_gb if args.gpu_memory_gb is not None else (80.0 if on_cuda else None)
+    cpu_optimizer = frozenset(n for n, c in (("actor", arc.actor.megatron), ("critic", cfg.critic.megatron))
+                              if on_cuda and c.optimizer_cpu_offload)
+    print("\n" + describe_phases(memory, offload, gpu_gb, cpu_optimizer))
     return 0
 
 
 def add_plan_command(subparsers) -> None:
-    p = subparsers.add_parser("plan", help="print the hybrid engine's resharding plan of a recipe",
-                              description="Layouts, micro-DP and rollout TP groups, bytes and peak memory per rank.")
-    p.add_argument("config", help="YAML recipe (see recipes/)")
+    p = subparsers.add_parser("plan", help="print the resharding and memory plan of a recipe or a model",
+                              description="Layouts, micro-DP and rollout TP groups, bytes and memory per rank, per "
+                                          "phase, and whether the peak fits the device memory.")
+    p.add_argument("config", help="YAML recipe (see recipes/), or a model: a local directory, a config.json, or a "
+                                  "hub name recipes/model_configs/ holds (then tripod's defaults + the overrides)")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     p.add_argument("--bucket-mb", type=float, default=64.0, help="bucket size in MiB (default 64)")
+    p.add_argument("--per-rank", action="store_true", help="one row per rank (default: one per distinct rank role)")
+    p.add_argument("--gpu-memory-gb", type=float, default=None,
+                   help="device memory in GiB for the fits / does-not-fit verdict (default 80 with "
+                        "trainer.device=cuda, none on CPU)")
     p.set_defaults(func=cmd_plan)

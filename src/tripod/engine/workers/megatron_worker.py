@@ -51,7 +51,7 @@ class MegatronWorker:
     def __init__(self, name: str, arch: ModelArch, layout, hf_dir: str, *, value_head: bool = False,
                  trainable: bool = True, optim: OptimConfig | None = None, grad_clip: float = 1.0,
                  total_steps: int = 1, seed: int = 1234, precision: PrecisionSettings | None = None,
-                 offload: bool = False, sequence_parallel: bool = False, virtual_pipeline_size: int | None = None,
+                 sequence_parallel: bool = False, virtual_pipeline_size: int | None = None,
                  config_overrides: dict | None = None, share_prompt_prefix: bool = True, use_te: str = "auto",
                  load_arch: ModelArch | None = None):
         """`optim`, `grad_clip` and `total_steps` (optimizer steps of the whole run, for the LR schedule) matter
@@ -98,31 +98,19 @@ class MegatronWorker:
             for chunk in self.chunks:
                 for p in chunk.parameters():
                     p.requires_grad_(False)
-        self.offload = offload and not trainable
         self._device = next(model.parameters()).device
         if self._device.type != self.device.type:
             raise RuntimeError(f"{name}: megatron built the model on {self._device}, the chosen device is "
                                f"{self.device} (engine/device.py)")
-        if self.offload:
-            self._move_params(torch.device("cpu"))
         trim_host_heap(self.device)  # the HF load's transients
 
     def _move_params(self, device: torch.device) -> None:
+        """Every parameter's data to `device` (pinned on the host when CUDA is there): the frozen reference's
+        param_offload move (engine/offload.py)."""
         for p in (p for chunk in self.chunks for p in chunk.parameters()):
             if p.device != device:
                 p.data = p.data.to(device, non_blocking=True).pin_memory() if device.type == "cpu" and \
                     torch.cuda.is_available() else p.data.to(device, non_blocking=True)
-
-    @contextlib.contextmanager
-    def resident(self):
-        """Parameters on the compute device for the block (a no-op unless the worker offloads them)."""
-        if self.offload:
-            self._move_params(self._device)
-        try:
-            yield
-        finally:
-            if self.offload:
-                self._move_params(torch.device("cpu"))
 
     def _wrap_for_training(self, chunks, optim: OptimConfig, grad_clip: float):
         from megatron.core.distributed import (

@@ -174,8 +174,7 @@ class PolicyWorker(MegatronWorker):
                 out["entropy"] = ent.detach()
             return logp.sum() * 0.0, out
 
-        with self.resident():
-            outs = self.run(mbs, loss_fn, forward_only=True)
+        outs = self.run(mbs, loss_fn, forward_only=True)
         logp = _in_row_order(torch.cat([o["logp"] for o in outs]) if outs else None, order)
         ent = _in_row_order(torch.cat([o["entropy"] for o in outs]) if outs and with_entropy else None, order)
         logp = self.gather_rows(logp, (r,), n)

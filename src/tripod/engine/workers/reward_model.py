@@ -14,6 +14,7 @@ against the run (score head, tokenizer) before any model is built.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Sequence
 
@@ -35,9 +36,23 @@ class RewardModelWorker(MegatronWorker):
         both share one tokenizer. `options`: MegatronWorker's (seed, precision, sequence_parallel, ...)."""
         if not arch.score_head:
             raise ValueError(f"{hf_dir}: not a *ForSequenceClassification checkpoint (no score head)")
-        super().__init__("reward_model", arch, layout, hf_dir, value_head=True, trainable=False, offload=offload,
+        super().__init__("reward_model", arch, layout, hf_dir, value_head=True, trainable=False,
                          share_prompt_prefix=False, **options)
-        self.pad_token_id, self.retokenize = pad_token_id, retokenize
+        self.pad_token_id, self.retokenize, self.offload = pad_token_id, retokenize, offload
+        if offload:
+            self._move_params(torch.device("cpu"))
+
+    @contextlib.contextmanager
+    def resident(self):
+        """Parameters on the compute device while it scores, on the host between scorings with `offload` (the
+        reward model sits outside the PPO phases that engine/offload.py moves)."""
+        if self.offload:
+            self._move_params(self._device)
+        try:
+            yield
+        finally:
+            if self.offload:
+                self._move_params(torch.device("cpu"))
 
     def score(self, sequences: Sequence[Sequence[int]], micro: int | None) -> list[float]:
         """The reward model's score of each token sequence (prompt + response, actor token ids), on every rank."""

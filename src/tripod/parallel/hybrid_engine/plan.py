@@ -282,31 +282,11 @@ class ReshardPlan:
         """Generation shard plus the largest bucket: the most a rank holds beyond its training shard."""
         return self.generation_shard_bytes() + self.max_bucket_bytes()
 
-    def describe(self) -> str:
-        mb = 1 << 20
-        experts = ""
-        if self.expert_specs:
-            lay = self.expert_layout
-            experts = (f", experts EP={lay.ep} ETP={lay.etp} EDP={lay.edp} ({lay.num_experts} experts, "
-                       f"{lay.n_local} per EP rank; to rollout: every expert cut over rollout TP, point to point)")
-        lines = [
-            f"train layout   TP={self.tp} PP={self.pp} DP={self.dp} (world {self.world_size}){experts}"
-            + (f", layers per stage {self.stages.describe()}" if self.stages is not None and self.stages.uneven else ""),
-            f"rollout layout TP={self.rollout_tp} PP=1 DP={self.world_size // self.rollout_tp}",
-            f"micro-DP size  {self.micro_dp_size} = (TP*PP)/(rollout TP)",
-            f"model bytes    {self.model_bytes() / mb:.2f} MiB ({self.dtype}), bucket {self.bucket_bytes / mb:.2f} MiB",
-            f"micro-DP groups   {self.micro_dp_groups}",
-            f"rollout TP groups {self.rollout_tp_groups}",
-            "rank  rollout_tp_rank  buckets_sent  recv_MiB  ideal_recv_MiB  naive_recv_MiB  peak_extra_MiB",
-        ]
-        if self.expert_specs:
-            lines.insert(-1, "(recv_MiB includes the experts' point-to-point part; ideal/naive are HybridFlow's "
-                             "formulas over the whole model)")
-        for r in range(self.world_size):
-            lines.append(f"{r:>4}  {self.rollout_tp_rank(r):>15}  {len(self.buckets[r]):>12}  "
-                         f"{self.bytes_received(r, fast=True) / mb:>8.2f}  {self.bytes_received_ideal() / mb:>14.2f}  "
-                         f"{self.bytes_received_naive() / mb:>14.2f}  {self.peak_extra_bytes() / mb:>14.2f}")
-        return "\n".join(lines)
+    def describe(self, per_rank: bool = True) -> str:
+        """The plan as text (parallel/hybrid_engine/plan_report.py; `per_rank=False`: one row per rank role)."""
+        from tripod.parallel.hybrid_engine.plan_report import describe_plan
+
+        return describe_plan(self, per_rank)
 
 
 def _prod(shape: tuple[int, ...]) -> int:
