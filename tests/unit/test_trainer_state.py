@@ -15,6 +15,7 @@ from tripod.engine.checkpoints import CheckpointManager
 from tripod.engine.config import TripodConfig
 from tripod.engine.data import PromptDataLoader
 from tripod.engine.divergence_guard import DivergenceGuard
+from tripod.engine.offload import OffloadManager
 from tripod.engine.trainer import PPOTrainer
 
 
@@ -58,6 +59,7 @@ def _trainer(root: str, guard_enabled: bool = True) -> PPOTrainer:
     t.actor, t.critic = _Worker(a.optim.lr, 40), _Worker(cfg.critic.optim.lr, 40)
     t.guard = DivergenceGuard(cfg.trainer.divergence_guard, a, cfg.algorithm.kl_ctrl.target_kl, root)
     t.ckpt = CheckpointManager(root, arch=None, tokenizer_dir="")
+    t.offload = OffloadManager({}, {}, execute=False)  # nothing offloaded: resume's phase change moves nothing
     return t
 
 
