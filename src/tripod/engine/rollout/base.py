@@ -88,6 +88,20 @@ class RolloutOutput:
     finish_reasons: list[str]
     pad_token_id: int = 0
 
+    @classmethod
+    def from_rows(cls, token_rows: list[list[int]], logprob_rows: list[list[float]], finish_reasons: list[str],
+                  num_prompts: int, n: int, pad_token_id: int) -> "RolloutOutput":
+        """An engine's ragged per-row tokens and log-probs (prompt-major, n rows per prompt) laid out as tensors."""
+        width = max(1, max(map(len, token_rows)))
+        response_ids = torch.full((len(token_rows), width), pad_token_id, dtype=torch.long)
+        log_probs = torch.zeros(len(token_rows), width, dtype=torch.float32)
+        for row, (ids, lps) in enumerate(zip(token_rows, logprob_rows)):
+            response_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            log_probs[row, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
+        return cls(prompt_index=torch.arange(num_prompts).repeat_interleave(n), response_ids=response_ids,
+                   response_lengths=torch.tensor([len(t) for t in token_rows], dtype=torch.long),
+                   log_probs=log_probs, finish_reasons=list(finish_reasons), pad_token_id=pad_token_id)
+
     def responses(self) -> list[list[int]]:
         """Each row's generated tokens as a plain list (padding removed)."""
         return [self.response_ids[i, : int(n)].tolist() for i, n in enumerate(self.response_lengths)]

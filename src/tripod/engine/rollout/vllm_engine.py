@@ -153,15 +153,7 @@ def output_from_vllm(results: list[Any], num_prompts: int, n: int, pad_token_id:
             raise RuntimeError(f"vllm request {i} finished with {completion.finish_reason!r} (aborted?)")
         token_rows.append(ids)
         reasons.append(FINISH_STOP if completion.finish_reason == "stop" else FINISH_LENGTH)
-    width = max(1, max(map(len, token_rows)))
-    response_ids = torch.full((len(results), width), pad_token_id, dtype=torch.long)
-    log_probs = torch.zeros(len(results), width, dtype=torch.float32)
-    for row, (ids, lps) in enumerate(zip(token_rows, logprob_rows)):
-        response_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        log_probs[row, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
-    return RolloutOutput(prompt_index=torch.arange(num_prompts).repeat_interleave(n), response_ids=response_ids,
-                         response_lengths=torch.tensor([len(t) for t in token_rows], dtype=torch.long),
-                         log_probs=log_probs, finish_reasons=reasons, pad_token_id=pad_token_id)
+    return RolloutOutput.from_rows(token_rows, logprob_rows, reasons, num_prompts, n, pad_token_id)
 
 
 class VLLMRolloutEngine(RolloutEngine):
