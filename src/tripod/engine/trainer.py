@@ -30,35 +30,18 @@ from tripod.engine.device import DeviceGuard, check_devices_enabled, current_dev
 from tripod.engine.divergence_guard import DivergenceGuard, GuardDecision, Remedies
 from tripod.engine.logging import StepProfiler, Timer, Tracker, validation_samples
 from tripod.engine.offload import flags_of, manager_for
-from tripod.engine.precision import resolve_precision, rollout_dtype
+from tripod.engine.precision import rollout_dtype
 from tripod.engine.rewards import RewardPool, registered_data_sources
 from tripod.engine.rewards.overlong import OverlongShaper
 from tripod.engine.rollout import SamplingParams, make_rollout_engine
 from tripod.engine.rollout.weight_sync import WeightSync
 from tripod.engine.throughput import PerfCounter
 from tripod.engine.workers.batch import batch_metrics, build_ppo_batch
-from tripod.engine.workers.moe_config import moe_config_overrides
+from tripod.engine.workers.model_options import layout_of, model_options
 from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
-from tripod.engine.workers.reward_model import RewardModelWorker, combine_rewards, rule_rewards_where_defined
+from tripod.engine.workers.reward_model import build_reward_model, combine_rewards, rule_rewards_where_defined
 from tripod.parallel.arch import arch_from_hf
 from tripod.parallel.hybrid_engine.engine import HybridEngine
-from tripod.parallel.layout import ParallelLayout
-
-
-def _layout(m, name: str, arch) -> ParallelLayout:
-    return ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                          ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size, name=name, arch=arch,
-                          first_stage_layers=m.num_layers_in_first_pipeline_stage,
-                          last_stage_layers=m.num_layers_in_last_pipeline_stage)
-
-
-def _model_options(m, layout: ParallelLayout, key: str, arch, trainable: bool = True, optimizer: str = "adam") -> dict:
-    """Worker keyword arguments from the `{key}.megatron` config section: precision, sequence parallel, virtual
-    stages, the MoE router's load balancing."""
-    return dict(sequence_parallel=m.sequence_parallel, virtual_pipeline_size=m.virtual_pipeline_model_parallel_size,
-                precision=resolve_precision(m, layout.dp, trainable, optimizer),
-                use_te=m.use_te,
-                config_overrides=moe_config_overrides(m, arch, key))
 
 
 class PPOTrainer:
@@ -99,28 +82,28 @@ class PPOTrainer:
         # optimizer steps of the run, for the LR schedules: one per mini-batch per PPO epoch of every step that
         # updates the model (the actor sits out the critic warm-up)
         updates = lambda m: m.ppo_epochs * (cfg.data.train_batch_size // m.ppo_mini_batch_size)  # noqa: E731
-        actor_layout = _layout(actor_cfg.megatron, "actor", self.arch)
+        actor_layout = layout_of(actor_cfg.megatron, "actor", self.arch)
         self.actor = PolicyWorker("actor", self.arch, actor_layout, path, seed=actor_cfg.megatron.seed,
                                   optim=actor_cfg.optim, grad_clip=actor_cfg.grad_clip,
                                   share_prompt_prefix=actor_cfg.share_prompt_prefix,
                                   total_steps=max(self.total_steps - cfg.trainer.critic_warmup, 1) * updates(actor_cfg),
-                                  **_model_options(actor_cfg.megatron, actor_layout, "actor_rollout_ref.actor",
+                                  **model_options(actor_cfg.megatron, actor_layout, "actor_rollout_ref.actor",
                                                    self.arch, True, actor_cfg.optim.optimizer))
-        ref_layout = _layout(arc.ref.megatron, "reference", self.arch)
+        ref_layout = layout_of(arc.ref.megatron, "reference", self.arch)
         self.ref = (PolicyWorker("reference", self.arch, ref_layout, path, trainable=False, seed=arc.ref.megatron.seed,
                                  share_prompt_prefix=actor_cfg.share_prompt_prefix,
-                                 **_model_options(arc.ref.megatron, ref_layout, "actor_rollout_ref.ref", self.arch,
+                                 **model_options(arc.ref.megatron, ref_layout, "actor_rollout_ref.ref", self.arch,
                                                   False))
                     if self.use_ref else None)
-        critic_layout = _layout(cfg.critic.megatron, "critic", self.arch)
+        critic_layout = layout_of(cfg.critic.megatron, "critic", self.arch)
         self.critic = (CriticWorker("critic", self.arch, critic_layout, cfg.critic.model.path, value_head=True,
                                     seed=cfg.critic.megatron.seed, optim=cfg.critic.optim,
                                     grad_clip=cfg.critic.grad_clip, total_steps=self.total_steps * updates(cfg.critic),
                                     share_prompt_prefix=cfg.critic.share_prompt_prefix,
-                                    **_model_options(cfg.critic.megatron, critic_layout, "critic", self.arch, True,
+                                    **model_options(cfg.critic.megatron, critic_layout, "critic", self.arch, True,
                                                      cfg.critic.optim.optimizer))
                        if self.use_critic else None)
-        self.reward_model = self._build_reward_model() if cfg.reward_model.enable else None
+        self.reward_model = build_reward_model(cfg.reward_model, self.pad_id, self.tokenizer) if cfg.reward_model.enable else None
 
         # host offload between phases (engine/offload.py): moves on CUDA, recorded only on CPU
         self.offload = manager_for({"actor": self.actor, "critic": self.critic, "reference": self.ref}, {
@@ -148,17 +131,6 @@ class PPOTrainer:
         self.val_samples: list[dict] = []  # of the last validation, for the tracker (trainer.log_val_generations)
         self.step = 0
         freeze_long_lived_objects()  # the models are built: the per-stage heap trims stop rescanning them
-
-    def _build_reward_model(self) -> RewardModelWorker:
-        from transformers import AutoTokenizer
-
-        rm = self.cfg.reward_model
-        arch = arch_from_hf(rm.model.path)
-        layout = _layout(rm.megatron, "reward_model", arch)
-        return RewardModelWorker(arch, layout, rm.model.path, pad_token_id=self.pad_id, offload=rm.offload or rm.megatron.param_offload,
-                                 seed=rm.megatron.seed, retokenize=(self.tokenizer, AutoTokenizer.from_pretrained(
-                                     rm.model.path)) if rm.retokenize else None,
-                                 **_model_options(rm.megatron, layout, "reward_model", arch, False))
 
     # ---- rollout -----------------------------------------------------------------------------
     def sampling_params(self, validate: bool, step: int, gen_batch: int = 0) -> SamplingParams:

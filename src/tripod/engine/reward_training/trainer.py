@@ -49,7 +49,7 @@ class RewardModelTrainer:
 
         from tripod.engine.checkpoints import CheckpointManager
         from tripod.engine.precision import resolve_precision
-        from tripod.engine.trainer import _layout
+        from tripod.engine.workers.model_options import layout_of
         from tripod.engine.workers.moe_config import moe_config_overrides
         from tripod.parallel.arch import arch_from_hf, with_score_head
 
@@ -67,7 +67,7 @@ class RewardModelTrainer:
         self.total_steps = t.total_training_steps or t.total_epochs * self.schedule.steps_per_epoch
         source = arch_from_hf(path)
         self.arch = with_score_head(source, self.pad_id)
-        layout = _layout(m, "reward_model", self.arch)
+        layout = layout_of(m, "reward_model", self.arch)
         self.worker = MegatronWorker(
             "reward_model", self.arch, layout, path, value_head=True, trainable=True, optim=cfg.optim,
             grad_clip=cfg.grad_clip, total_steps=self.total_steps, seed=m.seed, share_prompt_prefix=False,

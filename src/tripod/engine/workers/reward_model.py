@@ -22,7 +22,8 @@ import torch
 
 from tripod.engine.workers.batch import PPOBatch, split_rows
 from tripod.engine.workers.megatron_worker import MegatronWorker
-from tripod.parallel.arch import ModelArch
+from tripod.engine.workers.model_options import layout_of, model_options
+from tripod.parallel.arch import ModelArch, arch_from_hf
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -182,3 +183,15 @@ def reward_model_problems(cfg, actor_tokenizer) -> list[str]:
                 "token ids differ); set reward_model.retokenize=true to decode the actor's text and re-encode it for "
                 "the reward model, or use a reward model trained on the actor's tokenizer"]
     return []
+
+
+def build_reward_model(rm, pad_token_id: int, actor_tokenizer) -> RewardModelWorker:
+    """The PPO loop's reward model from the `reward_model` config section, on its own layout (`reward_model.megatron`)."""
+    from transformers import AutoTokenizer
+
+    arch = arch_from_hf(rm.model.path)
+    layout = layout_of(rm.megatron, "reward_model", arch)
+    retokenize = (actor_tokenizer, AutoTokenizer.from_pretrained(rm.model.path)) if rm.retokenize else None
+    return RewardModelWorker(arch, layout, rm.model.path, pad_token_id=pad_token_id,
+                             offload=rm.offload or rm.megatron.param_offload, seed=rm.megatron.seed,
+                             retokenize=retokenize, **model_options(rm.megatron, layout, "reward_model", arch, False))

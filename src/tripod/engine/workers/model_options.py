@@ -1,0 +1,23 @@
+"""What a worker is built from: its `ParallelLayout` and keyword arguments, read from one `{key}.megatron` config
+section. Shared by the PPO trainer (actor, critic, reference, reward model) and `tripod train-rm`."""
+from __future__ import annotations
+
+from tripod.engine.precision import resolve_precision
+from tripod.engine.workers.moe_config import moe_config_overrides
+from tripod.parallel.layout import ParallelLayout
+
+
+def layout_of(m, name: str, arch) -> ParallelLayout:
+    """The parallel layout a `megatron` config section describes, for the model called `name`."""
+    return ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                          ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size, name=name, arch=arch,
+                          first_stage_layers=m.num_layers_in_first_pipeline_stage,
+                          last_stage_layers=m.num_layers_in_last_pipeline_stage)
+
+
+def model_options(m, layout: ParallelLayout, key: str, arch, trainable: bool = True, optimizer: str = "adam") -> dict:
+    """Worker keyword arguments from the `{key}.megatron` config section: precision, sequence parallel, virtual
+    stages, the MoE router's load balancing."""
+    return dict(sequence_parallel=m.sequence_parallel, virtual_pipeline_size=m.virtual_pipeline_model_parallel_size,
+                precision=resolve_precision(m, layout.dp, trainable, optimizer), use_te=m.use_te,
+                config_overrides=moe_config_overrides(m, arch, key))
