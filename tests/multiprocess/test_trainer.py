@@ -34,7 +34,10 @@ def test_resume_after_sigkill_is_exact(tmp_path, tp, pp, world):
     # a decaying LR schedule: a resume that did not restore the scheduler would train step 3 at a different LR
     schedule = ["actor_rollout_ref.actor.optim.lr_warmup_steps=2", "actor_rollout_ref.actor.optim.lr_decay_style=cosine",
                 "actor_rollout_ref.actor.optim.min_lr_ratio=0.1", "critic.optim.lr_decay_style=linear"]
-    common = GREEDY[1:] + ["actor_rollout_ref.rollout.do_sample=true", "trainer.save_freq=1"] + schedule
+    # the critic on SGD (megatron's momentum 0.9): its momentum buffers are restored too (megatron gives SGD no state
+    # initialiser for the load; engine/checkpoints/manager.py's _sgd_init_state)
+    common = GREEDY[1:] + ["actor_rollout_ref.rollout.do_sample=true", "trainer.save_freq=1",
+                           "critic.optim.optimizer=sgd"] + schedule
     ref_dir, cut_dir = str(tmp_path / "uninterrupted"), str(tmp_path / "killed")
     layout = dict(world=world, tp=tp, pp=pp, steps=3)
     proc = _train(tiny_overrides(setup, ref_dir, **layout) + common)

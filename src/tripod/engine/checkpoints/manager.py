@@ -96,6 +96,15 @@ def _skip_torch_adam_step(inner) -> None:
     inner._set_main_param_and_optimizer_states = set_states
 
 
+def _sgd_init_state(opt, config=None) -> None:
+    """torch SGD's state (its momentum buffers) made before a load. megatron gives SGD no `init_state_fn` but calls it
+    when it builds the sharded state to load into ('NoneType' object is not callable); the load overwrites the zeros."""
+    for group in opt.param_groups:
+        if group.get("momentum", 0):
+            for p in group["params"]:
+                opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p.data))
+
+
 def _unshare_adam_steps(optimizer) -> None:
     """Give every parameter its own Adam step tensor again. Without apex/TE (torch Adam, the CPU path) megatron's
     DistributedOptimizer.load_state_dict puts ONE `step` tensor into every parameter's state, and torch keeps it
@@ -117,6 +126,8 @@ def _load_optimizer(worker, path: str) -> None:
     with worker.layout.activate():
         _ensure_optimizer_state(worker)
         for inner in getattr(worker.optimizer, "chained_optimizers", [worker.optimizer]):
+            if getattr(inner, "init_state_fn", True) is None and isinstance(inner.optimizer, torch.optim.SGD):
+                inner.init_state_fn = _sgd_init_state
             if hasattr(inner, "_set_main_param_and_optimizer_states") and \
                     not inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
                 _skip_torch_adam_step(inner)
