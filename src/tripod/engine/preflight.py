@@ -24,8 +24,8 @@ def prepare_train(recipe: str, overrides: list[str], launch: Launch):
     cfg = load_config(recipe, overrides)
     world = check_world(cfg, launch)
     validate_config(cfg, world)
-    resolve_threads(cfg, launch.nproc_per_node if launch.kind != "local" else world, announce=launch.rank == 0)
     preflight(cfg, world)
+    resolve_threads(cfg, launch.nproc_per_node if launch.kind != "local" else world, announce=launch.rank == 0)
     return cfg, world
 
 

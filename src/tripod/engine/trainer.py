@@ -49,6 +49,8 @@ class PPOTrainer:
         from transformers import AutoTokenizer
 
         self.cfg, self.rank, self.world = cfg, dist.get_rank(), dist.get_world_size()
+        if cfg.trainer.threads_per_rank > 0:  # resolved before the ranks started (preflight.resolve_threads)
+            torch.set_num_threads(cfg.trainer.threads_per_rank)
         self.device = current_device()  # chosen once per rank by engine/device.py (trainer.device, LOCAL_RANK)
         arc, actor_cfg = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor
         path = arc.model.path
@@ -174,6 +176,7 @@ class PPOTrainer:
         arc, algo = cfg.actor_rollout_ref, cfg.algorithm
         n, temperature = arc.rollout.n, arc.rollout.temperature
         with timer("step"):
+            self.offload.enter("rollout")
             rollout, reward_metrics = self.sampler.collect(  # dynamic sampling may draw further prompt batches
                 prompts, lambda p, k: self.weight_sync.generate_rows(p.input_ids,
                                                                      self.sampling_params(False, self.step, k), timer),

@@ -63,8 +63,6 @@ def bench_on_rank(config_yaml: str, steps: int, warmup: int, raw_path: str) -> N
     from tripod.engine.trainer import PPOTrainer
 
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TripodConfig), OmegaConf.create(config_yaml)))
-    if cfg.trainer.threads_per_rank > 0:  # resolved by prepare_train, as for tripod train
-        torch.set_num_threads(cfg.trainer.threads_per_rank)
     t0 = time.perf_counter()
     trainer = PPOTrainer(cfg)
     setup_s = time.perf_counter() - t0

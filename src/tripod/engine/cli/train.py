@@ -14,7 +14,6 @@ from tripod.engine.launch import detect_launch, run_distributed
 
 
 def _train_on_rank(config_yaml: str) -> None:
-    import torch
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
@@ -22,8 +21,6 @@ def _train_on_rank(config_yaml: str) -> None:
     from tripod.engine.trainer import PPOTrainer
 
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TripodConfig), OmegaConf.create(config_yaml)))
-    if cfg.trainer.threads_per_rank > 0:  # resolved by prepare_train (preflight.resolve_threads)
-        torch.set_num_threads(cfg.trainer.threads_per_rank)
     val = PPOTrainer(cfg).fit()
     if dist.get_rank() == 0 and val:
         print("final validation: " + "  ".join(f"{k}={v:.4f}" for k, v in sorted(val.items())), flush=True)

@@ -193,5 +193,5 @@ def build_reward_model(rm, pad_token_id: int, actor_tokenizer) -> RewardModelWor
     layout = layout_of(rm.megatron, "reward_model", arch)
     retokenize = (actor_tokenizer, AutoTokenizer.from_pretrained(rm.model.path)) if rm.retokenize else None
     return RewardModelWorker(arch, layout, rm.model.path, pad_token_id=pad_token_id,
-                             offload=rm.offload or rm.megatron.param_offload, seed=rm.megatron.seed,
+                             offload=any((rm.offload, rm.megatron.param_offload)), seed=rm.megatron.seed,
                              retokenize=retokenize, **model_options(rm.megatron, layout, "reward_model", arch, False))
