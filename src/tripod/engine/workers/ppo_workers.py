@@ -54,7 +54,8 @@ def _token_budget_microbatches(worker: MegatronWorker, rows: PPOBatch, budget: i
     units, costs = [], []
     for unit, cost in zip(*_budget_units(worker, rows)):
         if cost <= budget or len(unit) == 1:
-            units.append(unit), costs.append(cost)
+            units.append(unit)
+            costs.append(cost)
         else:
             units += [[i] for i in unit]
             costs += [lens[i] for i in unit]
