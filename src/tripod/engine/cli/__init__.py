@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import Any, Callable, Sequence
 
 from tripod.engine.cli.bench import add_bench_command
@@ -29,7 +30,9 @@ from tripod.engine.cli.plan import add_plan_command
 from tripod.engine.cli.report import add_report_command
 from tripod.engine.cli.train import add_train_command
 from tripod.engine.cli.train_rm import add_train_rm_command
-from tripod.engine.launch import USER_ERRORS, CommandFailed, error_line, is_rank_zero
+from tripod.engine.launch import USER_ERRORS, CommandFailed, detect_launch, error_line, is_rank_zero
+
+NONZERO_RANK_EXIT_GRACE_S = 30.0
 
 SUBCOMMANDS: list[Callable[[Any], None]] = [add_convert_command, add_export_command, add_train_command,
                                              add_train_rm_command, add_plan_command, add_bench_command,
@@ -52,7 +55,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("TRIPOD_DEBUG"):
             raise
         if is_rank_zero():  # every rank of a launched world reaches the same verdict; one line is enough
-            print(f"tripod {args.command}: error: {error_line(e)}", file=sys.stderr)
+            print(f"tripod {args.command}: error: {error_line(e)}", file=sys.stderr, flush=True)
+        else:
+            # The launcher (srun --kill-on-bad-exit, torchrun) kills the world on the first failed exit; a silent
+            # rank that exits first would take rank 0 down before its line is out. Rank 0 exits at once, which
+            # ends the world; the wait is only an upper bound. A rank still alive after it says its own line, so an
+            # error only this rank met is not lost.
+            time.sleep(NONZERO_RANK_EXIT_GRACE_S)
+            print(f"tripod {args.command}: error (rank {detect_launch().rank}): {error_line(e)}", file=sys.stderr,
+                  flush=True)
         return 2
 
 
