@@ -41,6 +41,9 @@ if scontrol ping 2>/dev/null | grep -q "is UP" && sinfo -h -o %T 2>/dev/null | g
   echo "slurm_local.sh: slurmctld is up"; exit 0
 fi
 as_root "starting slurmctld/slurmd"
+# The daemons outlive this script: they must not inherit its open files (under `flock LOCK make test-launch`
+# munged kept the lock for its whole life).
+for fd in /proc/$$/fd/*; do fd=${fd##*/}; if (( fd > 2 )); then eval "exec $fd>&-" 2>/dev/null || true; fi; done
 mkdir -p "$STATE" /var/spool/slurmctld /var/spool/slurmd /var/log/slurm /run/munge "$CONF_DIR"
 
 # munge: a key and a running munged
