@@ -36,3 +36,33 @@ def test_optimizer_byte_rules():
     assert bf16.rows == {"params": 2 * n, "grads": 4 * n, "main_params": n, "optim": 2 * n}
     ref = ModelMemory("r", 1, 1, 4, torch.bfloat16, False).compute(arch)
     assert ref.rows == {"params": 2 * n}
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_reward_model_rows_match_the_hf_classifier_and_get_a_phase(tmp_path, tie):
+    """The reward model's row counts HF's own *ForSequenceClassification parameters (score head [1, hidden], no
+    bias, no LM head), and `tripod plan` places it: on the device only while it scores when it is offloaded."""
+    from transformers import AutoModelForSequenceClassification
+
+    from tripod.engine.config import load_config
+    from tripod.engine.offload import OffloadFlags
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.memory_phases import phase_memory
+    from tripod.parallel.memory_plan import plan_from_config, stage_numel
+
+    rm_dir = make_tiny_hf_model(tmp_path / "rm", "qwen2", vocab_size=128 * 2, tie_word_embeddings=tie,
+                                sequence_classification=True)
+    actor_dir = make_tiny_hf_model(tmp_path / "actor", "qwen2", vocab_size=128 * 2, tie_word_embeddings=tie)
+    rm_arch = arch_from_hf(rm_dir)
+    hf_numel = sum(p.numel() for p in AutoModelForSequenceClassification.from_pretrained(rm_dir).parameters())
+    assert stage_numel(rm_arch, 1, 1, value_head=True) == [hf_numel]
+
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={actor_dir}", "trainer.n_gpus_per_node=2",
+                             "trainer.device=cuda", "reward_model.enable=true", f"reward_model.model.path={rm_dir}",
+                             "reward_model.offload=true"])
+    plan = plan_from_config(cfg, 2, arch_from_hf(actor_dir), reward_arch=rm_arch)
+    rm = next(m for m in plan.models if m.name == "reward_model")
+    assert rm.rows == {"params": hf_numel * 4} and rm.offloaded  # fp32 params, frozen: no grads or optimizer
+    phases = {p.phase: p for p in phase_memory(plan, {"reward_model": OffloadFlags(params=True)})}
+    assert phases["reward"].parts["reward_model.params"] == hf_numel * 4
+    assert all("reward_model.params" not in p.parts for name, p in phases.items() if name != "reward")

@@ -28,6 +28,8 @@ USES: dict[str, dict[str, tuple[str, ...]]] = {
     "rollout": {"actor": ("params",)},  # the hybrid engine gathers the generation shard from the actor's params
     "old_log_prob": {"actor": ("params",)},
     "ref": {"reference": ("params",)},
+    # the reward model is frozen and moves itself (engine/workers/reward_model.py); listed so the plan places it
+    "reward": {"reward_model": ("params",)},
     "values": {"critic": ("params",)},
     "update_critic": {"critic": KINDS},
     "update_actor": {"actor": KINDS},

@@ -21,7 +21,7 @@ from tripod.parallel.memory_plan import MemoryPlan, ModelMemory
 
 GIB = 1 << 30
 MIB = 1 << 20
-STEP_PHASES = ("rollout", "old_log_prob", "ref", "values", "update_critic", "update_actor", "checkpoint")
+STEP_PHASES = ("rollout", "reward", "old_log_prob", "ref", "values", "update_critic", "update_actor", "checkpoint")
 
 
 def kind_bytes(m: ModelMemory) -> dict[str, int]:

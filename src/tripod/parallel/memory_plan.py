@@ -1,13 +1,14 @@
 """Per-rank memory of a PPO run, predicted from the architecture, the layouts and the precision settings.
 
-For each model (actor, critic, reference) on its layout, the bytes one rank holds (the largest PP stage; with
+For each model (actor, critic, reference, and the reward model when reward_model.enable) on its layout, the bytes one rank holds (the largest PP stage; with
 uneven stages, num_layers_in_first/last_pipeline_stage, the stage sizes are megatron's: parallel/stages.py):
 
     params       numel(this rank's TP shard of its stage) * bytes(param_dtype)
     grads        numel * 4                megatron DDP's contiguous grad buffer, reduced in fp32
     main_params  numel * 4 / DP' if param_dtype is 16-bit, else 0   (fp32 main weights; fp32 params are their own)
     optim        numel * 8 / DP'          Adam exp_avg + exp_avg_sq in fp32
-    (DP' = DP with the distributed optimizer, else 1; the reference has params only, on the host if offloaded)
+    (DP' = DP with the distributed optimizer, else 1; the frozen reference and reward model have params only, on
+    the host between their uses if offloaded; the reward model's output layer is its [1, hidden] score head)
 
 MoE models: a rank holds its TP slice of the dense tensors (attention, norms, router, shared experts, dense-MLP
 layers: / TP) and num_experts / EP experts of each MoE layer of its stage, each cut over expert TP (/ ETP); the
@@ -59,7 +60,7 @@ def stage_numel_split(arch: ModelArch, tp: int, pp: int, *, value_head: bool = F
         else:
             per_stage[spec.stage] += _prod(local_shape(spec, tp))
     h, v = arch.hidden_size, padded_vocab_size(arch.vocab_size, tp)
-    if value_head:
+    if value_head and not arch.score_head:  # (a *ForSequenceClassification's rows end in its [1, hidden] score head)
         if not arch.tie_word_embeddings:
             per_stage[-1] -= (v // tp) * h  # the critic's output layer is the value head, not an LM head
         per_stage[-1] += h + 1
@@ -187,10 +188,10 @@ class MemoryPlan:
 
     def describe(self) -> str:
         mib = 1 << 20
-        lines = ["model      layout             dtype  distopt   params_MiB  grads_MiB  main_MiB  optim_MiB  total_MiB"]
+        lines = ["model        layout             dtype  distopt   params_MiB  grads_MiB  main_MiB  optim_MiB  total_MiB"]
         for m in self.models:
             r = m.rows
-            lines.append(f"{m.name:<10} {m.layout:<18} {str(m.param_dtype)[6:]:<6} "
+            lines.append(f"{m.name:<12} {m.layout:<18} {str(m.param_dtype)[6:]:<6} "
                          f"{str(m.distributed_optimizer).lower():<7} {r['params'] / mib:>11.1f} "
                          f"{r.get('grads', 0) / mib:>10.1f} {r.get('main_params', 0) / mib:>9.1f} "
                          f"{r.get('optim', 0) / mib:>10.1f} {m.total / mib:>10.1f}"
@@ -232,20 +233,22 @@ def generation_shard_bytes(arch: ModelArch, rollout_tp: int, dtype: torch.dtype)
     return sum(_prod(local_shape(s, rollout_tp)) for s in actor_param_specs(arch, rollout_tp, 1)) * es
 
 
-def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelArch | None = None) -> MemoryPlan:
-    """The memory plan of a (resolved) `TripodConfig` on `world_size` ranks."""
+def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelArch | None = None,
+                     reward_arch: ModelArch | None = None) -> MemoryPlan:
+    """The memory plan of a (resolved) `TripodConfig` on `world_size` ranks (`critic_arch` / `reward_arch`: the
+    critic's and the reward model's checkpoints where they differ from the actor's)."""
     from tripod.engine.precision import resolve_precision, rollout_dtype
 
     arc = cfg.actor_rollout_ref
     device = "cuda" if cfg.trainer.device == "cuda" else "cpu"
 
-    def model(name, m, trainable, value_head=False, offloaded=False, optimizer="adam"):
+    def model(name, m, trainable, value_head=False, offloaded=False, optimizer="adam", own_arch=None):
         tp, pp, dp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.data_parallel_size(world_size)
         prec = resolve_precision(m, dp, trainable, optimizer)
         return ModelMemory(name, tp, pp, dp, prec.param_dtype, trainable, prec.use_distributed_optimizer,
                            offloaded, value_head, m.expert_model_parallel_size, m.expert_tensor_parallel_size,
                            recompute=prec.recompute_granularity, first=m.num_layers_in_first_pipeline_stage,
-                           last=m.num_layers_in_last_pipeline_stage).compute(critic_arch if value_head and critic_arch else arch)
+                           last=m.num_layers_in_last_pipeline_stage).compute(own_arch or arch)
 
     seq = cfg.data.max_prompt_length + arc.rollout.response_length
 
@@ -254,10 +257,15 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
 
     models = [model("actor", arc.actor.megatron, True, optimizer=arc.actor.optim.optimizer)]
     if cfg.uses_critic:
-        models.append(model("critic", cfg.critic.megatron, True, value_head=True, optimizer=cfg.critic.optim.optimizer))
+        models.append(model("critic", cfg.critic.megatron, True, value_head=True, optimizer=cfg.critic.optim.optimizer,
+                            own_arch=critic_arch))
     if cfg.uses_reference:
         ref_offload = arc.ref.offload or arc.ref.megatron.param_offload  # placement by phase: memory_phases.py
         models.append(model("reference", arc.ref.megatron, False, offloaded=ref_offload and device == "cuda"))
+    rm = cfg.reward_model
+    if rm.enable:  # its own between-scorings offload (engine/workers/reward_model.py)
+        models.append(model("reward_model", rm.megatron, False, value_head=True, own_arch=reward_arch,
+                            offloaded=(rm.offload or rm.megatron.param_offload) and device == "cuda"))
     r = arc.rollout
     gdt = rollout_dtype(r.dtype, device)
     replicas = world_size // r.tensor_model_parallel_size

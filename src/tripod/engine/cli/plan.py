@@ -83,12 +83,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     critic_arch = arch_from_hf(plan_model_config(cfg.critic.model.path, "critic.model.path")) \
         if cfg.uses_critic and cfg.critic.model.path else None
+    rm = cfg.reward_model
+    reward_arch = arch_from_hf(plan_model_config(rm.model.path, "reward_model.model.path")) \
+        if rm.enable and rm.model.path else None
     print("\nmemory per rank (parallel/memory_plan.py):")
-    memory = plan_from_config(cfg, world, arch, critic_arch)
+    memory = plan_from_config(cfg, world, arch, critic_arch, reward_arch)
     print(memory.describe())
     arc, on_cuda = cfg.actor_rollout_ref, cfg.trainer.device == "cuda"
     offload = {"actor": flags_of(arc.actor.megatron, True), "critic": flags_of(cfg.critic.megatron, True),
-               "reference": flags_of(arc.ref.megatron, False, arc.ref.offload)} if on_cuda else {}
+               "reference": flags_of(arc.ref.megatron, False, arc.ref.offload),
+               "reward_model": flags_of(rm.megatron, False, rm.offload)} if on_cuda else {}
     gpu_gb = args.gpu_memory_gb if args.gpu_memory_gb is not None else (80.0 if on_cuda else None)
     cpu_optimizer = frozenset(n for n, c in (("actor", arc.actor.megatron), ("critic", cfg.critic.megatron))
                               if on_cuda and c.optimizer_cpu_offload)
