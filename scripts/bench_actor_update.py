@@ -5,7 +5,8 @@ batch like `recipes/bench/smollm2-135m-grpo.yaml` (the first `--prompts` prompts
 template, `--n` sampled-length random responses each) and times, in turn, `--repeats` times:
 
 - `tripod`: `PolicyWorker.update` (forward, fused log-probs from the hidden state, PPO loss, backward, Adam step);
-  with `--variants` also `tripod-unshared` (actor.share_prompt_prefix off: every row runs its own copy of the prompt);
+  with `--variants` also `tripod-unshared` (actor.share_prompt_prefix off: every row runs its own copy of the prompt)
+  and `tripod-rmpad` (model.use_remove_padding on: each prompt group without padding, several to a model row);
 - `hf`: transformers forward over the same rows, log-softmax of the response positions only, the same loss,
   backward, clip, AdamW.
 
@@ -67,7 +68,8 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=32, help="ppo_micro_batch_size_per_gpu (rows)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--variants", action="store_true", help="also time tripod with share_prompt_prefix off")
+    ap.add_argument("--variants", action="store_true", help="also time tripod with share_prompt_prefix off and "
+                    "with use_remove_padding on")
     ap.add_argument("--no_hf", action="store_true")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
@@ -99,18 +101,19 @@ def main() -> None:
                          optim=optim, grad_clip=1.0, total_steps=100)
     runs = {}
 
-    def tripod_run(shared: bool):
+    def tripod_run(shared: bool, remove_padding: bool = False):
         cfg = ActorConfig(ppo_mini_batch_size=args.prompts, ppo_micro_batch_size_per_gpu=args.micro, ppo_epochs=1,
                           clip_ratio_low=0.2, clip_ratio_high=0.2, use_dynamic_bsz=False, shuffle=False)
 
         def run() -> float:
-            actor.share_prompt_prefix = shared
+            actor.share_prompt_prefix, actor.remove_padding = shared, remove_padding
             return actor.update(batch, cfg, 1.0, args.n)["actor/grad_norm"]
         return run
 
     runs["tripod"] = tripod_run(True)
     if args.variants:
         runs["tripod-unshared"] = tripod_run(False)
+        runs["tripod-rmpad"] = tripod_run(True, remove_padding=True)
     if not args.no_hf:
         hf = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
         hf.train()

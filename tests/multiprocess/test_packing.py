@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers.common import make_tiny_hf_model, run_torchrun
 from tripod.engine.workers.batch import build_ppo_batch
-from tripod.engine.workers.packing import pack_shared_prompts, prompt_groups
+from tripod.engine.workers.packing import first_fit_rows, pack_shared_prompts, pack_without_padding, prompt_groups
 
 
 def _random_batch(seed: int, copies=(4, 1, 3), resp_len=6):
@@ -52,6 +52,44 @@ def test_packed_layout_reproduces_every_row(seed):
     assert pack_shared_prompts(unique) is None  # nothing shared: the plain layout is kept
 
 
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_padding_free_layout_reproduces_every_row(seed, share):
+    """use_remove_padding: every row's tokens, the keys each token sees and their RoPE positions (absolute: those of
+    the unpacked row) read back from the packed rows equal the unpacked row's; slots only pad at row tails; rows
+    are no longer than the longest unit and hold several units."""
+    batch = _random_batch(seed, copies=(4, 1, 3, 1, 2, 1))
+    ids, lens = batch["input_ids"], batch["prompt_lens"]
+    units = prompt_groups(batch) if share else [[i] for i in range(batch.size)]
+    resp = batch["response_mask"].sum(-1)
+    unit_lens = [int(lens[u[0]]) + sum(int(resp[i]) for i in u) for u in units]
+    packed = pack_without_padding(batch, share)
+    if not share and sorted(unit_lens)[0] + sorted(unit_lens)[1] > max(unit_lens):
+        assert packed is None  # no two rows fit in the longest: the plain rows are as good
+        return
+    assert packed is not None
+    s = packed.seq
+    assert s == max(unit_lens) and packed.input_ids.shape[0] < len(units)
+    real = packed.input_ids != 0  # _random_batch's tokens are >= 3; pads are 0
+    assert int(real.sum()) == sum(unit_lens)  # every token once: the prompt once per unit, no padding inside
+    assert all(r[: int(r.sum())].all() for r in real)  # padding only at a row's tail
+    for i in range(batch.size):
+        n_tok = int(batch["attention_mask"][i].sum())
+        for t in range(n_tok - int(lens[i])):
+            g, slot = divmod(int(packed.gather[i, t]), s)
+            assert packed.input_ids[g, slot] == ids[i, int(lens[i]) + t - 1]
+            assert packed.positions[g, slot] == int(lens[i]) + t - 1  # the unpacked row's own position
+            visible = (~packed.mask[g, 0, slot]).nonzero().squeeze(-1)
+            assert packed.input_ids[g, visible].tolist() == ids[i, : int(lens[i]) + t].tolist()
+            assert packed.positions[g, visible].tolist() == list(range(int(lens[i]) + t))
+    assert pack_without_padding(_random_batch(seed, copies=(1,)), share) is None  # one row: nothing to pack
+
+
+def test_first_fit_rows():
+    assert first_fit_rows([5, 9, 4, 3], 9) == [[1], [0, 2], [3]]
+    assert sorted(u for row in first_fit_rows([2] * 7, 4) for u in row) == list(range(7))
+
+
 def test_padded_packing_keeps_rows_and_gathers(seed=3):
     batch = _random_batch(seed)
     packed = pack_shared_prompts(batch)
@@ -71,6 +109,8 @@ def test_packed_model_equals_unpacked_and_catches_a_planted_leak(tmp_path):
     reports = set(re.findall(r"PACK (\w+ \w+)", out))
     assert "planted" in {r.split()[0] for r in reports}, out[-3000:]
     for layout in ("DP2", "PP2", "TP2SP"):
-        assert f"{layout} logp_after" in reports, out[-3000:]
+        for variant in ("", "_RMPAD", "_RMPAD_SHARED"):  # shared-prompt packing; padding-free without / with
+            assert f"{layout}{variant} logp_after" in reports, out[-3000:]
+    assert "planted_rmpad" in {r.split()[0] for r in reports}, out[-3000:]
     for router in ("no_router_stats", "aux_loss", "bias_update"):  # MoE packing off when the router keeps stats
         assert f"moe {router}" in reports, out[-3000:]

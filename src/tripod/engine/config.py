@@ -267,6 +267,16 @@ class ModelConfig:
 
 
 @dataclass
+class TrainedModelConfig(ModelConfig):
+    """The model section of the actor (with its reference) and the critic."""
+    use_remove_padding: bool = False
+    """Padding-free packing: lay each micro-batch's rows (with share_prompt_prefix, each prompt with its responses)
+    out without padding, several to a model row, apart by a block-diagonal mask (engine/workers/packing.py). Same
+    results up to float rounding; fewer padded slots where responses differ in length. Used where the attention
+    takes an arbitrary mask (megatron's local spec). verl: model.use_remove_padding."""
+
+
+@dataclass
 class PPOModelConfig:
     """What the actor and the critic share: batching of the PPO update, its loss aggregation, optimizer, layout."""
     ppo_mini_batch_size: int = 256
@@ -365,7 +375,7 @@ class CriticConfig(PPOModelConfig):
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     megatron: MegatronConfig = field(default_factory=_megatron_like_actor)
     """Parallel layout and seed of the critic (defaults: the actor's)."""
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(path="${actor_rollout_ref.model.path}"))
+    model: TrainedModelConfig = field(default_factory=lambda: TrainedModelConfig(path="${actor_rollout_ref.model.path}"))
     """The critic's initial weights (default: the actor's model; the value head is freshly initialised)."""
     cliprange_value: float = 0.5
     """Clip of the value prediction around the old value. verl: critic.cliprange_value."""
@@ -483,7 +493,7 @@ class RefConfig:
 
 @dataclass
 class ActorRolloutRefConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: TrainedModelConfig = field(default_factory=TrainedModelConfig)
     """The policy's initial weights (actor, reference and rollout all start from it)."""
     actor: ActorConfig = field(default_factory=ActorConfig)
     """The trained policy."""

@@ -88,12 +88,14 @@ class PPOTrainer:
         self.actor = PolicyWorker("actor", self.arch, actor_layout, path, seed=actor_cfg.megatron.seed,
                                   optim=actor_cfg.optim, grad_clip=actor_cfg.grad_clip,
                                   share_prompt_prefix=actor_cfg.share_prompt_prefix,
+                                  remove_padding=arc.model.use_remove_padding,
                                   total_steps=max(self.total_steps - cfg.trainer.critic_warmup, 1) * updates(actor_cfg),
                                   **model_options(actor_cfg.megatron, actor_layout, "actor_rollout_ref.actor",
                                                    self.arch, True, actor_cfg.optim.optimizer))
         ref_layout = layout_of(arc.ref.megatron, "reference", self.arch)
         self.ref = (PolicyWorker("reference", self.arch, ref_layout, path, trainable=False, seed=arc.ref.megatron.seed,
                                  share_prompt_prefix=actor_cfg.share_prompt_prefix,
+                                 remove_padding=arc.model.use_remove_padding,
                                  **model_options(arc.ref.megatron, ref_layout, "actor_rollout_ref.ref", self.arch,
                                                   False))
                     if self.use_ref else None)
@@ -102,6 +104,7 @@ class PPOTrainer:
                                     seed=cfg.critic.megatron.seed, optim=cfg.critic.optim,
                                     grad_clip=cfg.critic.grad_clip, total_steps=self.total_steps * updates(cfg.critic),
                                     share_prompt_prefix=cfg.critic.share_prompt_prefix,
+                                    remove_padding=cfg.critic.model.use_remove_padding,
                                     **model_options(cfg.critic.megatron, critic_layout, "critic", self.arch, True,
                                                      cfg.critic.optim.optimizer))
                        if self.use_critic else None)

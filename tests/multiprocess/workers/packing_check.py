@@ -6,6 +6,8 @@ every micro-batch of the packed runs must really pack. For each layout, a packed
 and critic built from the same checkpoint must give the same log-probs / entropy / values (response tokens), the
 same pg_loss / vf_loss / grad norms of one update (SGD: no Adam amplification of rounding), and the same log-probs
 after it. Then a planted bug (response blocks see each other's tokens) must be caught by the same comparison.
+The same for padding-free packing (use_remove_padding, with and without shared prompts) on a batch whose units
+really share model rows (make_padding_free_batch), with its own planted leak (units see the row's earlier units).
 Last, an MoE actor (Qwen2-MoE) packs, but not when its router keeps token statistics (aux loss, expert-bias
 update; MegatronWorker.can_pack). Prints `PACK <layout> <quantity> <max diff>` lines, `PACK planted <diff>` and
 `PACK moe <router> packed_micro_batches=<n>`.
@@ -40,12 +42,30 @@ def make_batch(arch, g):
     return batch
 
 
-def run_models(hf_dir, arch, layout, batch, share, sp):
+def make_padding_free_batch(arch, g):
+    """8 rows [A, B, A, C | D, D, E, F] with fixed lengths and random tokens: in each half (a DP rank's rows, or a
+    micro-batch of 4) the two small units share a model row behind the longest one, with and without shared
+    prompts (prompt + responses: A 9 + 7 + 6, B 4 + 1, C 5 + 3 | D 8 + 7 + 5, E 3 + 4, F 6 + 2)."""
+    from tripod.engine.workers.batch import build_ppo_batch
+
+    prompt_lens, index = [9, 4, 5, 8, 3, 6], [0, 1, 0, 2, 3, 3, 4, 5]
+    prompts = [torch.randint(3, arch.vocab_size, (n,), generator=g).tolist() for n in prompt_lens]
+    lens, resp_len = [7, 1, 6, 3, 7, 5, 4, 2], 7
+    responses = [torch.randint(3, arch.vocab_size, (k,), generator=g).tolist() for k in lens]
+    batch = build_ppo_batch([prompts[i] for i in index], responses, resp_len, 0, index)
+    mask = batch["response_mask"]
+    for key in ("advantages", "returns", "values"):
+        batch[key] = torch.randn(batch.size, resp_len, generator=g) * mask
+    return batch
+
+
+def run_models(hf_dir, arch, layout, batch, share, sp, remove_padding=False):
     from tripod.engine.config import ActorConfig, CriticConfig, OptimConfig
     from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
 
     optim = OptimConfig(optimizer="sgd", lr=1e-2, weight_decay=0.0, lr_warmup_steps=0)
-    common = dict(optim=optim, grad_clip=1e9, share_prompt_prefix=share, sequence_parallel=sp)
+    common = dict(optim=optim, grad_clip=1e9, share_prompt_prefix=share, sequence_parallel=sp,
+                  remove_padding=remove_padding)
     actor = PolicyWorker("actor", arch, layout, hf_dir, **common)
     critic = CriticWorker("critic", arch, layout, hf_dir, value_head=True, **common)
     micro = 4
@@ -121,8 +141,45 @@ def main():
             err = ((bad["logp"] - plain["logp"]) * mask).abs().max().item()
             print(f"PACK planted {err:.3e}", flush=True)
             assert err > 100 * TOL, f"the planted mask leak was not caught ({err:.3e})"
+        check_padding_free(hf_dir, arch, layout, name, sp, mw)
     check_moe_router_runs_do_not_pack(hf_dir, mw)
     dist.barrier()
+
+
+def check_padding_free(hf_dir, arch, layout, name, sp, mw) -> None:
+    """use_remove_padding against the unpacked rows (shared prompts or not); at DP2 a planted cross-unit leak."""
+    batch = make_padding_free_batch(arch, torch.Generator().manual_seed(11))
+    mask = batch["response_mask"]
+    plain = run_models(hf_dir, arch, layout, batch, False, sp)
+    real = mw.pack_without_padding
+    for share, rows in ((True, 2), (False, 3)):  # per half: 3 units in 2 model rows, or 4 rows in 3
+        made = []
+        mw.pack_without_padding = lambda mb, sh, pad_id=0: made.append(real(mb, sh, pad_id)) or made[-1]
+        try:
+            packed = run_models(hf_dir, arch, layout, batch, share, sp, remove_padding=True)
+        finally:
+            mw.pack_without_padding = real
+        assert made and all(p is not None and p.input_ids.shape[0] == rows for p in made), (name, share)
+        label = f"{name}_RMPAD{'_SHARED' if share else ''}"
+        worst = compare(label, packed, plain, mask)
+        assert worst < TOL, f"{label}: padding-free vs unpacked differ by {worst:.3e} > {TOL}"
+    if name != "DP2":
+        return
+
+    def leaky(mb, sh, pad_id=0):  # planted: every slot sees the row's earlier slots, other units included
+        out = real(mb, sh, pad_id)
+        if out is not None:
+            out.mask = out.mask & ~torch.ones(out.seq, out.seq, dtype=torch.bool).tril()[None, None]
+        return out
+
+    mw.pack_without_padding = leaky
+    try:
+        bad = run_models(hf_dir, arch, layout, batch, False, sp, remove_padding=True)
+    finally:
+        mw.pack_without_padding = real
+    err = ((bad["logp"] - plain["logp"]) * mask).abs().max().item()
+    print(f"PACK planted_rmpad {err:.3e}", flush=True)
+    assert err > 100 * TOL, f"the planted padding-free leak was not caught ({err:.3e})"
 
 
 def check_moe_router_runs_do_not_pack(hf_dir, mw) -> None:

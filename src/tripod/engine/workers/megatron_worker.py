@@ -9,8 +9,9 @@ and reference can have different TP/PP/DP sizes in the same world.
 Data flow: every rank holds the whole `PPOBatch`; a worker takes its DP rank's rows, cuts them into micro-batches,
 and `gather_rows()` brings per-row results back to every rank (broadcast from the last PP stage, all-gather over DP).
 
-Rows that share a prompt (GRPO's n samples) run it through the model once when `share_prompt_prefix` is on
-(engine/workers/packing.py); the heads read the outputs that predict each response token from either layout.
+Rows that share a prompt (GRPO's n samples) run it through the model once when `share_prompt_prefix` is on, and
+`remove_padding` lays the rows out without padding, several to a model row (engine/workers/packing.py,
+`packed_layout`); the heads read the outputs that predict each response token from any of these layouts.
 
 Policy heads never materialise [tokens, vocab] logits: the output layer is bypassed (it returns the hidden state)
 and `tripod.kernels.logprobs_from_hidden` computes log-probs / entropy of the sampled tokens straight from the hidden
@@ -32,7 +33,7 @@ from tripod.engine.precision import PrecisionSettings
 from tripod.engine.workers.batch import PPOBatch, split_rows
 from tripod.engine.workers.lr_schedule import build_lr_scheduler
 from tripod.engine.workers.moe_config import MOE_AUX_LOSS_NAMES
-from tripod.engine.workers.packing import pack_shared_prompts
+from tripod.engine.workers.packing import pack_shared_prompts, pack_without_padding
 from tripod.parallel.arch import ModelArch
 from tripod.parallel.megatron_patches.gpt_model import (
     bypass_output_layer,
@@ -53,11 +54,12 @@ class MegatronWorker:
                  total_steps: int = 1, seed: int = 1234, precision: PrecisionSettings | None = None,
                  sequence_parallel: bool = False, virtual_pipeline_size: int | None = None,
                  config_overrides: dict | None = None, share_prompt_prefix: bool = True, use_te: str = "auto",
-                 load_arch: ModelArch | None = None):
+                 load_arch: ModelArch | None = None, remove_padding: bool = False):
         """`optim`, `grad_clip` and `total_steps` (optimizer steps of the whole run, for the LR schedule) matter
         only when `trainable`. `config_overrides`: extra TransformerConfig fields (the MoE router's, from
         `moe_config_overrides`). `share_prompt_prefix`: run a prompt shared by several rows once per micro-batch
-        (where the attention takes an arbitrary mask: megatron's local spec, i.e. without Transformer Engine).
+        (where the attention takes an arbitrary mask: megatron's local spec, i.e. without Transformer Engine);
+        `remove_padding`: pack without padding, several rows (or prompt groups) to a model row (engine/workers/packing.py).
         `use_te`: `{key}.megatron.use_te` (auto | true | false; parallel/model.py's resolve_use_te).
         `load_arch`: the arch `hf_dir` is read as, where it differs from the built model's (a reward model built with
         a score head from a causal LM's weights: the head stays freshly initialised)."""
@@ -88,7 +90,7 @@ class MegatronWorker:
             (config_overrides or {}).get("moe_router_bias_update_rate", 0.0) > 0
         self.can_pack = not model.tripod_use_te and not router_stats and \
             all(rope_with_slot_positions(c) for c in self.chunks)
-        self.share_prompt_prefix = share_prompt_prefix
+        self.share_prompt_prefix, self.remove_padding = share_prompt_prefix, remove_padding
         self.model, self.optimizer, self.lr_scheduler = list(self.chunks), None, None
         if trainable:
             optim = optim or OptimConfig()
@@ -178,7 +180,7 @@ class MegatronWorker:
 
         dev = self.device
         mbs = [PPOBatch(to_device(mb.tensors, dev), mb.meta) for mb in microbatches]
-        packs = [pack_shared_prompts(mb) if self.share_prompt_prefix and self.can_pack else None for mb in mbs]
+        packs = [self.packed_layout(mb) for mb in mbs]
         seqs = [p.seq if p is not None else mb["input_ids"].shape[1] for p, mb in zip(packs, mbs)]
         # Each micro-batch keeps its own [rows, seq] (a token-budget micro-batch is not padded back to the longest);
         # at PP > 1 megatron then exchanges each activation's shape first (its variable_seq_lengths). MoE's allgather
@@ -223,6 +225,14 @@ class MegatronWorker:
         with _variable_shapes(self.model, self.layout.pp > 1 and len(shapes) > 1):
             return run_pipeline(self.model, self.layout, mbs, forward_step, forward_only=forward_only,
                                 seq_length=seq, micro_batch_size=rows)
+
+    def packed_layout(self, mb: PPOBatch):
+        """The packed layout of micro-batch `mb` (engine/workers/packing.py), or None to run its rows as they are."""
+        if not self.can_pack:
+            return None
+        if self.remove_padding:
+            return pack_without_padding(mb, self.share_prompt_prefix)
+        return pack_shared_prompts(mb) if self.share_prompt_prefix else None
 
     def step(self) -> float:
         """Optimizer step after `run(..., forward_only=False)`, then one LR-scheduler step; returns the grad norm."""

@@ -16,6 +16,12 @@ responses, summed in another order). tests/multiprocess/test_packing.py checks t
 
 `PackedRows.gather` maps every original row's response token t to the flat index (packed row * S + slot) of the
 output that predicts it, so the heads (log-probs from the hidden state, values) read the same positions as before.
+Padding-free packing (`pack_without_padding`, verl's use_remove_padding) goes further: each unit (a prompt with its
+responses when prompts are shared, else one row) is laid out without padding, `prompt | response 1 | response 2 ...`,
+each response exactly as long as it is, at the positions of its own unpacked row (prompt 0..P-1, response P..), and
+several units share a model row, first-fit by decreasing length into rows as long as the longest unit: a
+block-diagonal mask keeps the units apart. Rows only pad at their tails. The positions are then per row, [G, S].
+
 Works with megatron's local (non-Transformer-Engine) attention, which applies an arbitrary mask; the worker turns
 it off elsewhere (see MegatronWorker.can_pack).
 """
@@ -32,7 +38,7 @@ from tripod.engine.workers.batch import PPOBatch
 class PackedRows:
     input_ids: torch.Tensor   # [G, S] token ids (pad slots hold the pad id)
     mask: torch.Tensor        # [G, 1, S, S] bool, True = masked (megatron's convention)
-    positions: torch.Tensor   # [S] RoPE position of each slot, the same for every packed row
+    positions: torch.Tensor   # [S] RoPE position of each slot, the same for every packed row; or [G, S] per row
     gather: torch.Tensor      # [N, R] flat index (packed row * S + slot) of the output predicting response token t
 
     @property
@@ -49,7 +55,8 @@ class PackedRows:
         mask = torch.ones(g, 1, seq, seq, dtype=torch.bool, device=self.mask.device)
         mask[:, :, :s, :s] = self.mask
         mask[:, :, torch.arange(s, seq), torch.arange(s, seq)] = False  # a pad query sees itself (no empty row)
-        positions = torch.cat([self.positions, torch.arange(s, seq, device=self.positions.device)])
+        tail = torch.arange(s, seq, device=self.positions.device)
+        positions = torch.cat([self.positions, tail.expand(*self.positions.shape[:-1], extra)], dim=-1)
         rows = self.gather // s
         return PackedRows(ids, mask, positions, rows * seq + self.gather % s)
 
@@ -108,4 +115,67 @@ def pack_shared_prompts(mb: PPOBatch, pad_id: int = 0) -> PackedRows | None:
     visible = causal[None] & sees[None] & key_ok[:, None, :]
     visible |= torch.eye(seq, dtype=torch.bool, device=dev)[None]         # no query row is empty
     positions = torch.where(block < 0, slots, p_max + t_in_block)
+    return PackedRows(input_ids, ~visible[:, None], positions, gather)
+
+
+def first_fit_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Unit indices per row: first fit by decreasing length into rows of `capacity` slots (ties in input order)."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for u in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        g = next((g for g, room in enumerate(free) if room >= lengths[u]), None)
+        if g is None:
+            rows.append([])
+            free.append(capacity)
+            g = len(rows) - 1
+        rows[g].append(u)
+        free[g] -= lengths[u]
+    return rows
+
+
+def pack_without_padding(mb: PPOBatch, share_prompts: bool, pad_id: int = 0) -> PackedRows | None:
+    """The padding-free layout of `mb` (module docstring): units are prompt groups (`share_prompts`) or single rows,
+    each `prompt | its responses at their own lengths`, packed several to a model row. None when every unit would
+    sit alone in its row and no prompt is shared (the plain rows, trimmed, are the same thing)."""
+    groups = prompt_groups(mb) if share_prompts else [[i] for i in range(mb.size)]
+    ids, lens, resp = mb["input_ids"], mb["prompt_lens"].tolist(), mb["responses"]
+    resp_lens = mb["response_mask"].sum(-1).long().tolist()
+    unit_lens = [lens[u[0]] + sum(resp_lens[i] for i in u) for u in groups]
+    seq = max(max(unit_lens), 1)
+    rows = first_fit_rows(unit_lens, seq)
+    if len(rows) == mb.size:
+        return None
+    dev, r_all = ids.device, resp.shape[1]
+    n_rows = len(rows)
+    input_ids = torch.full((n_rows, seq), pad_id, dtype=ids.dtype, device=dev)
+    positions = torch.zeros(n_rows, seq, dtype=torch.long, device=dev)
+    unit = torch.full((n_rows, seq), -1, dtype=torch.long, device=dev)   # which unit a slot holds (-1: tail pad)
+    block = torch.full((n_rows, seq), -1, dtype=torch.long, device=dev)  # response block in its unit (-1: prompt)
+    gather = torch.empty(mb.size, r_all, dtype=torch.long, device=dev)
+    t = torch.arange(r_all, device=dev)
+    for g, members in enumerate(rows):
+        at = 0
+        for u in members:
+            first, p = groups[u][0], lens[groups[u][0]]
+            input_ids[g, at:at + p] = ids[first, :p]
+            positions[g, at:at + p] = torch.arange(p, device=dev)
+            unit[g, at:at + unit_lens[u]] = u
+            last_prompt, at = at + p - 1, at + p
+            for j, i in enumerate(groups[u]):
+                n = resp_lens[i]
+                input_ids[g, at:at + n] = resp[i, :n]
+                positions[g, at:at + n] = p + torch.arange(n, device=dev)
+                block[g, at:at + n] = j
+                # token 0 is predicted by the prompt's last slot, token t > 0 by slot t - 1 of the block; tokens past
+                # the response (padding of `responses`, masked in every loss) read its last slot
+                slot = torch.where(t == 0, torch.full_like(t, last_prompt),
+                                   (at + (t - 1).clamp(max=max(n - 1, 0))).clamp(max=seq - 1))
+                gather[i] = g * seq + slot
+                at += n
+    slots = torch.arange(seq, device=dev)
+    causal = slots[None, :] <= slots[:, None]
+    same_unit = (unit[:, :, None] == unit[:, None, :]) & (unit[:, None, :] >= 0)
+    sees = (block[:, None, :] < 0) | (block[:, :, None] == block[:, None, :])  # the unit's prompt, or its own block
+    visible = causal[None] & same_unit & sees
+    visible |= torch.eye(seq, dtype=torch.bool, device=dev)[None]              # no query row is empty
     return PackedRows(input_ids, ~visible[:, None], positions, gather)

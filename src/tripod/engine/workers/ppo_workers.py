@@ -29,7 +29,8 @@ def _microbatches(batch: PPOBatch, micro: int) -> list[PPOBatch]:
 
 def _budget_units(worker: MegatronWorker, rows: PPOBatch) -> tuple[list[list[int]], list[int]]:
     """What a token budget packs: with shared-prompt packing on, the rows of one prompt (adjacent rows with the same
-    `index`) stay together, costing the prompt once plus their responses; else every row alone, costing its tokens."""
+    `index`) stay together, costing the prompt once plus their responses (each as long as the longest, or at its
+    own length without padding); else every row alone, costing its tokens."""
     lens = rows["attention_mask"].sum(-1).tolist()
     if not (worker.share_prompt_prefix and worker.can_pack):
         return [[i] for i in range(len(lens))], lens
@@ -41,6 +42,8 @@ def _budget_units(worker: MegatronWorker, rows: PPOBatch) -> tuple[list[list[int
             units[-1].append(i)
         else:
             units.append([i])
+    if worker.remove_padding:
+        return units, [prompt[u[0]] + int(sum(response[i] for i in u)) for u in units]
     return units, [prompt[u[0]] + len(u) * int(max(response[i] for i in u)) for u in units]
 
 

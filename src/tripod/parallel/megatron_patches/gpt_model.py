@@ -30,9 +30,9 @@ def bypass_output_layer(model, tp_group) -> None:
 
 
 def rope_with_slot_positions(model) -> bool:
-    """Let `model.rotary_pos_emb.tripod_positions` ([S] positions, or None for megatron's 0..S-1) choose the RoPE
-    position of each sequence slot: what a packed micro-batch needs. False (nothing installed) for models whose
-    rotary embedding is not megatron's plain RoPE."""
+    """Let `model.rotary_pos_emb.tripod_positions` ([S] positions, [B, S] per row, or None for megatron's 0..S-1)
+    choose the RoPE position of each sequence slot: what a packed micro-batch needs. False (nothing installed) for
+    models whose rotary embedding is not megatron's plain RoPE."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     rope = getattr(model, "rotary_pos_emb", None)
@@ -48,13 +48,15 @@ def rope_with_slot_positions(model) -> bool:
         positions = rope.tripod_positions
         if positions is None:
             return megatron_forward(max_seq_len, offset, packed_seq, cp_group)
-        if positions.shape[0] != max_seq_len:
-            raise RuntimeError(f"packed RoPE positions cover {positions.shape[0]} slots, the model runs {max_seq_len}")
+        if positions.shape[-1] != max_seq_len:
+            raise RuntimeError(f"packed RoPE positions cover {positions.shape[-1]} slots, the model runs {max_seq_len}")
         seq = positions.to(rope.inv_freq.device, rope.inv_freq.dtype)  # as get_freqs_non_repeated, per slot
         if rope.seq_len_interpolation_factor is not None:
             seq = seq * (1 / rope.seq_len_interpolation_factor)
-        freqs = torch.outer(seq, rope.inv_freq)
-        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+        freqs = seq[..., None] * rope.inv_freq  # [S, d/2] or [B, S, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # megatron applies it to [S, B, heads, d]: [S, 1, 1, d] for all rows, or [S, B, 1, d] row by row
+        return emb[:, None, None, :] if emb.dim() == 2 else emb.transpose(0, 1)[:, :, None, :]
 
     rope.forward = forward  # pyright: ignore[reportAttributeAccessIssue]
     return True
