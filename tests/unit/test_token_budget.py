@@ -13,8 +13,9 @@ from tripod.engine.workers import ppo_workers
 from tripod.engine.workers.batch import build_ppo_batch
 
 
-def _worker(pack: bool, pp: int = 1, chunks: int = 1, dp: int = 1, dp_rank: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(share_prompt_prefix=pack, can_pack=True, model=[None] * chunks,
+def _worker(pack: bool, pp: int = 1, chunks: int = 1, dp: int = 1, dp_rank: int = 0,
+            remove_padding: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(share_prompt_prefix=pack, can_pack=True, model=[None] * chunks, remove_padding=remove_padding,
                            layout=SimpleNamespace(pp=pp, dp=dp, dp_rank=dp_rank))
 
 
@@ -96,3 +97,14 @@ def test_dp_ranks_get_whole_prompt_groups_of_balanced_cost():
     costs = [_packed_cost(batch.select(rows)) for rows in per_rank]
     biggest_group = max(_packed_cost(batch.select([2 * p, 2 * p + 1])) for p in range(8))
     assert abs(costs[0] - costs[1]) <= biggest_group
+
+
+def test_padding_free_groups_cost_their_tokens():
+    """use_remove_padding: a prompt group costs its prompt once plus each response at its own length (not k x the
+    longest), so a budget that holds the padding-free groups keeps them whole."""
+    batch = _batch(5, prompts=4, n=3)
+    units, costs = ppo_workers._budget_units(_worker(True, remove_padding=True), batch)
+    resp = batch["response_mask"].sum(-1).tolist()
+    assert units == [[3 * p + j for j in range(3)] for p in range(4)]
+    assert costs == [int(batch["prompt_lens"][u[0]]) + sum(int(resp[i]) for i in u) for u in units]
+    assert costs != ppo_workers._budget_units(_worker(True), batch)[1]  # the padded cost differs on this batch
