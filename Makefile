@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
 
-.PHONY: test test-launch test-gpu-bundle test-peers test-vllm vllm-venv demo venv clean bench gpu-bundle lint
+.PHONY: test test-launch test-gpu-bundle test-peers test-vllm vllm-venv demo demo-rm venv clean bench gpu-bundle lint
 
 $(STAMP): requirements.txt setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -66,6 +66,10 @@ test-peers: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
+
+# a reward model trained on arithmetic preference pairs, then PPO on it alone: the held-out rule reward rises (~15 min)
+demo-rm: $(STAMP)
+	$(BIN)/python scripts/demo_rm.py
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_kernels.py

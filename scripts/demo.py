@@ -37,16 +37,25 @@ def run(cmd: list[str]) -> None:
     subprocess.run(cmd, cwd=REPO, check=True)
 
 
-def write_data() -> None:
-    """One-digit + and - problems (non-negative answers) as chat prompts that carry the worked example. The 64
-    validation problems are distinct and none of them occurs in the training set (held-out problems)."""
-    from tripod.engine.data import make_arithmetic_splits, write_prompt_parquet
+def arithmetic_splits() -> tuple[list[dict], list[dict]]:
+    """(train rows, validation rows): one-digit + and - problems (non-negative answers) as chat prompts that carry
+    the worked example. The 64 validation problems are distinct and none of them occurs in the training set
+    (held-out problems). scripts/demo_rm.py makes its prompts and preference pairs from these too."""
+    from tripod.engine.data import make_arithmetic_splits
 
     splits = make_arithmetic_splits(2048, 64, seed=0, train_format_score=0.1, min_digits=1, max_digits=1,
                                     ops=("+", "-"), allow_negative=False, instruction="")
-    for split, rows in zip(("train", "test"), splits):
+    for rows in splits:
         for row in rows:
             row["prompt"] = EXAMPLE + [{"role": "user", "content": row["extra_info"]["question"]}]
+    return splits
+
+
+def write_data() -> None:
+    from tripod.engine.data import write_prompt_parquet
+
+    splits = arithmetic_splits()
+    for split, rows in zip(("train", "test"), splits):
         write_prompt_parquet(rows, os.path.join(DATA_DIR, f"{split}.parquet"))
     train_problems = {r["extra_info"]["expression"] for r in splits[0]}
     print(f"wrote arithmetic prompts to {DATA_DIR}: {len(train_problems)} distinct training problems, "
