@@ -87,14 +87,10 @@ def make_tiny_hf_model(tmp_path: str | os.PathLike, family: str, *, seed: int = 
     return str(out)
 
 
-def run_torchrun(script: str | os.PathLike, nproc: int, *args: Any, timeout: float = 300,
-                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Launch `torchrun --standalone --nproc-per-node nproc script *args` and assert it succeeds.
-
-    `script` is a path or a file name inside tests/multiprocess/workers/. Returns the completed process (stdout
-    and stderr merged into `.stdout`) so callers can parse lines the workers printed. On failure
-    or timeout the AssertionError carries the tail of the output.
-    """
+def torchrun_command(script: str | os.PathLike, nproc: int, *args: Any,
+                     env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of `torchrun --standalone --nproc-per-node nproc script *args`: one thread per rank, no
+    CUDA, the checkout importable. `script` is a path or a file name inside tests/multiprocess/workers/."""
     path = Path(script)
     if not path.is_absolute() and not path.exists():
         path = DIST_DIR / path
@@ -107,19 +103,35 @@ def run_torchrun(script: str | os.PathLike, nproc: int, *args: Any, timeout: flo
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), run_env.get("PYTHONPATH", "")]),
     })
     run_env.update(env or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(path), *map(str, args)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            str(path), *map(str, args)], run_env
+
+
+def torchrun_failure(name: str, nproc: int, returncode: int, out: str) -> str:
+    """The message of a failed torchrun world: the first rank's FAILED report (dist_worker) and the output's tail."""
+    first_failure = out.find("] FAILED")
+    detail = out[max(0, first_failure - 200):first_failure + 6000] if first_failure >= 0 else ""
+    return f"torchrun {name} x{nproc} exited {returncode}:\n{detail}\n--- output tail ---\n{out[-3000:]}"
+
+
+def run_torchrun(script: str | os.PathLike, nproc: int, *args: Any, timeout: float = 300,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Launch `torchrun --standalone --nproc-per-node nproc script *args` and assert it succeeds.
+
+    `script` is a path or a file name inside tests/multiprocess/workers/. Returns the completed process (stdout
+    and stderr merged into `.stdout`) so callers can parse lines the workers printed. On failure
+    or timeout the AssertionError carries the tail of the output.
+    """
+    cmd, run_env = torchrun_command(script, nproc, *args, env=env)
+    name = Path(cmd[5]).name  # the script
     try:
         proc = subprocess.run(cmd, cwd=REPO_ROOT, env=run_env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        raise AssertionError(f"torchrun {path.name} x{nproc} timed out after {timeout}s:\n{out[-6000:]}")
+        raise AssertionError(f"torchrun {name} x{nproc} timed out after {timeout}s:\n{out[-6000:]}")
     if proc.returncode != 0:
-        first_failure = proc.stdout.find("] FAILED")
-        detail = proc.stdout[max(0, first_failure - 200):first_failure + 6000] if first_failure >= 0 else ""
-        raise AssertionError(f"torchrun {path.name} x{nproc} exited {proc.returncode}:\n{detail}\n"
-                             f"--- output tail ---\n{proc.stdout[-3000:]}")
+        raise AssertionError(torchrun_failure(name, nproc, proc.returncode, proc.stdout))
     return proc
 
 

@@ -2,8 +2,9 @@
 
 `train(args)` runs the real CLI in a subprocess (optionally through tests/multiprocess/workers/train_with_hooks.py, which can register
 a test reward or plant a bug), `train_together({name: args})` starts independent runs side by side,
-`final_actor_weights_of` exports several runs' final actor weights in one process, `tripod_in_one_world` runs CLI
-commands in one torchrun world; `assert_same_training(base, other)` compares two finished runs.
+`train_in_worlds({name: (world, args, bug)})` makes many runs with one torchrun world per world size (one process
+start per rank for all the runs of that size), `final_actor_weights_of` exports several runs' final actor weights in
+one process, `tripod_in_one_world` runs CLI commands in one torchrun world; `assert_same_training(base, other)` compares two finished runs.
 
 Why the bounds are what they are (fp32 everywhere, u = 2**-24 is the unit roundoff):
   * A layout changes only the order of fp32 reductions (TP splits a dot product into partial sums that are then
@@ -133,6 +134,44 @@ def final_actor_weights_of(run_steps: dict[str, int]) -> dict[str, dict[str, tor
                 for d, s in run_steps.items()]
     tripod_in_one_world(commands, 1)
     return {d: load_file(os.path.join(d + "_hf", "model.safetensors")) for d in run_steps}
+
+
+def train_in_worlds(runs: dict[str, tuple[int, list[str], str | None]], log_dir: str, timeout: float = 1800,
+                    command: tuple[str, str] = ("train", "recipes/defaults.yaml")) -> None:
+    """Make every run {name: (world size, overrides of `tripod <command>`, planted bug or None)}: the runs of one world size
+    one after another in one torchrun world of that size (tests/multiprocess/workers/tripod_commands.py: in-process,
+    each on its own megatron groups), the worlds side by side; each world's output goes to `log_dir/world<N>.log`.
+
+    One interpreter start and torch/megatron import per rank for all the runs of a world, where a `tripod train`
+    each starts a world of its own (~12 CPU-seconds a process on the slow box, against ~2 for a tiny run's steps).
+    A run's arithmetic does not depend on what ran before it in its world: every run seeds its own generators and
+    builds its own models and groups (a 3-step run repeated three times in one world logs identical metrics), and
+    one thread per rank fixes the reduction order. A planted bug (tests/multiprocess/workers/train_with_hooks.py) is
+    in place for its own run only; the planted runs of a world go after its clean runs all the same."""
+    from tests.helpers.common import torchrun_command, torchrun_failure
+
+    worlds: dict[int, list[str]] = {}
+    for name in sorted(runs, key=lambda n: runs[n][2] is not None):  # stable: clean runs first, in the given order
+        worlds.setdefault(runs[name][0], []).append(name)
+    procs = {}
+    for world, names in worlds.items():
+        commands = [{"argv": [*command, *runs[n][1]], "plant": runs[n][2]} for n in names]
+        cmd, run_env = torchrun_command("tripod_commands.py", world, json.dumps(commands))
+        with open(os.path.join(log_dir, f"world{world}.log"), "w") as log:
+            procs[world] = subprocess.Popen(cmd, cwd=REPO_ROOT, env=run_env, stdout=log, stderr=subprocess.STDOUT,
+                                            text=True)
+    failed = []
+    for world, proc in procs.items():
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        with open(os.path.join(log_dir, f"world{world}.log")) as f:
+            out = f.read()
+        if proc.returncode != 0 or out.count("TRIPOD_COMMAND_OK ") != world * len(worlds[world]):
+            failed.append(f"runs {worlds[world]}: " + torchrun_failure("tripod_commands.py", world, proc.returncode, out))
+    assert not failed, "\n\n".join(failed)
 
 
 def tripod_in_one_world(commands: list[list[str]], nproc: int, timeout: float = 600) -> str:

@@ -90,8 +90,9 @@ def _allowed(key: str) -> bool:
     return any(fnmatch.fnmatchcase(key, pattern) for pattern in NOT_EXERCISED)
 
 
-def _reads(tmp_path, name, overrides, n_train=32, train_source=None):
-    """(keys read, the run's directory, its train rows); `train_source` replaces the train rows' data_source."""
+def _start_reads(tmp_path, name, overrides, n_train=32, train_source=None):
+    """Start one instrumented training (a process of its own, one thread); `_finish_reads` waits for it.
+    `train_source` replaces the train rows' data_source."""
     from tripod.engine.data import make_arithmetic_rows, write_prompt_parquet
 
     setup = make_ppo_setup(tmp_path / name, n_train=n_train)
@@ -112,11 +113,18 @@ def _reads(tmp_path, name, overrides, n_train=32, train_source=None):
     args = tiny_overrides(setup, str(tmp_path / name / "run"), steps=1) + [f"data.tokenizer={setup['model']}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(DIST_DIR / "config_reads.py"), str(out), *args, *overrides],
-                          cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout[-5000:]
-    return set(json.loads(out.read_text())), str(tmp_path / name / "run"), rows
+    log = tmp_path / f"{name}.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, str(DIST_DIR / "config_reads.py"), str(out), *args, *overrides],
+                                cwd=REPO_ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+    return proc, out, log, str(tmp_path / name / "run"), rows
+
+
+def _finish_reads(proc, out, log, run_dir, rows):
+    """(keys read, the run's directory, its train rows) of a run `_start_reads` started."""
+    proc.wait(timeout=900)
+    assert proc.returncode == 0, log.read_text()[-5000:]
+    return set(json.loads(out.read_text())), run_dir, rows
 
 
 def honoured(reads: set[str]) -> set[str]:
@@ -131,15 +139,32 @@ def honoured(reads: set[str]) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def critic_run(tmp_path_factory):
-    return _reads(tmp_path_factory.mktemp("keys"), "critic", CRITIC_RUN, train_source=dapo_reward.DATA_SOURCE)
+def runs(tmp_path_factory):
+    """The two instrumented trainings, side by side (one process and one thread each: the 2-core box runs both at
+    once): {"critic": (keys read, run dir, train rows), "grpo": (...)}."""
+    tmp = tmp_path_factory.mktemp("keys")
+    started = {"critic": _start_reads(tmp, "critic", CRITIC_RUN, train_source=dapo_reward.DATA_SOURCE),
+               "grpo": _start_reads(tmp, "grpo", GRPO_RUN, n_train=4)}
+    try:
+        return {name: _finish_reads(*run) for name, run in started.items()}
+    finally:  # a failed or timed-out run leaves no process behind
+        for proc, *_ in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def critic_run(runs):
+    return runs["critic"]
 
 
 @pytest.mark.dist
-def test_every_config_key_is_read(tmp_path, critic_run):
-    reads = critic_run[0] | _reads(tmp_path, "grpo", GRPO_RUN, n_train=4)[0]
+def test_every_config_key_is_read(runs):
+    reads = runs["critic"][0] | runs["grpo"][0]
     leaves, _ = _leaves_and_interpolations()
-    unread = [k for k in leaves if k not in honoured(reads)]
+    done = honoured(reads)  # once: it walks the whole schema
+    unread = [k for k in leaves if k not in done]
     assert unread == [], (f"config keys nothing reads: {unread}. Make the engine honour each, or refuse it at start "
                           "with one line (engine/config.py check or config_validation), and drop it from the schema")
     stale = [p for p in NOT_EXERCISED if any(fnmatch.fnmatchcase(k, p) for k in reads)]
@@ -150,7 +175,8 @@ def test_the_walk_sees_an_unread_key():
     """The closure does not hide keys: with nothing read, every leaf outside the allowlist is reported."""
     leaves, _ = _leaves_and_interpolations()
     assert len(leaves) > 100
-    unread = [k for k in leaves if k not in honoured(set())]
+    done = honoured(set())
+    unread = [k for k in leaves if k not in done]
     assert "data.val_batch_size" in unread and "actor_rollout_ref.actor.optim.min_lr_ratio" in unread
     # a read key pulls in what it interpolates: critic.ppo_epochs follows actor.ppo_epochs
     assert "actor_rollout_ref.actor.ppo_epochs" in honoured({"critic.ppo_epochs"})

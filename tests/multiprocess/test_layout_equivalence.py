@@ -5,8 +5,8 @@ grad norms within the fp32 reduction-order bound, and the SGD weight updates wit
 tests/helpers/trainer_runs.py. A new layout joins by appending one `Case(name, tp, pp, world, extra_overrides)`.
 The planted-bug tests run the same check on a run with one bug injected (tests/multiprocess/workers/train_with_hooks.py) and
 require it to fail: proof that the check can catch a wrong split rule or a lost gradient. Every run is made once, by
-the `runs` fixture (independent runs side by side, the final actor weights exported in one 1-rank world); the tests
-assert on its outputs.
+the `runs` fixture (all the runs of one world size in one torchrun world, the worlds side by side, the final actor
+weights exported in one 1-rank world); the tests assert on its outputs.
 """
 from __future__ import annotations
 
@@ -22,10 +22,9 @@ from tests.helpers.trainer_runs import (
     LINEAR_OPTIM,
     OutOfBounds,
     assert_same_training,
-    env,
     final_actor_weights_of,
     metrics,
-    train_together,
+    train_in_worlds,
 )
 
 STEPS = 3
@@ -88,20 +87,6 @@ def _plan() -> dict[str, tuple[Case, str | None]]:
     return plan
 
 
-def _waves(plan: dict[str, tuple[Case, str | None]]) -> list[list[str]]:
-    """Runs started together: the 1- and 2-rank runs in groups of at most 4 ranks, each 4-rank run alone (one
-    thread per rank, so a run's arithmetic does not depend on what runs beside it)."""
-    waves, wave, ranks = [], [], 0
-    for name in sorted(plan, key=lambda n: plan[n][0].world):
-        world = plan[name][0].world
-        if wave and ranks + world > 4:
-            waves.append(wave)
-            wave, ranks = [], 0
-        wave.append(name)
-        ranks += world
-    return waves + [wave]
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("equivalence")
@@ -110,14 +95,12 @@ def setup(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(setup) -> dict[str, tuple[list[dict], dict]]:
-    """Every run of the module made once (independent runs side by side, final actor weights exported in one
-    1-rank world): name -> (metrics, final actor weights)."""
+    """Every run of the module made once (one torchrun world per world size runs all the runs of that size, final
+    actor weights exported in one 1-rank world): name -> (metrics, final actor weights)."""
     plan = _plan()
     run_dirs = {name: os.path.join(setup["root"], name) for name in plan}
-    for wave in _waves(plan):
-        train_together({name: _args(setup, run_dirs[name], plan[name][0]) for name in wave}, setup["root"],
-                       hooks=True, run_envs={name: env(**({"TRIPOD_TEST_PLANT": plan[name][1]} if plan[name][1]
-                                                            else {})) for name in wave})
+    train_in_worlds({name: (case.world, _args(setup, run_dirs[name], case), bug) for name, (case, bug) in plan.items()},
+                    setup["root"])
     weights = final_actor_weights_of({d: STEPS for d in run_dirs.values()})
     out = {name: (metrics(run_dirs[name]), weights[run_dirs[name]]) for name in plan}
     for e in ESTIMATORS:

@@ -18,8 +18,8 @@ routing was ever unbalanced moved at all. `assert_expert_bias_moved` checks exac
 cross-layout comparison cannot: a bias that never moves stays equal in every layout); a planted bug (the update
 disabled) must fail it.
 
-All runs of the module are made once, by the `runs` fixture (independent runs side by side, their final actor
-weights exported in one 1-rank world); the tests assert on their outputs.
+All runs of the module are made once, by the `runs` fixture (all the runs of one world size in one torchrun world,
+the worlds side by side, their final actor weights exported in one 1-rank world); the tests assert on their outputs.
 """
 from __future__ import annotations
 
@@ -37,10 +37,9 @@ from tests.helpers.trainer_runs import (
     U32,
     OutOfBounds,
     assert_same_training,
-    env,
     final_actor_weights_of,
     metrics,
-    train_together,
+    train_in_worlds,
 )
 
 STEPS = 3
@@ -53,8 +52,6 @@ LAYOUTS = {"tp1pp1ep1": (1, 1, 1, 1), "tp1pp1ep2": (1, 1, 2, 2), "tp2pp1ep2etp1s
 # run name -> (layout, planted bug, PPO steps); the frozen-bias plant needs one step (2 optimizer steps) to show
 PLANTED = {"planted_expert_dp_grads": ("tp2pp1ep2etp1sp", "expert_dp_grads", STEPS),
            "planted_expert_bias_frozen": ("tp1pp1ep1", "expert_bias_frozen", 1)}
-# runs started together (at most 4 ranks at once; each rank has one thread, so the arithmetic is the same as alone)
-WAVES = [["tp1pp1ep1", "tp1pp1ep2", "planted_expert_bias_frozen"], ["tp2pp1ep2etp1sp"], ["planted_expert_dp_grads"]]
 
 
 def _args(setup: dict, run_dir: str, tp: int, pp: int, ep: int, world: int, steps: int = STEPS) -> list[str]:
@@ -77,13 +74,10 @@ def setup(tmp_path_factory) -> dict:
 def runs(setup) -> dict[str, tuple[list[dict], dict[str, torch.Tensor]]]:
     """Every run of the module: name -> (metrics, final actor weights)."""
     plan = {name: (name, None, STEPS) for name in LAYOUTS} | PLANTED
-    assert sorted(n for wave in WAVES for n in wave) == sorted(plan)
     run_dirs = {name: os.path.join(setup["root"], name) for name in plan}
-    for wave in WAVES:
-        train_together({name: _args(setup, run_dirs[name], *LAYOUTS[plan[name][0]], steps=plan[name][2])
-                        for name in wave}, setup["root"], hooks=True,
-                       run_envs={name: env(**({"TRIPOD_TEST_PLANT": plan[name][1]} if plan[name][1] else {}))
-                                 for name in wave})
+    # one torchrun world per world size makes all the runs of that size (planted ones after the clean ones)
+    train_in_worlds({name: (LAYOUTS[layout][3], _args(setup, run_dirs[name], *LAYOUTS[layout], steps=steps), bug)
+                     for name, (layout, bug, steps) in plan.items()}, setup["root"])
     weights = final_actor_weights_of({run_dirs[name]: plan[name][2] for name in plan})
     return {name: (metrics(run_dirs[name]), weights[run_dirs[name]]) for name in plan}
 

@@ -34,7 +34,7 @@ import torch
 
 from tests.helpers.common import make_tiny_hf_model, run_torchrun
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
-from tests.helpers.trainer_runs import REL, env, metric_violations, train_together
+from tests.helpers.trainer_runs import REL, env, metric_violations, train_in_worlds, train_together
 
 U_BF16 = 2.0 ** -8
 LAMBDA = 5.0
@@ -245,8 +245,8 @@ def test_distributed_optimizer_checkpoint_resumes_at_another_layout(tmp_path):
     only on elements whose gradient is at rounding level, which move the metrics by about |g| * lr, far below REL.
     Step 2's weight update is compared too (same layout: bit for bit; TP2: within UPDATE_REL). Planted bugs (the
     shared Adam step megatron's loader leaves behind, Adam's exp_avg_sq zeroed on load; both in
-    tests/multiprocess/workers/train_with_hooks.py) break these bounds. The resumes are independent: the two honest
-    ones run side by side, then the two planted ones."""
+    tests/multiprocess/workers/train_with_hooks.py) break these bounds. The four resumes are independent: they run
+    one after another in one 2-rank torchrun world (trainer_runs.train_in_worlds; the planted ones last)."""
     setup = make_ppo_setup(tmp_path)
     train_together({"dp2": _dp2_args(tmp_path, setup)}, str(tmp_path), run_envs={"dp2": env(**_DEVICE_ENV)})
     _check_device_guard(tmp_path)
@@ -254,12 +254,10 @@ def test_distributed_optimizer_checkpoint_resumes_at_another_layout(tmp_path):
     ckpt = os.path.join(dp_dir, "checkpoints", "global_step_1")
     dp2 = _metrics(dp_dir)
     w1, w2 = _weights(dp_dir, 1, tmp_path), _weights(dp_dir, 2, tmp_path)
-    resumed = {"dp2_resumed": 1, "tp2_resumed": 2}
-    train_together({name: _resume_args(setup, tmp_path / name, ckpt, tp) for name, tp in resumed.items()},
-                   str(tmp_path))
-    plants = {"tp2_planted": "adam_step_shared", "tp2_no_exp_avg_sq": "adam_exp_avg_sq_on_load"}
-    train_together({name: _resume_args(setup, tmp_path / name, ckpt, 2) for name in plants}, str(tmp_path),
-                   hooks=True, run_envs={name: env(TRIPOD_TEST_PLANT=plant) for name, plant in plants.items()})
+    resumes = {name: (tp, None) for name, tp in (("dp2_resumed", 1), ("tp2_resumed", 2))}
+    resumes |= {"tp2_planted": (2, "adam_step_shared"), "tp2_no_exp_avg_sq": (2, "adam_exp_avg_sq_on_load")}
+    train_in_worlds({name: (2, _resume_args(setup, tmp_path / name, ckpt, tp), plant)
+                     for name, (tp, plant) in resumes.items()}, str(tmp_path))
     same, tp2, planted = (_metrics(str(tmp_path / n)) for n in ("dp2_resumed", "tp2_resumed", "tp2_planted"))
     assert sorted(same) == [2], sorted(same)  # started at the saved step, did not redo step 1
     assert {k: same[2][k] for k in COMPARED} == {k: dp2[2][k] for k in COMPARED}

@@ -16,6 +16,8 @@ Bounds, from the arithmetic (float32, unit roundoff u = 6e-8):
   |dw| <= 2 * U * lr / eps * rho = 1.2e-5. A typical weight moves ~1e-3 over the run, so a real bug
   (a wrong split, a lost chunk gradient) shows up two orders of magnitude above the bound.
 `test_planted_bugs_break_the_equivalence` proves both checks fail on a planted bug.
+All the runs, planted ones included, are made once by the `runs` fixture (the runs of one world size in one torchrun
+world, tests/helpers/trainer_runs.py's train_in_worlds); the tests assert on their outputs.
 """
 import json
 import os
@@ -23,9 +25,8 @@ import os
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers.common import run_torchrun
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
-from tests.helpers.trainer_runs import final_actor_weights_of, train_together
+from tests.helpers.trainer_runs import final_actor_weights_of, train_in_worlds
 
 COMPARED = ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm", "actor/ppo_kl",
             "critic/score/mean", "response_length/mean")
@@ -41,6 +42,8 @@ SETTINGS = ["actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.roll
 SP = ["actor_rollout_ref.actor.megatron.sequence_parallel=true"]
 VPP = ["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"]
 LAYOUTS = {"base": (1, 1, 1, []), "tp2_sp": (2, 1, 2, SP), "pp2_vpp2": (1, 2, 2, VPP)}
+# planted bugs of tests/multiprocess/workers/train_with_hooks.py: one step each, in the layout it breaks
+PLANTED = [("tp2_sp", "sp_value_grad"), ("pp2_vpp2", "vpp_drop_chunk_grad")]
 
 
 def _args(setup, run_dir, layout, steps=STEPS):
@@ -66,14 +69,16 @@ def _metric_mismatches(want, got):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The three layouts' runs (the 1-rank base beside the TP2 run, then the PP2 x VPP2 run: one thread per rank,
-    so no run's arithmetic depends on another) and their final actor weights, exported in one 1-rank world."""
+    """The three layouts' runs and the planted-bug runs (one torchrun world per world size, one thread per rank, so
+    no run's arithmetic depends on another) and the layouts' final actor weights, exported in one 1-rank world."""
     tmp = tmp_path_factory.mktemp("sp_vpp")
     setup = make_ppo_setup(tmp)
     out = {"setup": setup, "tmp": tmp}
     run_dirs = {layout: str(tmp / layout) for layout in LAYOUTS}
-    for wave in (["base", "tp2_sp"], ["pp2_vpp2"]):
-        train_together({layout: _args(setup, run_dirs[layout], layout) for layout in wave}, str(tmp))
+    plan = {layout: (LAYOUTS[layout][2], _args(setup, run_dirs[layout], layout), None) for layout in LAYOUTS}
+    plan |= {f"{layout}_{bug}": (LAYOUTS[layout][2], _args(setup, str(tmp / f"{layout}_{bug}"), layout, steps=1), bug)
+             for layout, bug in PLANTED}
+    train_in_worlds(plan, str(tmp))
     weights = final_actor_weights_of({d: STEPS for d in run_dirs.values()})
     for layout, run_dir in run_dirs.items():
         out[layout] = (run_dir, _metrics(run_dir), weights[run_dir])
@@ -99,13 +104,10 @@ def test_layout_trains_like_one_rank(runs, layout):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("layout,bug", [("tp2_sp", "sp_value_grad"), ("pp2_vpp2", "vpp_drop_chunk_grad")])
+@pytest.mark.parametrize("layout,bug", PLANTED)
 def test_planted_bugs_break_the_equivalence(runs, layout, bug):
     """One step with a planted bug must fail the same metric check that the correct layout passes."""
     run_dir = str(runs["tmp"] / f"{layout}_{bug}")
-    tp, pp, world, _ = LAYOUTS[layout]
-    run_torchrun("train_with_planted_bug.py", world, bug, "recipes/defaults.yaml",
-                 *_args(runs["setup"], run_dir, layout, steps=1), timeout=600)
     assert [m["step"] for m in _metrics(run_dir)] == [1]
     bad = _metric_mismatches(runs["base"][1][:1], _metrics(run_dir))
     assert bad and all(got is not None for *_, got in bad), (bug, bad)

@@ -1,7 +1,8 @@
 """`tripod train-rm` end to end on a tiny Qwen2 (fresh score head) and preference pairs + ranked lists: the same
 training at TP2, PP2 and DP2 as on one rank (within the arithmetic's bound, tests/helpers/trainer_runs.py), an exact
 resume from a mid-run checkpoint, and an export that transformers loads as Qwen2ForSequenceClassification and that
-scores like the trained model."""
+scores like the trained model. The module's runs are made once by the `runs` fixture (the runs of one world size in
+one torchrun world, tests/helpers/trainer_runs.py's train_in_worlds); the tests assert on their outputs."""
 import json
 import os
 import shutil
@@ -14,7 +15,7 @@ from safetensors.torch import load_file
 from tests.helpers.common import REPO_ROOT
 from tests.helpers.ppo_setup import make_ppo_setup
 from tests.helpers.preference_data import make_preference_files
-from tests.helpers.trainer_runs import REL, TRIPOD, OutOfBounds, env, weight_violations
+from tests.helpers.trainer_runs import REL, TRIPOD, OutOfBounds, env, train_in_worlds, weight_violations
 
 STEPS = 3
 LAYOUTS = {"base": (1, 1, 1), "tp2": (2, 2, 1), "pp2": (2, 1, 2), "dp2": (2, 1, 1)}  # world, tp, pp
@@ -32,22 +33,13 @@ METRIC_SCALE = {"train/loss": 0.0, "train/margin": 1.0, "val/loss": 0.0, "val/ma
 RESUME = ["optim.optimizer=adam", "optim.lr=1e-3", "trainer.save_freq=1"]
 
 
-def _cmd(setup, run_dir, world, tp, pp, *extra):
-    return [*TRIPOD, "train-rm", "recipes/reward_model/defaults.yaml", f"model.path={setup['model']}",
-            f"data.train_files=[{setup['train']}]", f"data.val_files=[{setup['val']}]", f"trainer.default_local_dir={run_dir}",
-            f"trainer.n_gpus_per_node={world}", f"megatron.tensor_model_parallel_size={tp}",
-            f"megatron.pipeline_model_parallel_size={pp}", *COMMON, *extra]
+TRAIN_RM = ("train-rm", "recipes/reward_model/defaults.yaml")
 
 
-def _run_all(commands: dict[str, list[str]], log_dir) -> None:
-    procs = {}
-    for name, cmd in commands.items():
-        with open(os.path.join(log_dir, f"{name}.log"), "w") as log:
-            procs[name] = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT)
-    failed = [n for n, p in procs.items() if p.wait(timeout=900) != 0]
-    for name in failed:
-        print(f"--- {name} ---\n" + open(os.path.join(log_dir, f"{name}.log")).read()[-4000:])
-    assert not failed, failed
+def _overrides(setup, run_dir, world, tp, pp, *extra):
+    return [f"model.path={setup['model']}", f"data.train_files=[{setup['train']}]", f"data.val_files=[{setup['val']}]",
+            f"trainer.default_local_dir={run_dir}", f"trainer.n_gpus_per_node={world}",
+            f"megatron.tensor_model_parallel_size={tp}", f"megatron.pipeline_model_parallel_size={pp}", *COMMON, *extra]
 
 
 def _metrics(run_dir):
@@ -71,12 +63,12 @@ def runs(tmp_path_factory):
     setup = make_ppo_setup(tmp)
     setup.update(make_preference_files(tmp))
     dirs = {name: str(tmp / name) for name in LAYOUTS}
-    commands = {name: _cmd(setup, dirs[name], *LAYOUTS[name]) for name in LAYOUTS}
+    plan = {name: (LAYOUTS[name][0], _overrides(setup, dirs[name], *LAYOUTS[name]), None) for name in LAYOUTS}
     # the resume run: Adam (whose states the checkpoint must restore; tripod's checkpoints hold Adam's, not SGD's
     # momentum) and a checkpoint per step
     dirs["resume"] = str(tmp / "resume")
-    commands["resume"] = _cmd(setup, dirs["resume"], *LAYOUTS["tp2"], *RESUME)
-    _run_all(commands, tmp)
+    plan["resume"] = (LAYOUTS["tp2"][0], _overrides(setup, dirs["resume"], *LAYOUTS["tp2"], *RESUME), None)
+    train_in_worlds(plan, str(tmp), command=TRAIN_RM)  # one 1-rank world, one 2-rank world
     return setup, dirs, tmp
 
 
@@ -116,7 +108,7 @@ def test_resume_from_a_mid_run_checkpoint_is_exact(runs):
     shutil.copytree(dirs["resume"], resumed)
     shutil.rmtree(os.path.join(resumed, "checkpoints", "global_step_3"))
     shutil.rmtree(os.path.join(resumed, "hf"))
-    proc = subprocess.run(_cmd(setup, resumed, *LAYOUTS["tp2"], *RESUME), cwd=REPO_ROOT, env=env(),
+    proc = subprocess.run([*TRIPOD, *TRAIN_RM, *_overrides(setup, resumed, *LAYOUTS["tp2"], *RESUME)], cwd=REPO_ROOT, env=env(),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
     assert proc.returncode == 0 and "resumed from" in proc.stdout and "global_step_2" in proc.stdout, proc.stdout[-3000:]
     want, got = _metrics(dirs["resume"]), _metrics(resumed)

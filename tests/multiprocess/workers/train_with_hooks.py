@@ -10,12 +10,24 @@ here, never by the engine), to prove that the cross-layout equivalence check fai
                          engine/checkpoints/manager.py's _unshare_adam_steps fixes)
       adam_exp_avg_sq_on_load   a resumed optimizer's exp_avg_sq is zeroed after loading
       expert_bias_frozen the router's expert-bias update (megatron's finalize_model_grads step) does nothing
+      sp_value_grad      the critic's value head sums its sequence-parallel gradient over TP instead of splitting it
+                         (every TP rank already holds the full gradient: a TP-fold over-count)
+      vpp_drop_chunk_grad  the gradients of the first virtual-pipeline chunk are dropped before each optimizer step
+`plant(bug)` / `unplant()` do the same in-process for one command of a world that runs several
+(tests/multiprocess/workers/tripod_commands.py): every plant only replaces attributes, and `unplant` puts the originals back.
 TRIPOD_TEST_OFFLOAD_RECORD=<path> turns every offload kind of every model on inside engine/offload.py's manager (a CPU
 run refuses the keys themselves; there the manager only records) and appends rank 0's placement after each phase the
 trainer enters to <path>, one JSON line each.
 """
 import os
 import sys
+
+_REPLACED: list[tuple[object, str, object]] = []  # (owner, attribute, original) of the planted bug, in order
+
+
+def _patch(owner: object, attr: str, value: object) -> None:
+    _REPLACED.append((owner, attr, getattr(owner, attr)))
+    setattr(owner, attr, value)
 
 
 def _flip_lm_head_split() -> None:
@@ -28,7 +40,7 @@ def _flip_lm_head_split() -> None:
             rank = tp - 1 - rank
         return original(self, arch, name, full, tp, rank)
 
-    FamilySpec.shard = shard  # the one split implementation every loader reads (parallel/families/spec.py)
+    _patch(FamilySpec, "shard", shard)  # the one split implementation every loader reads (parallel/families/spec.py)
 
 
 def _drop_first_stage_grads() -> None:
@@ -43,7 +55,7 @@ def _drop_first_stage_grads() -> None:
                     p.main_grad.zero_()
         return original(self)
 
-    MegatronWorker.step = step
+    _patch(MegatronWorker, "step", step)
 
 
 def _sum_expert_dp_grads() -> None:
@@ -59,13 +71,13 @@ def _sum_expert_dp_grads() -> None:
                     p.main_grad.mul_(edp)
         return original(self)
 
-    MegatronWorker.step = step
+    _patch(MegatronWorker, "step", step)
 
 
 def _share_adam_step() -> None:
     from tripod.engine.checkpoints import manager
 
-    manager._unshare_adam_steps = lambda optimizer: None
+    _patch(manager, "_unshare_adam_steps", lambda optimizer: None)
 
 
 def _zero_exp_avg_sq_on_load() -> None:
@@ -79,7 +91,7 @@ def _zero_exp_avg_sq_on_load() -> None:
             for state in inner.optimizer.state.values():
                 state["exp_avg_sq"].zero_()
 
-    manager._load_optimizer = load
+    _patch(manager, "_load_optimizer", load)
 
 
 def _freeze_expert_bias() -> None:
@@ -88,7 +100,38 @@ def _freeze_expert_bias() -> None:
     # the module, not the function megatron.core.distributed re-exports under the same name; finalize_model_grads
     # looks the helper up in its module globals at call time
     module = importlib.import_module("megatron.core.distributed.finalize_model_grads")
-    module._update_router_expert_bias = lambda model, config: None
+    _patch(module, "_update_router_expert_bias", lambda model, config: None)
+
+
+def _sum_sp_value_grad() -> None:
+    import torch.nn.functional as F
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    from tripod.parallel.model import ValueHead
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=self.tp_group)
+        return F.linear(hidden, self.weight, self.bias), None
+
+    _patch(ValueHead, "forward", forward)
+
+
+def _drop_first_chunk_grads() -> None:
+    import torch
+
+    from tripod.engine.workers.megatron_worker import MegatronWorker
+
+    original = MegatronWorker.step
+
+    def step(self):
+        if len(self.model) > 1:
+            with torch.no_grad():
+                for p in self.model[0].parameters():
+                    p.main_grad.zero_()
+        return original(self)
+
+    _patch(MegatronWorker, "step", step)
 
 
 def _record_offload(path: str) -> None:
@@ -113,10 +156,27 @@ def _record_offload(path: str) -> None:
 
 PLANTS = {"lm_head_tp_split": _flip_lm_head_split, "pp_stage_grads": _drop_first_stage_grads,
           "expert_dp_grads": _sum_expert_dp_grads, "adam_step_shared": _share_adam_step,
-          "adam_exp_avg_sq_on_load": _zero_exp_avg_sq_on_load, "expert_bias_frozen": _freeze_expert_bias}
-_plant = os.environ.get("TRIPOD_TEST_PLANT")
-if _plant:
-    PLANTS[_plant]()
+          "adam_exp_avg_sq_on_load": _zero_exp_avg_sq_on_load, "expert_bias_frozen": _freeze_expert_bias,
+          "sp_value_grad": _sum_sp_value_grad, "vpp_drop_chunk_grad": _drop_first_chunk_grads}
+
+
+def plant(bug: str) -> None:
+    """Plant one bug of PLANTS in this process (undone by `unplant`)."""
+    if bug not in PLANTS:
+        raise ValueError(f"unknown planted bug {bug!r}; use one of {sorted(PLANTS)}")
+    assert not _REPLACED, "a planted bug is in place already: unplant() it first"
+    PLANTS[bug]()
+
+
+def unplant() -> None:
+    """Put back every attribute the planted bug replaced."""
+    while _REPLACED:
+        owner, attr, original = _REPLACED.pop()
+        setattr(owner, attr, original)
+
+
+if os.environ.get("TRIPOD_TEST_PLANT"):
+    plant(os.environ["TRIPOD_TEST_PLANT"])
 if os.environ.get("TRIPOD_TEST_OFFLOAD_RECORD"):
     _record_offload(os.environ["TRIPOD_TEST_OFFLOAD_RECORD"])
 
