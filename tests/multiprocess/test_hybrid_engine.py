@@ -103,3 +103,12 @@ def test_reshard_to_a_rollout_tp_larger_than_training_tp(tmp_path, tp, pp, dp, t
     if (tp, dp, tg) == (2, 2, 4):
         assert groups[("hf tp2pp1dp2->tg4", 0)] == (0, "[0, 2, 1, 3]")
         assert {r: groups[("hf tp2pp1dp2->tg4", r)][0] for r in range(4)} == {0: 0, 2: 1, 1: 2, 3: 3}
+
+
+@pytest.mark.dist
+def test_round_trip_to_rollout_tp4_from_a_tp2_dp2_actor_in_the_local_order(tmp_path):
+    """The rollout TP group is [0, 2, 1, 3] in slice order (not the ranks' order): the embedded engine re-orders its
+    logits gather, and greedy generation still equals transformers' (the worker's checks)."""
+    hf = make_tiny_hf_model(tmp_path, "qwen2", num_key_value_heads=4, vocab_size=128)
+    out = run_torchrun("hybrid_actor_roundtrip.py", 4, hf, "4", 2, 1, 1, timeout=600).stdout
+    assert "OK rollout_tp=4 layout=2,1,1,None" in out
