@@ -22,14 +22,11 @@ LAYOUTS = [(1, 1, 2, 2), (2, 1, 2, 4), (1, 2, 1, 2), (1, 2, 2, 2), (2, 2, 2, 4),
 @pytest.mark.parametrize("tp,pp,dp,tg", LAYOUTS)
 @pytest.mark.parametrize("local_order", [True, False])
 def test_every_generation_element_arrives_exactly_once_from_a_rank_that_holds_it(tp, pp, dp, tg, local_order):
-    if local_order and (tp, pp, dp, tg) in [(2, 1, 3, 3), (3, 1, 2, 2)]:  # failed in the first run, cause not yet read
-        pytest.xfail("open: one assertion of this check fails for the non-dividing layouts in the local order "
-                     "(the replay test and the gloo test of TP2 x DP3 -> 3 pass); see the rollouttp report")
     plan = build_reshard_plan(tiny_arch(), tp, pp, dp, tg, bucket_bytes=4096, local_order=local_order)
     assert plan.p2p
     world = tp * pp * dp
     assert sorted(r for g in plan.rollout_tp_groups for r in g) == list(range(world))
-    assert all(sorted(g) == list(range(g[0], g[0] + tg)) for g in plan.rollout_tp_groups)  # consecutive blocks
+    assert all(sorted(g) == list(range(min(g), min(g) + tg)) for g in plan.rollout_tp_groups)  # consecutive blocks
     if not local_order:
         assert all(g == sorted(g) for g in plan.rollout_tp_groups)
     shapes, owned = plan.generation_shapes(), {r: {s.name for s in plan.owned_specs(r)} for r in range(world)}
