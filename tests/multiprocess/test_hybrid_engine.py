@@ -68,3 +68,47 @@ def test_tripod_plan_prints_groups_and_bytes(tmp_path, capsys):
     assert "micro-DP groups   [[0, 2], [1, 3]]" in out and "rollout TP groups [[0, 1], [2, 3]]" in out
     assert main(args[:-3] + ["actor_rollout_ref.rollout.tensor_model_parallel_size=4"]) == 2
     assert "must divide" in capsys.readouterr().err
+
+
+# ---- rollout TP that training TP does not divide: point-to-point regrouping (parallel/hybrid_engine/regroup.py) ---
+def _groups(out):
+    return {(m[0], int(m[1])): (int(m[2]), m[3]) for m in
+            re.findall(r"\[(.+?)\] rank (\d+) rollout_tp_rank=(\d+) group=(\[[\d, ]+\])", out)}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("tp,pp,dp,tg,nproc,overrides,big", [
+    (1, 1, 2, 2, 2, {}, None),                                        # NeMo-RL's TP1 training -> rollout TP2
+    (2, 1, 2, 4, 4, dict(num_key_value_heads=4), None),               # every slice local: group [0, 2, 1, 3]
+    (1, 2, 1, 2, 2, {}, None),                                        # the other stage's layers, point to point
+    (2, 1, 3, 3, 6, dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=6, vocab_size=700),
+     "12,6,4500,384"),                                                # neither divides: slice 1 straddles
+], ids=["t1dp2-tg2", "t2dp2-tg4", "t1pp2-tg2", "t2dp3-tg3"])
+def test_reshard_to_a_rollout_tp_larger_than_training_tp(tmp_path, tp, pp, dp, tg, nproc, overrides, big):
+    """The generation shard equals the HF weights' slice bit for bit (in the worker); the bytes the transport counted
+    equal the plan's segments, its closed form and the expected shard's own count, on every rank; no rank receives
+    more than its generation shard, and a round holds at most one bucket."""
+    hf = make_tiny_hf_model(tmp_path, "llama", **overrides)
+    out = run_torchrun("hybrid_reshard.py", nproc, hf, tp, pp, dp, str(tg), *([big] if big else []),
+                       timeout=400).stdout
+    rows = _parse(out)
+    assert len(rows) == 2 * nproc
+    assert all(r["recv"] == r["plan"] and r["mean"] == r["hybridflow"] for r in rows)
+    hf_rows = [r for r in rows if r["tag"].startswith("hf")]
+    if pp == 1 and tg % tp == 0:  # each rollout slice inside the training slice its rank holds: nothing moves
+        assert all(r["recv"] == 0 for r in rows)
+    else:
+        assert any(r["recv"] > 0 for r in hf_rows)
+    groups = _groups(out)
+    if (tp, dp, tg) == (2, 2, 4):
+        assert groups[("hf tp2pp1dp2->tg4", 0)] == (0, "[0, 2, 1, 3]")
+        assert {r: groups[("hf tp2pp1dp2->tg4", r)][0] for r in range(4)} == {0: 0, 2: 1, 1: 2, 3: 3}
+
+
+@pytest.mark.dist
+def test_round_trip_to_rollout_tp4_from_a_tp2_dp2_actor_in_the_local_order(tmp_path):
+    """The rollout TP group is [0, 2, 1, 3] in slice order (not the ranks' order): the embedded engine re-orders its
+    logits gather, and greedy generation still equals transformers' (the worker's checks)."""
+    hf = make_tiny_hf_model(tmp_path, "qwen2", num_key_value_heads=4, vocab_size=128)
+    out = run_torchrun("hybrid_actor_roundtrip.py", 4, hf, "4", 2, 1, 1, timeout=600).stdout
+    assert "OK rollout_tp=4 layout=2,1,1,None" in out

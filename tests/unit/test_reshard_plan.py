@@ -82,7 +82,7 @@ def test_generation_shapes_are_megatron_tp_slices():
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(tp=2, pp=1, dp=1, rollout_tp=4), "must divide the actor's tensor_model_parallel_size=2"),
+    (dict(tp=2, pp=1, dp=1, rollout_tp=4), "must divide the world size TP*PP*DP=2"),
     (dict(tp=4, pp=1, dp=1, rollout_tp=4), "num_key_value_heads=2"),
     (dict(tp=2, pp=3, dp=1, rollout_tp=1), "pipeline_model_parallel_size=3 must divide num_hidden_layers=4"),
     (dict(tp=2, pp=2, dp=1, rollout_tp=2, world_size=8), "!= world size 8"),

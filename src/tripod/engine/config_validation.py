@@ -128,13 +128,13 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
                      "DistributedOptimizer supports Adam only); turn one of them off")
     e += precision_problems(cfg, world_size, [(f"{key}.megatron", m, key not in FROZEN) for key, m in layouts])
 
-    # rollout groups are carved out of the actor's model-parallel ranks
-    rtp, amp = rollout.tensor_model_parallel_size, (actor.megatron.tensor_model_parallel_size
-                                                    * actor.megatron.pipeline_model_parallel_size)
-    if rtp < 1 or world_size % rtp or (layout_ok["actor_rollout_ref.actor"] and amp % rtp):
-        e.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} must divide the actor's model-parallel "
-                 f"size TP*PP={amp} (generation groups are carved out of the actor's TP x PP ranks) and the world "
-                 f"size {world_size}; use a divisor of {amp}")
+    # rollout TP groups partition the world (parallel/hybrid_engine: micro-DP groups when rollout TP divides the
+    # actor's TP, else point-to-point regrouping across DP replicas / PP stages)
+    rtp = rollout.tensor_model_parallel_size
+    if rtp < 1 or world_size % rtp:
+        e.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} must divide the world size "
+                 f"{world_size} (rollout DP = world / rollout TP); use one of "
+                 f"{[x for x in range(1, world_size + 1) if world_size % x == 0]}")
     elif (d.train_batch_size * rollout.n) % (world_size // rtp):
         e.append(f"data.train_batch_size * rollout.n = {d.train_batch_size * rollout.n} responses do not split over "
                  f"the {world_size // rtp} rollout data-parallel groups; make it a multiple of {world_size // rtp}")

@@ -116,9 +116,13 @@ class PPOTrainer:
             "reference": flags_of(arc.ref.megatron, False, arc.ref.offload)}, self.device)
         rollout = arc.rollout
         gen_dtype = rollout_dtype(rollout.dtype, self.device)
+        # rollout TP groups ordered for locality (parallel/hybrid_engine/regroup.py) only where the engine takes an
+        # explicit slice order (embedded); vLLM / SGLang put slice j on the group's j-th rank
         self.hybrid = HybridEngine(self.arch, actor_layout, rollout.tensor_model_parallel_size, dtype=gen_dtype,
-                                   vpp=actor_cfg.megatron.virtual_pipeline_model_parallel_size)
-        kwargs = dict(pad_token_id=self.pad_id, dtype=gen_dtype, device=self.device) if rollout.name == "embedded" \
+                                   vpp=actor_cfg.megatron.virtual_pipeline_model_parallel_size,
+                                   local_order=rollout.name == "embedded")
+        kwargs = dict(pad_token_id=self.pad_id, dtype=gen_dtype, device=self.device,
+                      tp_order=self.hybrid.rollout_tp_order) if rollout.name == "embedded" \
             else dict(model_path=path, mem_fraction_static=rollout.mem_fraction_static,
                       dtype=str(gen_dtype).removeprefix("torch."), **rollout.engine_kwargs)
         if rollout.name == "vllm":  # its KV cache sized for the longest sequence of this run, not the model's context

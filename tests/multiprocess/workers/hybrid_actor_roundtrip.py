@@ -1,4 +1,5 @@
-"""torchrun worker (4 ranks): the hybrid engine around a real megatron actor (TP2 x PP2) and the embedded engine.
+"""torchrun worker (4 ranks): the hybrid engine around a real megatron actor (TP2 x PP2) and the embedded engine
+(or TP2 x DP2 -> rollout TP4: the rollout TP group in the locality order, not the ranks' order).
 
 argv: HF_DIR ROLLOUT_TPS [TP PP EP ETP] (default 2 2 1 -; an MoE actor with expert parallelism: e.g. 2 1 2 1);
 ROLLOUT_TPS is one rollout TP or several ("2,1"), each checked in turn in this one world around a fresh actor.
@@ -83,7 +84,8 @@ def round_trip(hf_dir, arch, layout, tg, label):
 
     actor = make_actor(hf_dir, arch, layout)
     hybrid = HybridEngine(arch, layout, tg, bucket_bytes=16 << 10)
-    engine = make_rollout_engine("embedded", arch, hybrid.rollout_tp_group, pad_token_id=0)
+    engine = make_rollout_engine("embedded", arch, hybrid.rollout_tp_group, pad_token_id=0,
+                                 tp_order=hybrid.rollout_tp_order)  # slice order when rollout TP > actor TP
     before = {n: p.detach().clone() for n, p in actor.module.named_parameters()}
     check_generation_shard(hf_dir, arch, hybrid, actor)
 

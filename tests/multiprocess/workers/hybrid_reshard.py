@@ -1,11 +1,16 @@
 """torchrun worker: the hybrid engine's micro-DP gather on gloo, checked against the HF weights.
 
-argv: HF_DIR TP PP DP ROLLOUT_TPS(comma list) — every rank builds its training shard from the HF checkpoint
+argv: HF_DIR TP PP DP ROLLOUT_TPS(comma list) [BIG_HEADS,BIG_KV,BIG_VOCAB,BIG_HIDDEN] — every rank builds its training shard from the HF checkpoint
 through the converter, reshards into each rollout TP, and checks: generation shard == the matching slice of the full
 HF weights (bit for bit), bytes received (counted by the transport from the tensors each collective delivered) ==
 the plan on every rank and, averaged over ranks, == HybridFlow's formula computed from the model's tensors alone;
 peak extra memory <= generation shard + one bucket, training shard untouched. Then the same on a larger random model
 where memory is measurable.
+
+A rollout TP that training TP does not divide (point-to-point regrouping, parallel/hybrid_engine/regroup.py) is
+checked per rank instead of against HybridFlow's mean: counted bytes == the plan's segments == its closed form ==
+`p2p_expected_bytes` (from the expected generation shard alone), <= the generation shard, and the largest send +
+receive buffers the transport allocated == the plan's <= one bucket.
 """
 import sys
 from fractions import Fraction
@@ -60,6 +65,22 @@ def hybridflow_mean_bytes(full, tp, pp, rollout_tp):
     return Fraction(t * p - tg, tg * t * p) * sharded + Fraction(m - 1, m) * replicated
 
 
+def p2p_expected_bytes(plan, want, rank):
+    """What `rank` must receive, from the expected generation shard: every byte of the other stages' tensors; of its
+    own stage's TP-split tensors, the share of rollout slice j outside training slice a (|J_j - I_a| * tg)."""
+    from tripod.parallel.families import Split
+    a, _, stage = plan.train_coords(rank)
+    j, t, tg = plan.rollout_tp_rank(rank), plan.tp, plan.rollout_tp
+    lo, hi = max(Fraction(a, t), Fraction(j, tg)), min(Fraction(a + 1, t), Fraction(j + 1, tg))
+    outside = 1 - max(hi - lo, Fraction(0)) * tg
+    total = Fraction(0)
+    for s in plan.specs:
+        n = want[s.name].numel() * want[s.name].element_size()
+        total += n if s.stage != stage else (0 if s.rule is Split.REPLICATED else n * outside)
+    assert total.denominator == 1
+    return int(total)
+
+
 def check(plan, full, tag, measure_memory):
     from tripod.engine.memory import measure_peak_memory
     from tripod.parallel.hybrid_engine import MicroDPGather
@@ -83,8 +104,21 @@ def check(plan, full, tag, measure_memory):
         assert mem.extra_bytes <= limit + slop, f"{tag} rank {rank}: peak extra {mem.extra_bytes} > {limit}"
     counted = [None] * dist.get_world_size()
     dist.all_gather_object(counted, gather.stats.bytes_received)
-    mean, formula = Fraction(sum(counted), len(counted)), hybridflow_mean_bytes(full, plan.tp, plan.pp, plan.rollout_tp)
+    if plan.p2p:
+        expected = p2p_expected_bytes(plan, want, rank)
+        assert gather.stats.bytes_received == expected == plan.bytes_received(rank, fast=True), \
+            (tag, rank, gather.stats.bytes_received, expected, plan.bytes_received(rank, fast=True))
+        assert expected <= plan.generation_shard_bytes()
+        from tripod.parallel.hybrid_engine.regroup import buffer_bytes
+        assert gather.stats.peak_buffer_bytes == buffer_bytes(plan, rank) <= plan.max_bucket_bytes() <= plan.bucket_bytes
+        wanted = [None] * dist.get_world_size()
+        dist.all_gather_object(wanted, expected)
+        mean, formula = Fraction(sum(counted), len(counted)), Fraction(sum(wanted), len(wanted))
+    else:
+        mean, formula = Fraction(sum(counted), len(counted)), hybridflow_mean_bytes(full, plan.tp, plan.pp, plan.rollout_tp)
     assert mean == formula, f"{tag}: mean bytes received {float(mean)} != HybridFlow {float(formula)}"
+    print(f"[{tag}] rank {rank} rollout_tp_rank={plan.rollout_tp_rank(rank)} group={plan.rollout_tp_group_of(rank)}",
+          flush=True)
     print(f"[{tag}] rank {rank} recv={gather.stats.bytes_received} plan={plan.bytes_received(rank)} "
           f"peak_extra={mem.extra_bytes} limit={limit} gen_shard={plan.generation_shard_bytes()} "
           f"mean_recv={float(mean)} hybridflow={float(formula)}", flush=True)
@@ -108,8 +142,9 @@ def main():
         plan = build_reshard_plan(arch, tp, pp, dp, tg, bucket_bytes=8 << 10, world_size=dist.get_world_size())
         check(plan, full, f"hf tp{tp}pp{pp}dp{dp}->tg{tg}", measure_memory=False)
     # a model large enough that the RSS high-water mark measures the transport, not the interpreter
-    big = arch_from_hf(dict(arch.hf_config, hidden_size=512, intermediate_size=1536, vocab_size=4000,
-                            num_attention_heads=8, num_key_value_heads=4, head_dim=64))
+    heads, kv, vocab, hidden = map(int, sys.argv[6].split(",")) if len(sys.argv) > 6 else (8, 4, 4000, 512)
+    big = arch_from_hf(dict(arch.hf_config, hidden_size=hidden, intermediate_size=1536, vocab_size=vocab,
+                            num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads))
     full = random_full(big)
     for tg in rollout_tps:
         plan = build_reshard_plan(big, tp, pp, dp, tg, bucket_bytes=1 << 20, world_size=dist.get_world_size())

@@ -62,14 +62,25 @@ class EmbeddedRolloutEngine(RolloutEngine):
     """Generates with this rank's TP slice; `dtype`/`device` say where the weights copy lives."""
 
     def __init__(self, arch: ModelArch, tp_group: Any = None, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", pad_token_id: int | None = None) -> None:
+                 device: str | torch.device = "cpu", pad_token_id: int | None = None,
+                 tp_order: list[int] | None = None) -> None:
+        """`tp_order`: the TP group's global ranks in TP-slice order (entry j holds slice j), when that is not the
+        ranks' sorted order (the hybrid engine's `rollout_tp_order`); None: slice j on the group's j-th rank."""
         super().__init__(arch, tp_group)
         self.tp_size, self.tp_rank = tp_size_and_rank(tp_group)
+        slice_owner = None
+        if tp_order is not None and tp_group is not None:
+            ranks = sorted(tp_order)
+            if ranks != sorted(dist.get_process_group_ranks(tp_group)):
+                raise ValueError(f"tp_order {tp_order} is not the TP group's ranks {ranks}")
+            self.tp_rank = tp_order.index(dist.get_rank())
+            slice_owner = None if tp_order == ranks else [ranks.index(r) for r in tp_order]
         validate_rollout_tp(arch, self.tp_size)
         self.dtype, self.device = dtype, torch.device(device)
         self._fp32_names: set[str] | None = None
         self.pad_token_id = pad_token_id if pad_token_id is not None else self._default_pad_id(arch)
         self.decoder = decoder_class(arch)(arch, tp_group, self.tp_size, self.tp_rank)
+        self.decoder.slice_owner = slice_owner
         self._weights_loaded = False
         self._released_shapes: dict[str, torch.Size] | None = None
         self.kv_cache: KVCache | None = None

@@ -70,6 +70,9 @@ class TPDecoder:
         inv_freq, self.rope_scaling = arch.rope_inv_freq()
         self.inv_freq = inv_freq.float()
         self.weights: dict[str, torch.Tensor] = {}
+        # group rank holding TP slice j, when the slices are not in group-rank order (the hybrid engine's local
+        # order for rollout TP > training TP, parallel/hybrid_engine/regroup.py); None: slice j on group rank j
+        self.slice_owner: list[int] | None = None
 
     def allocate_cache(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         """The KV cache of one generate call: [batch, kv_heads / tg, capacity, head_dim] keys and values per layer."""
@@ -115,6 +118,8 @@ class TPDecoder:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
         dist.all_gather(parts, x, group=self.tp_group)
+        if self.slice_owner is not None:
+            parts = [parts[i] for i in self.slice_owner]
         return torch.cat(parts, dim=-1)
 
     # ---- model ----------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 (TP=tg, PP=1) by a zero-redundancy gather inside micro-DP groups, and the rollout copy is released afterwards.
 
 - plan.py       who gathers what from whom; bytes and peak memory per rank; validation (pure arithmetic)
-- transport.py  executing the plan with bucketed broadcasts, and the naive full-gather baseline
+- regroup.py    rollout TP that training TP does not divide: groups across DP replicas, point-to-point plan
+- transport.py  executing the plan: bucketed broadcasts (point to point for regroup.py); the naive full gather
 - engine.py     `HybridEngine`: the per-step round trip around a rollout engine
 """
 from tripod.parallel.hybrid_engine.plan import (

@@ -40,13 +40,15 @@ class HybridEngine:
     """Owns the resharding plan and the micro-DP / rollout-TP process groups for one actor layout."""
 
     def __init__(self, arch: ModelArch, actor_layout, rollout_tp: int, *, bucket_bytes: int = 64 << 20,
-                 dtype: torch.dtype = torch.float32, keep_buffer: bool = False, vpp: int | None = None):
+                 dtype: torch.dtype = torch.float32, keep_buffer: bool = False, vpp: int | None = None,
+                 local_order: bool = True):
         import torch.distributed as dist
         self.arch, self.layout = arch, actor_layout
         self.plan = build_reshard_plan(arch, actor_layout.tp, actor_layout.pp, actor_layout.dp, rollout_tp,
                                        bucket_bytes=bucket_bytes, dtype=dtype, world_size=dist.get_world_size(),
                                        vpp=vpp or 1, ep=actor_layout.ep, etp=actor_layout.etp,
-                                       first=actor_layout.first_stage_layers, last=actor_layout.last_stage_layers)
+                                       first=actor_layout.first_stage_layers, last=actor_layout.last_stage_layers,
+                                       local_order=local_order)
         if list(actor_layout.ranks) != list(range(dist.get_world_size())):
             raise ValueError("the hybrid engine reshards an actor laid over the whole world; "
                              f"actor ranks are {actor_layout.ranks}")
@@ -57,6 +59,12 @@ class HybridEngine:
     @property
     def rollout_tp_group(self):
         return self.gather.rollout_tp_group
+
+    @property
+    def rollout_tp_order(self) -> list[int]:
+        """This rank's rollout TP group, global ranks listed in rollout TP order (entry j holds slice j). When it is
+        not the sorted order (rollout TP > training TP, local order: plan.py) the rollout engine must be told."""
+        return self.plan.rollout_tp_group_of(_global_rank())
 
     @property
     def rollout_tp_rank(self) -> int:

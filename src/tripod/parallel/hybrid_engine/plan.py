@@ -16,6 +16,10 @@ router's expert bias, which megatron and SGLang keep in fp32), which get fp32 bu
 therefore holds at most its generation shard plus one bucket. Bytes received per rank (ideal, paper):
 (t*p - tg)/(tg*t*p) * M, against (t*p - 1)/(t*p) * M for gathering the full model everywhere.
 
+Rollout TP that training TP does not divide (tg > t, or neither divides the other): the rollout TP groups span DP
+replicas / PP stages, and the dense tensors move point to point from ranks that hold them
+(parallel/hybrid_engine/regroup.py has the groups, the sources and the bytes' closed form).
+
 Routed experts (MoE) do not follow the TP x DP x PP grid: the micro-DP buckets carry only the dense tensors, and the
 expert tensors move point to point from the training EP x expert-TP layout into every rollout TP slice
 (parallel/hybrid_engine/experts.py has the rule; `bytes_received` counts both parts).
@@ -34,6 +38,7 @@ from tripod.parallel.arch import ModelArch
 from tripod.parallel.families import get_family
 from tripod.parallel.families.spec import Split, padded_vocab_size, subshard_segments
 from tripod.parallel.families.spec import local_shape as split_local_shape
+from tripod.parallel.hybrid_engine import regroup
 from tripod.parallel.hybrid_engine.experts import ExpertLayout, check_expert_sizes, expert_index, overlap_segments
 from tripod.parallel.stages import StageSplit
 
@@ -138,21 +143,62 @@ class ReshardPlan:
     ep: int = 1
     etp: int | None = None             # None: tp
     stages: StageSplit | None = None   # which PP stage holds which layer (None: even)
+    local_order: bool = True           # point-to-point regrouping: rollout slices ordered for locality (regroup.py)
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
     @property
+    def p2p(self) -> bool:
+        """True when training TP is not a multiple of rollout TP: dense tensors move point to point (regroup.py)."""
+        return self.tp % self.rollout_tp != 0
+
+    @property
     def micro_dp_size(self) -> int:
-        return (self.tp * self.pp) // self.rollout_tp
+        return 1 if self.p2p else (self.tp * self.pp) // self.rollout_tp
 
     def train_coords(self, rank: int) -> tuple[int, int, int]:
         """(tp_rank, dp_rank, pp_rank) of a global rank in megatron's tp-dp-pp order."""
         return rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp)
 
+    @functools.cached_property
+    def _rollout_tp_rank(self) -> dict[int, int]:
+        return {r: j for g in self.rollout_tp_groups for j, r in enumerate(g)}
+
     def rollout_tp_rank(self, rank: int) -> int:
-        return self.train_coords(rank)[0] // (self.tp // self.rollout_tp)
+        """The rollout TP slice `rank` holds: its index in its rollout TP group (the groups are listed in slice order)."""
+        return self._rollout_tp_rank[rank]
+
+    # ---- point-to-point regrouping of the dense tensors (p2p; parallel/hybrid_engine/regroup.py) ------
+    def dense_recv(self, rank: int) -> dict[int, list[Segment]]:
+        """Source rank -> the dense segments `rank` takes from it (itself: local copies); {} unless `p2p`."""
+        if not self.p2p:
+            return {}
+        cache = self.__dict__.setdefault("_dense_recv", {})
+        if rank not in cache:
+            cache[rank] = regroup.dense_recv(self, rank)
+        return cache[rank]
+
+    def dense_send(self, rank: int) -> dict[int, list[Segment]]:
+        return regroup.dense_send(self, rank) if self.p2p else {}
+
+    def stage_dense_bytes(self, stage: int) -> tuple[int, int]:
+        """(replicated bytes, sharded TP-unsplit bytes) of the dense tensors of training PP stage `stage`."""
+        rep = sh = 0
+        for s in self.specs:
+            if s.expert is None and s.stage == stage:
+                n = _prod(s.global_shape) * self.elem_size(self.spec_dtype(s))
+                rep, sh = (rep + n, sh) if s.rule is Split.REPLICATED else (rep, sh + n)
+        return rep, sh
+
+    def dense_generation_bytes(self) -> int:
+        return sum(_prod(local_shape(s, self.rollout_tp)) * self.elem_size(self.spec_dtype(s))
+                   for s in self.specs if s.expert is None)
+
+    @functools.cached_property
+    def _max_p2p_buffer_bytes(self) -> int:
+        return max(regroup.buffer_bytes(self, r) for r in range(self.world_size))
 
     def micro_dp_group_of(self, rank: int) -> list[int]:
         return next(g for g in self.micro_dp_groups if rank in g)
@@ -257,13 +303,31 @@ class ReshardPlan:
     def bytes_received(self, rank: int, fast: bool = False) -> int:
         """Exactly what the transport receives on `rank`: every bucket of every other member of its micro-DP group,
         plus the expert pieces it takes from other ranks (`fast`: closed form for those, same number)."""
-        dense = sum(b.numel * self.elem_size(b.dtype) for o in self.micro_dp_group_of(rank) if o != rank
-                    for b in self.buckets[o])
+        if self.p2p:
+            dense = regroup.received_closed_form(self, rank) if fast else sum(
+                seg.numel * self.elem_size(self.spec_dtype_of(seg.name))
+                for src, segs in self.dense_recv(rank).items() if src != rank for seg in segs)
+        else:
+            dense = sum(b.numel * self.elem_size(b.dtype) for o in self.micro_dp_group_of(rank) if o != rank
+                        for b in self.buckets[o])
         if not self.expert_specs:
             return dense
         return dense + (self.expert_bytes_received_fast(rank) if fast else self.expert_bytes_received(rank))
 
+    def spec_dtype_of(self, name: str) -> torch.dtype:
+        return self._dtype_of[name]
+
+    @functools.cached_property
+    def _dtype_of(self) -> dict[str, torch.dtype]:
+        return self.generation_dtypes()
+
     def bytes_received_ideal(self) -> float:
+        """HybridFlow's (t*p - tg)/(tg*t*p) * M; for the point-to-point regrouping the mean of its closed form."""
+        if self.p2p:
+            if "_p2p_mean" not in self.__dict__:
+                self.__dict__["_p2p_mean"] = sum(regroup.received_closed_form(self, r)
+                                                 for r in range(self.world_size)) / self.world_size
+            return self.__dict__["_p2p_mean"]
         t, p, tg = self.tp, self.pp, self.rollout_tp
         return (t * p - tg) / (tg * t * p) * self.model_bytes()
 
@@ -272,6 +336,10 @@ class ReshardPlan:
         return (t * p - 1) / (t * p) * self.model_bytes()
 
     def max_bucket_bytes(self) -> int:
+        """The largest bucket; point to point: the largest send + receive chunk buffers of a rank (each chunk at most
+        half a bucket)."""
+        if self.p2p:
+            return self._max_p2p_buffer_bytes
         return max((b.numel * self.elem_size(b.dtype) for bs in self.buckets.values() for b in bs), default=0)
 
     def max_bucket_numel(self, dtype: torch.dtype) -> int:
@@ -324,10 +392,17 @@ def validate_layouts(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: int
     if arch.num_heads % rollout_tp or arch.num_kv_heads % rollout_tp:
         problems.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} must divide "
                         f"num_attention_heads={arch.num_heads} and num_key_value_heads={arch.num_kv_heads}")
-    if rollout_tp < 1 or tp % rollout_tp:
-        problems.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} must divide the actor's "
-                        f"tensor_model_parallel_size={tp} (HybridFlow micro-DP regrouping; rollout PP is 1). "
-                        f"Use one of {[x for x in range(1, tp + 1) if tp % x == 0]}")
+    world = tp * pp * dp
+    if rollout_tp < 1 or world % rollout_tp:
+        problems.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} must divide the world "
+                        f"size TP*PP*DP={world} (rollout DP = world / rollout TP; rollout PP is 1). "
+                        f"Use one of {[x for x in range(1, world + 1) if world % x == 0]}")
+    elif tp % rollout_tp:  # point-to-point regrouping: every dense split dimension must cut rollout_tp ways
+        fam = get_family(arch.family)
+        vocab_rows = padded_vocab_size(arch.vocab_size, tp)
+        problems += regroup.split_problems(arch, [ParamSpec(n, fam.padded_shape(arch, n, vocab_rows), 0, row.tp)
+                                                  for n, row in fam.rows(arch).items()
+                                                  if not getattr(row, "per_expert", False)], rollout_tp)
     if problems:
         raise ReshardPlanError("cannot reshard actor -> rollout:\n  - " + "\n  - ".join(problems))
 
@@ -335,9 +410,12 @@ def validate_layouts(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: int
 def build_reshard_plan(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: int, *,
                        bucket_bytes: int = 64 << 20, dtype: torch.dtype = torch.float32,
                        world_size: int | None = None, vpp: int = 1, ep: int = 1,
-                       etp: int | None = None, first: int | None = None, last: int | None = None) -> ReshardPlan:
+                       etp: int | None = None, first: int | None = None, last: int | None = None,
+                       local_order: bool = True) -> ReshardPlan:
     """The plan for actor layout TP x PP x DP (experts: EP x expert TP `etp`, None = tp; uneven stages: `first` /
-    `last` layers on the first / last PP stage) -> rollout TP."""
+    `last` layers on the first / last PP stage) -> rollout TP. When training TP is not a multiple of rollout TP the
+    dense tensors move point to point (regroup.py); `local_order=False` then orders every rollout TP group as its
+    ranks' order (what vLLM's / SGLang's launchers assume) instead of for locality."""
     stages = StageSplit(arch.num_layers, pp, vpp, first, last)
     if stages.problems():  # the stage of each layer is undefined: refuse before enumerating the tensors
         validate_layouts(arch, tp, pp, dp, rollout_tp, world_size, (), ep, etp, first=first, last=last, vpp=vpp)
@@ -346,6 +424,11 @@ def build_reshard_plan(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: i
     validate_layouts(arch, tp, pp, dp, rollout_tp, world_size, expert_specs, ep, etp, first=first, last=last,
                      vpp=vpp)
     dense_specs = [s for s in specs if s.expert is None]
+    if tp % rollout_tp:
+        world = tp * pp * dp
+        return ReshardPlan(arch, tp, pp, dp, rollout_tp, bucket_bytes, dtype, specs, [[r] for r in range(world)],
+                           regroup.spanning_groups(world, tp, rollout_tp, local_order), {r: [] for r in range(world)},
+                           ep, etp, stages, local_order)
     k = tp // rollout_tp
 
     def max_numel(seg_dtype: torch.dtype) -> int:
@@ -387,7 +470,8 @@ def build_reshard_plan(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: i
 
 def reshard_plan_from_config(cfg, world_size: int, arch: ModelArch, *, bucket_bytes: int = 64 << 20) -> ReshardPlan:
     """The plan of a resolved `TripodConfig` on `world_size` ranks (`tripod plan`, the bench's prediction): the
-    actor's TP / PP / virtual stages / EP / ETP, DP = world / (TP*PP), the rollout TP and the rollout dtype."""
+    actor's TP / PP / virtual stages / EP / ETP, DP = world / (TP*PP), the rollout TP, the rollout dtype and the
+    rollout groups' order (locality for the embedded engine, rank order for vLLM / SGLang)."""
     from tripod.engine.precision import rollout_dtype
 
     m, r = cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.rollout
@@ -397,4 +481,5 @@ def reshard_plan_from_config(cfg, world_size: int, arch: ModelArch, *, bucket_by
                               vpp=m.virtual_pipeline_model_parallel_size or 1, ep=m.expert_model_parallel_size,
                               etp=m.expert_tensor_parallel_size, first=m.num_layers_in_first_pipeline_stage,
                               last=m.num_layers_in_last_pipeline_stage,
+                              local_order=r.name == "embedded",  # vLLM / SGLang: slice j on the j-th rank
                               dtype=rollout_dtype(r.dtype, "cuda" if cfg.trainer.device == "cuda" else "cpu"))

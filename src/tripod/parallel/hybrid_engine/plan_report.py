@@ -34,10 +34,16 @@ def header_lines(plan: ReshardPlan, *, list_groups: bool) -> list[str]:
         f"train layout   TP={plan.tp} PP={plan.pp} DP={plan.dp} (world {plan.world_size}){experts}"
         + (f", layers per stage {st.describe()}" if st is not None and st.uneven else ""),
         f"rollout layout TP={plan.rollout_tp} PP=1 DP={plan.world_size // plan.rollout_tp}",
-        f"micro-DP size  {plan.micro_dp_size} = (TP*PP)/(rollout TP)",
+        (f"regrouping     point to point (rollout TP {plan.rollout_tp} is not a divisor of TP {plan.tp}: rollout TP "
+         f"groups span DP replicas / PP stages, {'ordered for locality' if plan.local_order else 'in rank order'}; "
+         f"chunks of <= half a bucket)" if plan.p2p else f"micro-DP size  {plan.micro_dp_size} = (TP*PP)/(rollout TP)"),
         f"model bytes    {plan.model_bytes() / MIB:.2f} MiB ({plan.dtype}), bucket {plan.bucket_bytes / MIB:.2f} MiB",
     ]
-    if list_groups:
+    if plan.p2p:
+        shown = plan.rollout_tp_groups if list_groups else plan.rollout_tp_groups[:1]
+        lines.append(f"rollout TP groups {shown} (listed in rollout TP order)"
+                     + ("" if list_groups else f", {len(plan.rollout_tp_groups)} in all"))
+    elif list_groups:
         lines += [f"micro-DP groups   {plan.micro_dp_groups}", f"rollout TP groups {plan.rollout_tp_groups}"]
     else:
         lines += [f"micro-DP groups   {len(plan.micro_dp_groups)} of {plan.micro_dp_size} ranks, the first "
@@ -49,6 +55,8 @@ def header_lines(plan: ReshardPlan, *, list_groups: bool) -> list[str]:
 
 def per_rank_table(plan: ReshardPlan) -> list[str]:
     lines = ["rank  rollout_tp_rank  buckets_sent  recv_MiB  ideal_recv_MiB  naive_recv_MiB  peak_extra_MiB"]
+    if plan.p2p:
+        lines.insert(0, "(point to point: buckets_sent is 0, ideal_recv is the closed form's mean over ranks)")
     if plan.expert_specs:
         lines.insert(0, "(recv_MiB includes the experts' point-to-point part; ideal/naive are HybridFlow's formulas "
                         "over the whole model)")

@@ -5,6 +5,10 @@ then each member of its micro-DP group in turn broadcasts its buckets (flattened
 receiver unpacks them straight into place. One reusable bucket buffer per rank; nothing else is allocated. (When the
 layouts and dtypes coincide the hybrid engine skips this and hands out the parameters: engine.py.)
 
+When training TP is not a multiple of rollout TP (regroup.py) there are no micro-DP broadcasts: the dense tensors
+travel point to point like the experts (`exchange_dense`), in chunks of at most half a bucket, so one send chunk and
+one receive chunk are alive at a time.
+
 Routed experts (MoE) travel point to point instead (`exchange_experts`, the rule is in parallel/hybrid_engine/
 experts.py): in round s of a ring schedule every rank sends one flat buffer to rank + s and receives one from
 rank - s, each only when the plan has segments for that pair; both sides enumerate the same segments.
@@ -32,6 +36,7 @@ class TransferStats:
     bytes_received: int = 0
     bytes_sent: int = 0
     collectives: int = 0
+    peak_buffer_bytes: int = 0  # point to point: the send + receive chunk buffers it allocated
 
     def count(self, *tensors: torch.Tensor, received: bool = True) -> None:
         """One collective that moved `tensors` into (received) or out of this rank."""
@@ -52,7 +57,7 @@ class MicroDPGather:
         if dist.get_world_size() != plan.world_size:
             raise ValueError(f"reshard plan is for world size {plan.world_size}, but this world has "
                              f"{dist.get_world_size()} ranks")
-        self.group = None
+        self.group, self.members = None, [self.rank]
         for ranks in plan.micro_dp_groups:  # every rank must create every group, in the same order
             g = dist.new_group(ranks) if len(ranks) > 1 else None
             if self.rank in ranks:
@@ -75,6 +80,10 @@ class MicroDPGather:
         _check_train_shard(plan, me, train_shard)
         device = next(iter(train_shard.values())).device
         gen = out if out is not None else self.allocate_generation_shard(device)
+        if plan.p2p:
+            exchange_dense(plan, me, train_shard, gen, self.stats)
+            exchange_experts(plan, me, train_shard, gen, self.stats)
+            return gen
         k = plan.tp // plan.rollout_tp
         q = plan.train_coords(me)[0] % k
         for spec in plan.owned_specs(me):  # own pieces: local copies, no traffic
@@ -125,6 +134,38 @@ def exchange_experts(plan: ReshardPlan, me: int, train_shard: dict[str, torch.Te
         if inbox is not None:
             stats.count(inbox)
             _unpack(Bucket(frm, plan.dtype, recv[frm]), inbox, gen)
+
+
+def exchange_dense(plan: ReshardPlan, me: int, train_shard: dict[str, torch.Tensor], gen: dict[str, torch.Tensor],
+                   stats: TransferStats) -> None:
+    """Fill the dense tensors of this rank's generation shard point to point (`plan.p2p`, regroup.py): local
+    copies, then a ring schedule; in round s this rank sends to rank + s and receives from rank - s, chunk by chunk."""
+    from tripod.parallel.hybrid_engine.regroup import buffer_numels, rounds_of
+
+    for seg in plan.dense_recv(me).get(me, []):
+        gen[seg.name][seg.dst_slices].copy_(train_shard[seg.name][seg.src_slices])
+    rounds = rounds_of(plan, me)
+    # one send and one receive buffer per dtype, reused by every round (like the micro-DP gather's bucket buffer)
+    device = next(iter(gen.values())).device
+    bufs = {key: torch.empty(n, dtype=key[1], device=device) for key, n in buffer_numels(rounds).items()}
+    stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, sum(b.numel() * b.element_size() for b in bufs.values()))
+    for to, frm, outs, ins in rounds:
+        for i in range(max(len(outs), len(ins))):
+            reqs, inbox = [], None
+            if i < len(outs):
+                flat = bufs["send", outs[i].dtype][: outs[i].numel]
+                _pack(outs[i], train_shard, flat)
+                reqs.append(dist.isend(flat, dst=to))
+                stats.count(flat, received=False)
+            if i < len(ins):
+                inbox = bufs["recv", ins[i].dtype][: ins[i].numel]
+                reqs.append(dist.irecv(inbox, src=frm))
+            for req in reqs:
+                req.wait()
+            if inbox is not None:
+                stats.count(inbox)
+                _unpack(ins[i], inbox, gen)
+    del bufs
 
 
 def _check_train_shard(plan: ReshardPlan, rank: int, shard: dict[str, torch.Tensor]) -> None:
