@@ -39,7 +39,7 @@ from tripod.parallel.families import get_family
 from tripod.parallel.families.spec import Split, padded_vocab_size, subshard_segments
 from tripod.parallel.families.spec import local_shape as split_local_shape
 from tripod.parallel.hybrid_engine import regroup
-from tripod.parallel.hybrid_engine.experts import ExpertLayout, check_expert_sizes, expert_index, overlap_segments
+from tripod.parallel.hybrid_engine.experts import ExpertLayout, expert_index, overlap_segments
 from tripod.parallel.stages import StageSplit
 
 
@@ -364,49 +364,6 @@ def _prod(shape: tuple[int, ...]) -> int:
     return n
 
 
-def validate_layouts(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: int, world_size: int | None = None,
-                     expert_specs: list[ParamSpec] = (), ep: int = 1, etp: int | None = None, *,
-                     first: int | None = None, last: int | None = None, vpp: int = 1) -> None:
-    """Refuse unsupported pairs with a message naming the config key and the fix."""
-    problems = []
-    if expert_specs:
-        etp = etp or tp
-        n = 1 + max(s.expert for s in expert_specs)
-        if n % ep or (tp * dp) % (ep * etp):
-            problems.append(f"actor expert_model_parallel_size={ep} must divide the {n} experts and "
-                            f"expert_model_parallel_size*expert_tensor_parallel_size={ep}*{etp} must divide TP*DP="
-                            f"{tp}*{dp}")
-        problems += check_expert_sizes(sorted({(s.global_shape, s.rule) for s in expert_specs}), etp, rollout_tp)
-    elif ep != 1:
-        problems.append(f"actor expert_model_parallel_size={ep}: the model has no experts; use 1")
-    if world_size is not None and tp * pp * dp != world_size:
-        problems.append(f"actor TP*PP*DP = {tp}*{pp}*{dp} = {tp * pp * dp} != world size {world_size}")
-    if arch.num_heads % tp or arch.num_kv_heads % tp:
-        problems.append(f"actor tensor_model_parallel_size={tp} must divide num_attention_heads={arch.num_heads} "
-                        f"and num_key_value_heads={arch.num_kv_heads}")
-    if not (first or last) and arch.num_layers % pp:
-        problems.append(f"actor pipeline_model_parallel_size={pp} must divide num_hidden_layers={arch.num_layers} "
-                        "(or set num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage)")
-    else:
-        problems += [f"actor {p}" for p in StageSplit(arch.num_layers, pp, vpp, first, last).problems()]
-    if arch.num_heads % rollout_tp or arch.num_kv_heads % rollout_tp:
-        problems.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} must divide "
-                        f"num_attention_heads={arch.num_heads} and num_key_value_heads={arch.num_kv_heads}")
-    world = tp * pp * dp
-    if rollout_tp < 1 or world % rollout_tp:
-        problems.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} must divide the world "
-                        f"size TP*PP*DP={world} (rollout DP = world / rollout TP; rollout PP is 1). "
-                        f"Use one of {[x for x in range(1, world + 1) if world % x == 0]}")
-    elif tp % rollout_tp:  # point-to-point regrouping: every dense split dimension must cut rollout_tp ways
-        fam = get_family(arch.family)
-        vocab_rows = padded_vocab_size(arch.vocab_size, tp)
-        problems += regroup.split_problems(arch, [ParamSpec(n, fam.padded_shape(arch, n, vocab_rows), 0, row.tp)
-                                                  for n, row in fam.rows(arch).items()
-                                                  if not getattr(row, "per_expert", False)], rollout_tp)
-    if problems:
-        raise ReshardPlanError("cannot reshard actor -> rollout:\n  - " + "\n  - ".join(problems))
-
-
 def build_reshard_plan(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: int, *,
                        bucket_bytes: int = 64 << 20, dtype: torch.dtype = torch.float32,
                        world_size: int | None = None, vpp: int = 1, ep: int = 1,
@@ -416,6 +373,8 @@ def build_reshard_plan(arch: ModelArch, tp: int, pp: int, dp: int, rollout_tp: i
     `last` layers on the first / last PP stage) -> rollout TP. When training TP is not a multiple of rollout TP the
     dense tensors move point to point (regroup.py); `local_order=False` then orders every rollout TP group as its
     ranks' order (what vLLM's / SGLang's launchers assume) instead of for locality."""
+    from tripod.parallel.hybrid_engine.layout_checks import validate_layouts  # it needs ParamSpec: no cycle
+
     stages = StageSplit(arch.num_layers, pp, vpp, first, last)
     if stages.problems():  # the stage of each layer is undefined: refuse before enumerating the tensors
         validate_layouts(arch, tp, pp, dp, rollout_tp, world_size, (), ep, etp, first=first, last=last, vpp=vpp)
