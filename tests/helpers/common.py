@@ -114,25 +114,43 @@ def torchrun_failure(name: str, nproc: int, returncode: int, out: str) -> str:
     return f"torchrun {name} x{nproc} exited {returncode}:\n{detail}\n--- output tail ---\n{out[-3000:]}"
 
 
+def launch_world(script: str | os.PathLike, nproc: int, *args: Any, log: str | os.PathLike,
+                 env: dict[str, str] | None = None):
+    """Start the world `torchrun --standalone --nproc-per-node nproc script *args` would start, its merged output
+    going to the file `log`; returns its handle (`wait(timeout)`, `kill()`, `returncode`). The ranks are forks of one
+    preloaded interpreter (tests/helpers/forked_worlds.py), or a real torchrun with TRIPOD_TEST_FORKED_WORLDS=0."""
+    from tests.helpers import forked_worlds
+
+    cmd, run_env = torchrun_command(script, nproc, *args, env=env)
+    if forked_worlds.enabled():
+        return forked_worlds.ForkedWorld(cmd[5], nproc, cmd[6:], run_env, str(REPO_ROOT), str(log))
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=REPO_ROOT, env=run_env, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
 def run_torchrun(script: str | os.PathLike, nproc: int, *args: Any, timeout: float = 300,
                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Launch `torchrun --standalone --nproc-per-node nproc script *args` and assert it succeeds.
+    """Launch `torchrun --standalone --nproc-per-node nproc script *args` (`launch_world`) and assert it succeeds.
 
     `script` is a path or a file name inside tests/multiprocess/workers/. Returns the completed process (stdout
     and stderr merged into `.stdout`) so callers can parse lines the workers printed. On failure
     or timeout the AssertionError carries the tail of the output.
     """
-    cmd, run_env = torchrun_command(script, nproc, *args, env=env)
-    name = Path(cmd[5]).name  # the script
-    try:
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=run_env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        raise AssertionError(f"torchrun {name} x{nproc} timed out after {timeout}s:\n{out[-6000:]}")
-    if proc.returncode != 0:
-        raise AssertionError(torchrun_failure(name, nproc, proc.returncode, proc.stdout))
-    return proc
+    import tempfile
+
+    name = Path(script).name
+    with tempfile.NamedTemporaryFile("r", suffix=".log", prefix=f"world-{name}-") as log:
+        world = launch_world(script, nproc, *args, log=log.name, env=env)
+        try:
+            world.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            world.kill()
+            world.wait()
+            raise AssertionError(f"torchrun {name} x{nproc} timed out after {timeout}s:\n{log.read()[-6000:]}")
+        out = log.read()
+    if world.returncode != 0:
+        raise AssertionError(torchrun_failure(name, nproc, world.returncode, out))
+    return subprocess.CompletedProcess([name, str(nproc), *map(str, args)], world.returncode, out, None)
 
 
 def dist_worker(main: Callable[[], None]) -> None:

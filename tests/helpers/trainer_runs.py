@@ -148,7 +148,7 @@ def train_in_worlds(runs: dict[str, tuple[int, list[str], str | None]], log_dir:
     builds its own models and groups (a 3-step run repeated three times in one world logs identical metrics), and
     one thread per rank fixes the reduction order. A planted bug (tests/multiprocess/workers/train_with_hooks.py) is
     in place for its own run only; the planted runs of a world go after its clean runs all the same."""
-    from tests.helpers.common import torchrun_command, torchrun_failure
+    from tests.helpers.common import launch_world, torchrun_failure
 
     worlds: dict[int, list[str]] = {}
     for name in sorted(runs, key=lambda n: runs[n][2] is not None):  # stable: clean runs first, in the given order
@@ -156,10 +156,8 @@ def train_in_worlds(runs: dict[str, tuple[int, list[str], str | None]], log_dir:
     procs = {}
     for world, names in worlds.items():
         commands = [{"argv": [*command, *runs[n][1]], "plant": runs[n][2]} for n in names]
-        cmd, run_env = torchrun_command("tripod_commands.py", world, json.dumps(commands))
-        with open(os.path.join(log_dir, f"world{world}.log"), "w") as log:
-            procs[world] = subprocess.Popen(cmd, cwd=REPO_ROOT, env=run_env, stdout=log, stderr=subprocess.STDOUT,
-                                            text=True)
+        procs[world] = launch_world("tripod_commands.py", world, json.dumps(commands),
+                                    log=os.path.join(log_dir, f"world{world}.log"))
     failed = []
     for world, proc in procs.items():
         try:

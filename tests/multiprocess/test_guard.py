@@ -3,13 +3,11 @@ to the last GOOD checkpoint, applies the remedies, recovers and finishes (or giv
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.helpers.common import DIST_DIR, REPO_ROOT
+from tests.helpers.common import launch_world
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
 from tripod.engine.divergence_guard import GOOD, find_reasons
 
@@ -43,16 +41,12 @@ def _poisoned_setup(tmp_path):
     return setup
 
 
-def _start(setup, run_dir, extra, poison_step, log, per_step=8) -> subprocess.Popen:
+def _start(setup, run_dir, extra, poison_step, log, per_step=8):
     args = tiny_overrides(setup, run_dir, steps=3) + [
         "data.val_files=[]", "trainer.val_before_train=false", "trainer.save_freq=1",
         "trainer.divergence_guard.enabled=true", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               POISON_FROM=str(per_step * (poison_step - 1)), POISON_TO=str(per_step * poison_step),
-               PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-                             str(DIST_DIR / "guard_poisoned_reward.py"), *args], cwd=REPO_ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    env = dict(POISON_FROM=str(per_step * (poison_step - 1)), POISON_TO=str(per_step * poison_step))
+    return launch_world("guard_poisoned_reward.py", 1, *args, log=log, env=env)
 
 
 # What step 2's rollout produced, before any update: the prompts (data position), the sampled responses (RNG) and
@@ -75,8 +69,7 @@ def runs(tmp_path_factory):
     procs = {}
     for name, (extra, poison_step) in plan.items():
         tmp = tmp_path_factory.mktemp(name)
-        with open(tmp / "out.log", "wb") as log:
-            procs[name] = (_start(_poisoned_setup(tmp), str(tmp / "run"), extra, poison_step, log), tmp)
+        procs[name] = (_start(_poisoned_setup(tmp), str(tmp / "run"), extra, poison_step, tmp / "out.log"), tmp)
     out = {}
     for name, (proc, tmp) in procs.items():
         proc.wait(timeout=900)

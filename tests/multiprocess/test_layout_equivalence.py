@@ -70,6 +70,9 @@ CASES = [
                                             "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=120"],
          estimator="grpo_kl_loss"),
     Case("grpo_kl_loss_tp2pp2", 2, 2, 4, estimator="grpo_kl_loss"),
+    # rollout TP larger than the actor's: each generation shard regrouped point to point from the two DP replicas
+    # (parallel/hybrid_engine/regroup.py), the embedded engine at TP2 in the local slice order
+    Case("rollout_tp2_over_actor_tp1dp2", 1, 1, 2, ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"]),
 ]
 PLANTED = {"lm_head_tp_split": Case("planted", 2, 1, 2), "pp_stage_grads": Case("planted", 1, 2, 2)}
 

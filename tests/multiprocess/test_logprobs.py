@@ -179,11 +179,9 @@ def test_triton_kernels_under_interpreter():
 
 
 def test_vocab_parallel_two_gloo_ranks():
-    script = os.path.join(REPO, "tests", "multiprocess", "workers", "tp2_logprobs_check.py")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", script], cwd=REPO, capture_output=True, text=True,
-                          timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from tests.helpers.common import run_torchrun
+
+    proc = run_torchrun("tp2_logprobs_check.py", 2, timeout=240)
     assert proc.stdout.count("TP2-LOGPROBS-OK") == 2, proc.stdout[-3000:]
 
 

@@ -3,16 +3,15 @@
 import json
 import math
 import os
-import signal
 import subprocess
 import time
 
 import pytest
 import torch
 
-from tests.helpers.common import REPO_ROOT
+from tests.helpers.common import launch_world
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
-from tests.helpers.trainer_runs import GREEDY, TRIPOD, env, export, metrics, train
+from tests.helpers.trainer_runs import GREEDY, final_actor_weights_of, metrics, train, tripod_in_one_world
 
 COMPARED = ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm", "actor/ppo_kl",
             "critic/score/mean", "response_length/mean", "actor/lr", "critic/lr")
@@ -25,7 +24,9 @@ def _train(args, timeout=900, **popen):
 @pytest.mark.dist
 @pytest.mark.parametrize("tp,pp,world", [(2, 2, 4)], ids=["tp2pp2"])
 def test_resume_after_sigkill_is_exact(tmp_path, tp, pp, world):
-    """Killed between the step-2 and step-3 checkpoints, then `trainer.resume=auto`: the resumed process must start at
+    """Killed (SIGKILL to every rank) between the step-2 and step-3 checkpoints, then `trainer.resume=auto` in a new
+    world (`tripod train` in-process on each rank, tests/multiprocess/workers/tripod_commands.py; the CLI's own
+    launching is test_launch's): the resumed process must start at
     step 2 (its log line and the `training/start_step` metric), leave steps 0-2 as the killed process logged them
     (a no-op resume would recompute and rewrite them, with other timings), and end bit-identical to an uninterrupted
     run. At TP2 x PP2 only: a (1,1,1) case ran the same assertions on a subset of the same code (110 s of the suite);
@@ -40,18 +41,25 @@ def test_resume_after_sigkill_is_exact(tmp_path, tp, pp, world):
                            "critic.optim.optimizer=sgd"] + schedule
     ref_dir, cut_dir = str(tmp_path / "uninterrupted"), str(tmp_path / "killed")
     layout = dict(world=world, tp=tp, pp=pp, steps=3)
-    proc = _train(tiny_overrides(setup, ref_dir, **layout) + common)
-    assert proc.returncode == 0, proc.stdout[-5000:]
-
     args = tiny_overrides(setup, cut_dir, **layout) + common
-    job = subprocess.Popen([*TRIPOD, "train", "recipes/defaults.yaml", *args], cwd=REPO_ROOT, env=env(),
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    # the uninterrupted run and the one to be killed side by side, each in a world of its own (one thread a rank: a
+    # run's arithmetic does not depend on what runs beside it)
+    ref = launch_world("tripod_commands.py", world, json.dumps([["train", "recipes/defaults.yaml",
+                                                                 *tiny_overrides(setup, ref_dir, **layout), *common]]),
+                       log=tmp_path / "uninterrupted.log")
+    job = launch_world("tripod_commands.py", world, json.dumps([["train", "recipes/defaults.yaml", *args]]),
+                       log=tmp_path / "killed.log")
     marker = os.path.join(cut_dir, "checkpoints", "global_step_2", "COMPLETE")
     deadline = time.time() + 900
-    while not os.path.exists(marker) and job.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    os.killpg(job.pid, signal.SIGKILL)  # between the checkpoints of step 2 and step 3
+    while not os.path.exists(marker) and time.time() < deadline:
+        try:
+            job.wait(timeout=0.2)
+            break  # ended before the kill
+        except subprocess.TimeoutExpired:
+            pass
+    job.kill()  # SIGKILL to every rank, between the checkpoints of step 2 and step 3
     job.wait()
+    assert ref.wait(timeout=900) == 0, (tmp_path / "uninterrupted.log").read_text()[-5000:]
     assert os.path.exists(marker), "the run never completed its step-2 checkpoint"
     assert not os.path.exists(os.path.join(cut_dir, "checkpoints", "global_step_3"))
     with open(os.path.join(cut_dir, "metrics.jsonl")) as f:  # (a step-3 line may be cut short by the kill)
@@ -62,10 +70,9 @@ def test_resume_after_sigkill_is_exact(tmp_path, tp, pp, world):
     os.makedirs(os.path.join(cut_dir, "checkpoints", "global_step_99", "actor"))
 
     resume_args = [a for a in args if not a.startswith("trainer.resume=")] + ["trainer.resume=auto"]
-    proc = _train(resume_args)
-    assert proc.returncode == 0, proc.stdout[-5000:]
+    out = tripod_in_one_world([["train", "recipes/defaults.yaml", *resume_args]], world)
     saved = os.path.join(cut_dir, "checkpoints", "global_step_2")
-    assert f"tripod: resumed from {saved} at step 2" in proc.stdout, proc.stdout[-3000:]
+    assert f"tripod: resumed from {saved} at step 2" in out, out[-3000:]
     with open(os.path.join(cut_dir, "metrics.jsonl")) as f:
         after = f.readlines()
     assert after[:3] == before, "the resumed process rewrote the steps the killed one had logged"
@@ -81,8 +88,8 @@ def test_resume_after_sigkill_is_exact(tmp_path, tp, pp, world):
         for k in COMPARED:
             if k in a:
                 assert b[k] == pytest.approx(a[k], abs=1e-6), (a["step"], k)
-    w_ref = export(os.path.join(ref_dir, "checkpoints", "global_step_3", "actor"), str(tmp_path / "hf_ref"))
-    w_cut = export(os.path.join(cut_dir, "checkpoints", "global_step_3", "actor"), str(tmp_path / "hf_cut"))
+    weights = final_actor_weights_of({ref_dir: 3, cut_dir: 3})
+    w_ref, w_cut = weights[ref_dir], weights[cut_dir]
     for name in w_ref:
         assert torch.equal(w_ref[name], w_cut[name]), name
 
