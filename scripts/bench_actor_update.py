@@ -71,8 +71,14 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true", help="also time tripod with share_prompt_prefix off and "
                     "with use_remove_padding on")
     ap.add_argument("--no_hf", action="store_true")
+    ap.add_argument("--runs", default=None, help="comma list: time only these of the runs above (e.g. "
+                    "tripod,tripod-rmpad,hf)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
+    known = ["tripod"] + (["tripod-unshared", "tripod-rmpad"] if args.variants else []) + ([] if args.no_hf else ["hf"])
+    unknown = sorted(set(args.runs.split(",")) - set(known)) if args.runs else []
+    if unknown:
+        raise SystemExit(f"--runs: unknown {unknown}; choose from {known} (tripod-* need --variants)")
 
     import torch.distributed as dist
 
@@ -96,6 +102,14 @@ def main() -> None:
     tokens = int(batch["attention_mask"].sum())
     print(f"batch: {rows} rows, {tokens} tokens ({int(batch['response_mask'].sum())} response), "
           f"padded [{rows}, {batch['input_ids'].shape[1]}], threads {torch.get_num_threads()}", flush=True)
+    if args.variants:  # the model rows each variant runs (one micro-batch of --micro rows)
+        from tripod.engine.workers.packing import pack_shared_prompts, pack_without_padding
+
+        mb = batch.select(slice(0, min(args.micro, rows))).trimmed()
+        for name, packed in (("tripod", pack_shared_prompts(mb)), ("tripod-rmpad", pack_without_padding(mb, True))):
+            shape = list(packed.input_ids.shape) if packed is not None else list(mb["input_ids"].shape)
+            print(f"layout {name}: first micro-batch as {shape} = {shape[0] * shape[1]} slots "
+                  f"(its rows: {int(mb['attention_mask'].sum())} tokens)", flush=True)
     optim = OptimConfig(lr=1e-6, weight_decay=0.0)
     actor = PolicyWorker("actor", arch, ParallelLayout(tp=1, pp=1, name="actor", arch=arch), args.model_dir,
                          optim=optim, grad_clip=1.0, total_steps=100)
@@ -120,6 +134,8 @@ def main() -> None:
         hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-6, weight_decay=0.0)
         runs["hf"] = lambda: hf_update(hf, hf_opt, batch, 1.0)
 
+    if args.runs:
+        runs = {k: runs[k] for k in args.runs.split(",")}
     times: dict[str, list[float]] = {k: [] for k in runs}
     for name, fn in runs.items():  # warm-up (allocator, lazy init)
         fn()

@@ -269,11 +269,12 @@ class ModelConfig:
 @dataclass
 class TrainedModelConfig(ModelConfig):
     """The model section of the actor (with its reference) and the critic."""
-    use_remove_padding: bool = False
+    use_remove_padding: bool = True
     """Padding-free packing: lay each micro-batch's rows (with share_prompt_prefix, each prompt with its responses)
     out without padding, several to a model row, apart by a block-diagonal mask (engine/workers/packing.py). Same
-    results up to float rounding; fewer padded slots where responses differ in length. Used where the attention
-    takes an arbitrary mask (megatron's local spec). verl: model.use_remove_padding."""
+    results up to float rounding; never more model slots than without it, fewer where prompts or responses differ in
+    length (bench/RESULTS.md). Used where the attention takes an arbitrary mask (megatron's local spec); Transformer
+    Engine models and MoE routers that keep token statistics run unpacked. verl: model.use_remove_padding."""
 
 
 @dataclass

@@ -22,6 +22,8 @@ moe_router_bias_update_rate, ...) replace those fields. Experts are split over t
 MoE layer with tensor parallelism but without sequence parallelism, so MoE models at tp > 1 always run with it.
 Caveat: megatron's rotary embedding takes positions 0..s-1 and ignores
 `position_ids`; left-padded batches must be handled by the caller (e.g. right padding).
+`packed_seq_params` turns a THD-packed micro-batch (engine/workers/packing.py) into megatron's PackedSeqParams for
+Transformer Engine models.
 """
 from __future__ import annotations
 
@@ -239,6 +241,22 @@ def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool
     # Megatron-LM moves the whole model with .cuda() after building it, and so does this
     model.to(device)
     return model
+
+
+def packed_seq_params(packed: Any, use_te: bool):
+    """megatron's `PackedSeqParams` (qkv_format "thd", cu_seqlens_q = cu_seqlens_kv, max_seqlen_q/kv) for a micro-batch
+    laid out by engine/workers/packing.py's `pack_thd` (it carries `cu_seqlens`), when the model is built with
+    Transformer Engine's spec (`use_te`: `model.tripod_use_te`), the only attention that reads them; None otherwise
+    (the local spec takes the explicit block-diagonal mask). Unrun here: no GPU, no TE (CPU unit test only)."""
+    cu = getattr(packed, "cu_seqlens", None)
+    if cu is None or not use_te:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = cu.to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
 
 
 def _init_device(config) -> torch.device:

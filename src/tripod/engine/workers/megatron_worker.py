@@ -33,7 +33,7 @@ from tripod.engine.precision import PrecisionSettings
 from tripod.engine.workers.batch import PPOBatch, split_rows
 from tripod.engine.workers.lr_schedule import build_lr_scheduler
 from tripod.engine.workers.moe_config import MOE_AUX_LOSS_NAMES
-from tripod.engine.workers.packing import pack_shared_prompts, pack_without_padding
+from tripod.engine.workers.packing import pack_shared_prompts, pack_thd, pack_without_padding
 from tripod.parallel.arch import ModelArch
 from tripod.parallel.megatron_patches.gpt_model import (
     bypass_output_layer,
@@ -54,7 +54,7 @@ class MegatronWorker:
                  total_steps: int = 1, seed: int = 1234, precision: PrecisionSettings | None = None,
                  sequence_parallel: bool = False, virtual_pipeline_size: int | None = None,
                  config_overrides: dict | None = None, share_prompt_prefix: bool = True, use_te: str = "auto",
-                 load_arch: ModelArch | None = None, remove_padding: bool = False):
+                 load_arch: ModelArch | None = None, remove_padding: bool = False, te_thd: bool = False):
         """`optim`, `grad_clip` and `total_steps` (optimizer steps of the whole run, for the LR schedule) matter
         only when `trainable`. `config_overrides`: extra TransformerConfig fields (the MoE router's, from
         `moe_config_overrides`). `share_prompt_prefix`: run a prompt shared by several rows once per micro-batch
@@ -62,7 +62,9 @@ class MegatronWorker:
         `remove_padding`: pack without padding, several rows (or prompt groups) to a model row (engine/workers/packing.py).
         `use_te`: `{key}.megatron.use_te` (auto | true | false; parallel/model.py's resolve_use_te).
         `load_arch`: the arch `hf_dir` is read as, where it differs from the built model's (a reward model built with
-        a score head from a causal LM's weights: the head stays freshly initialised)."""
+        a score head from a causal LM's weights: the head stays freshly initialised). `te_thd`: a Transformer Engine
+        model packs its rows without padding in THD format (packing.pack_thd, model.packed_seq_params; no shared
+        prompts there); off unless asked: that TE forward has not run yet (no GPU here)."""
         from tripod.parallel.convert import load_hf_weights
         from tripod.parallel.model import build_model_chunks
 
@@ -88,9 +90,10 @@ class MegatronWorker:
         # expert-bias update see (both are statistics over the micro-batch's tokens), so those runs do not pack
         router_stats = (config_overrides or {}).get("moe_router_load_balancing_type", "none") != "none" or \
             (config_overrides or {}).get("moe_router_bias_update_rate", 0.0) > 0
-        self.can_pack = not model.tripod_use_te and not router_stats and \
+        self.thd = te_thd and model.tripod_use_te
+        self.can_pack = (not model.tripod_use_te or self.thd) and not router_stats and \
             all(rope_with_slot_positions(c) for c in self.chunks)
-        self.share_prompt_prefix, self.remove_padding = share_prompt_prefix, remove_padding
+        self.share_prompt_prefix, self.remove_padding = share_prompt_prefix and not self.thd, remove_padding
         self.model, self.optimizer, self.lr_scheduler = list(self.chunks), None, None
         if trainable:
             optim = optim or OptimConfig()
@@ -176,6 +179,7 @@ class MegatronWorker:
 
         Returns the dicts from the last stage (one per micro-batch); [] on other stages.
         """
+        from tripod.parallel.model import packed_seq_params
         from tripod.parallel.pipeline import run_pipeline
 
         dev = self.device
@@ -203,12 +207,16 @@ class MegatronWorker:
         def forward_step(mb, model):
             packed = mb.packed
             ids = packed.input_ids if packed is not None else mb["input_ids"]
+            thd = packed_seq_params(packed, getattr(_unwrap(model), "tripod_use_te", False))  # TE: THD, no mask
             rope = getattr(_unwrap(model), "rotary_pos_emb", None)
             if rope is not None and hasattr(rope, "tripod_positions"):
-                rope.tripod_positions = packed.positions if packed is not None else None
+                rope.tripod_positions = packed.positions if packed is not None and thd is None else None
             pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand_as(ids)
-            out = model(input_ids=ids, position_ids=pos,
-                        attention_mask=packed.mask if packed is not None else causal[ids.shape[1]])
+            if thd is not None:
+                out = model(input_ids=ids, position_ids=pos, attention_mask=None, packed_seq_params=thd)
+            else:
+                out = model(input_ids=ids, position_ids=pos,
+                            attention_mask=packed.mask if packed is not None else causal[ids.shape[1]])
             return out, lambda output: loss_fn(output, mb)
 
         if not forward_only:
@@ -230,6 +238,8 @@ class MegatronWorker:
         """The packed layout of micro-batch `mb` (engine/workers/packing.py), or None to run its rows as they are."""
         if not self.can_pack:
             return None
+        if self.thd:
+            return pack_thd(mb)
         if self.remove_padding:
             return pack_without_padding(mb, self.share_prompt_prefix)
         return pack_shared_prompts(mb) if self.share_prompt_prefix else None

@@ -23,7 +23,11 @@ several units share a model row, first-fit by decreasing length into rows as lon
 block-diagonal mask keeps the units apart. Rows only pad at their tails. The positions are then per row, [G, S].
 
 Works with megatron's local (non-Transformer-Engine) attention, which applies an arbitrary mask; the worker turns
-it off elsewhere (see MegatronWorker.can_pack).
+it off elsewhere (see MegatronWorker.can_pack). Transformer Engine takes no mask but sequences packed in THD format:
+`pack_thd` lays every row out without padding in one model row and gives the `cu_seqlens` that megatron's
+`PackedSeqParams` carries (parallel/model.py's `packed_seq_params`); a THD sequence sees only itself, so there the
+prompts are not shared. That path is built and unit-tested on CPU only (tests/unit/test_thd_packing.py): the TE
+forward itself has not run.
 """
 from __future__ import annotations
 
@@ -37,9 +41,10 @@ from tripod.engine.workers.batch import PPOBatch
 @dataclass
 class PackedRows:
     input_ids: torch.Tensor   # [G, S] token ids (pad slots hold the pad id)
-    mask: torch.Tensor        # [G, 1, S, S] bool, True = masked (megatron's convention)
+    mask: torch.Tensor | None  # [G, 1, S, S] bool, True = masked (megatron's convention); None for THD
     positions: torch.Tensor   # [S] RoPE position of each slot, the same for every packed row; or [G, S] per row
     gather: torch.Tensor      # [N, R] flat index (packed row * S + slot) of the output predicting response token t
+    cu_seqlens: torch.Tensor | None = None  # THD (`pack_thd`): [sequences + 1] int32 offsets in the one model row
 
     @property
     def seq(self) -> int:
@@ -52,13 +57,17 @@ class PackedRows:
             return self
         extra = seq - s
         ids = torch.nn.functional.pad(self.input_ids, (0, extra))
-        mask = torch.ones(g, 1, seq, seq, dtype=torch.bool, device=self.mask.device)
-        mask[:, :, :s, :s] = self.mask
-        mask[:, :, torch.arange(s, seq), torch.arange(s, seq)] = False  # a pad query sees itself (no empty row)
+        mask = None
+        if self.mask is not None:
+            mask = torch.ones(g, 1, seq, seq, dtype=torch.bool, device=self.mask.device)
+            mask[:, :, :s, :s] = self.mask
+            mask[:, :, torch.arange(s, seq), torch.arange(s, seq)] = False  # a pad query sees itself (no empty row)
         tail = torch.arange(s, seq, device=self.positions.device)
         positions = torch.cat([self.positions, tail.expand(*self.positions.shape[:-1], extra)], dim=-1)
+        # THD: the added slots are one more sequence of their own (it sees only itself; its outputs are never read)
+        cu = None if self.cu_seqlens is None else torch.cat([self.cu_seqlens, self.cu_seqlens.new_full((1,), seq)])
         rows = self.gather // s
-        return PackedRows(ids, mask, positions, rows * seq + self.gather % s)
+        return PackedRows(ids, mask, positions, rows * seq + self.gather % s, cu)
 
 
 def prompt_groups(mb: PPOBatch) -> list[list[int]]:
@@ -138,13 +147,40 @@ def pack_without_padding(mb: PPOBatch, share_prompts: bool, pad_id: int = 0) -> 
     each `prompt | its responses at their own lengths`, packed several to a model row. None when every unit would
     sit alone in its row and no prompt is shared (the plain rows, trimmed, are the same thing)."""
     groups = prompt_groups(mb) if share_prompts else [[i] for i in range(mb.size)]
-    ids, lens, resp = mb["input_ids"], mb["prompt_lens"].tolist(), mb["responses"]
-    resp_lens = mb["response_mask"].sum(-1).long().tolist()
-    unit_lens = [lens[u[0]] + sum(resp_lens[i] for i in u) for u in groups]
+    unit_lens = _unit_lengths(mb, groups)
     seq = max(max(unit_lens), 1)
     rows = first_fit_rows(unit_lens, seq)
     if len(rows) == mb.size:
         return None
+    return _lay_out(mb, groups, unit_lens, rows, seq, pad_id)
+
+
+def pack_thd(mb: PPOBatch, pad_id: int = 0, with_mask: bool = False) -> PackedRows:
+    """Transformer Engine's THD layout of `mb`: every row (`prompt | response`, no padding) one after the other in
+    ONE model row [1, T], in row order, and `cu_seqlens` [rows + 1], the offset of each row's tokens: what megatron's
+    `PackedSeqParams(qkv_format="thd")` carries (parallel/model.py, `packed_seq_params`). Each row attends causally
+    to itself alone and takes RoPE positions 0..len-1, as megatron's THD path does from cu_seqlens; prompts are not
+    shared (a sequence of THD sees only itself). `with_mask`: also the equivalent block-diagonal mask (tests)."""
+    groups = [[i] for i in range(mb.size)]
+    unit_lens = _unit_lengths(mb, groups)
+    out = _lay_out(mb, groups, unit_lens, [list(range(mb.size))], max(sum(unit_lens), 1), pad_id, with_mask)
+    lens = torch.tensor(unit_lens, dtype=torch.int32, device=out.input_ids.device)
+    out.cu_seqlens = torch.cat([lens.new_zeros(1), lens.cumsum(0, dtype=torch.int32)])
+    return out
+
+
+def _unit_lengths(mb: PPOBatch, groups: list[list[int]]) -> list[int]:
+    """Tokens of each unit: its prompt once plus each of its responses at its own length."""
+    lens, resp_lens = mb["prompt_lens"].tolist(), mb["response_mask"].sum(-1).long().tolist()
+    return [lens[u[0]] + sum(resp_lens[i] for i in u) for u in groups]
+
+
+def _lay_out(mb: PPOBatch, groups: list[list[int]], unit_lens: list[int], rows: list[list[int]], seq: int,
+             pad_id: int = 0, with_mask: bool = True) -> PackedRows:
+    """Units `groups` (lengths `unit_lens`) laid out without padding in model rows of `seq` slots, row g holding
+    the units `rows[g]` in that order (module docstring); the block-diagonal mask unless `with_mask` is off."""
+    ids, lens, resp = mb["input_ids"], mb["prompt_lens"].tolist(), mb["responses"]
+    resp_lens = mb["response_mask"].sum(-1).long().tolist()
     dev, r_all = ids.device, resp.shape[1]
     n_rows = len(rows)
     input_ids = torch.full((n_rows, seq), pad_id, dtype=ids.dtype, device=dev)
@@ -172,6 +208,8 @@ def pack_without_padding(mb: PPOBatch, share_prompts: bool, pad_id: int = 0) -> 
                                    (at + (t - 1).clamp(max=max(n - 1, 0))).clamp(max=seq - 1))
                 gather[i] = g * seq + slot
                 at += n
+    if not with_mask:
+        return PackedRows(input_ids, None, positions, gather)
     slots = torch.arange(seq, device=dev)
     causal = slots[None, :] <= slots[:, None]
     same_unit = (unit[:, :, None] == unit[:, None, :]) & (unit[:, None, :] >= 0)
