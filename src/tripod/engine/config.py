@@ -703,7 +703,9 @@ class RewardModelConfig:
     tokenizer and encode the text with the reward model's (`model.path`'s tokenizer files). false refuses such a
     reward model. verl re-tokenizes whenever reward_model.model.input_tokenizer differs."""
     num_workers: int = 1
-    """Processes that score responses; <= 1: in the trainer's process. (verl: reward_model.reward_manager)"""
+    """Processes that score responses, per node: each rollout replica's first rank scores the rows its replica
+    generated with num_workers / (replicas on its node) of them; <= 1: in that rank's process.
+    (verl: reward_model.reward_manager)"""
     timeout_s: float = 10.0
     """Per-response scoring timeout, in seconds; a timed-out response scores 0 and is counted."""
     use_ray: bool = False

@@ -33,13 +33,14 @@ from tripod.engine.offload import flags_of, manager_for
 from tripod.engine.precision import rollout_dtype
 from tripod.engine.rewards import RewardPool, registered_data_sources
 from tripod.engine.rewards.overlong import OverlongShaper
+from tripod.engine.rewards.replica_scoring import pool_workers, score_where_generated
 from tripod.engine.rollout import SamplingParams, make_rollout_engine
 from tripod.engine.rollout.weight_sync import WeightSync
 from tripod.engine.throughput import PerfCounter
 from tripod.engine.workers.batch import batch_metrics, build_ppo_batch
 from tripod.engine.workers.model_options import layout_of, model_options
 from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
-from tripod.engine.workers.reward_model import build_reward_model, combine_rewards, rule_rewards_where_defined
+from tripod.engine.workers.reward_model import build_reward_model, combine_rewards
 from tripod.parallel.arch import arch_from_hf
 from tripod.parallel.hybrid_engine.engine import HybridEngine
 
@@ -69,8 +70,11 @@ class PPOTrainer:
         sources = self.train_set.data_sources | (self.val_set.data_sources if self.val_set else set())
         if cfg.reward_model.enable:  # the reward model scores the rows whose data source has no rule function
             sources &= set(registered_data_sources())
-        self.rewards = RewardPool(cfg.reward_model.num_workers, cfg.reward_model.timeout_s,
-                                  cfg.reward_model.use_ray, data_sources=sources) if self.rank == 0 else None
+        # every rollout replica's first rank scores its own rows (engine/rewards/replica_scoring.py); the pool starts
+        # its workers on first use, so the other ranks start none
+        self.rewards = RewardPool(pool_workers(cfg.reward_model.num_workers, cfg.trainer.n_gpus_per_node,
+                                               arc.rollout.tensor_model_parallel_size), cfg.reward_model.timeout_s,
+                                  cfg.reward_model.use_ray, data_sources=sources)
 
         algo = cfg.algorithm
         self.sampler = DynamicSampler(algo.filter_groups, cfg.data.train_batch_size, arc.rollout.n,
@@ -159,16 +163,12 @@ class PPOTrainer:
         return self.weight_sync.generate_all(prompts, params, timer or Timer())
 
     def score(self, batch: PromptBatch, responses: list[list[int]], n: int) -> tuple[list[float], dict]:
-        """Rule rewards (rank 0's pool), combined with the reward model's scores when it is on (every rank)."""
-        payload = [None, None]
+        """Rule rewards (each rollout replica's rows on its first rank's pool, exchanged as one float tensor),
+        combined with the reward model's scores when it is on (every rank)."""
+        payload = score_where_generated(self.rewards, self.tokenizer, batch, responses, n,
+                                        self.hybrid.plan.rollout_tp_groups, self.hybrid.rollout_dp_rank,
+                                        where_defined=self.reward_model is not None)
         rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731  prompt-major like the rollout
-        if self.rank == 0:
-            texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-            args = (texts, rep(batch.ground_truths), rep(batch.data_sources),
-                    rep(batch.extra_infos) if batch.extra_infos else None)
-            payload = list(rule_rewards_where_defined(self.rewards, *args) if self.reward_model is not None
-                           else self.rewards.score(*args))
-        dist.broadcast_object_list(payload, src=0)
         if self.reward_model is None:
             return payload[0], payload[1]
         rm = self.cfg.reward_model

@@ -14,7 +14,8 @@ groups_dropped, groups_kept, groups_surplus, kept_frac}. Every batch comes from 
 position in a checkpoint counts every generation batch and a resumed run draws what the interrupted one would have.
 
 The same `DynamicSampler.collect` does the plain rollout (one batch, nothing dropped) when filtering is off. The
-group decisions depend only on the scores, which every rank holds (rank 0 scores and broadcasts), so all ranks draw
+group decisions depend only on the scores, which every rank holds (each rollout replica scores its rows, one all_reduce
+shares them: engine/rewards/replica_scoring.py), so all ranks draw
 the same batches and keep the same groups.
 """
 from __future__ import annotations

@@ -5,9 +5,10 @@
     rows.responses, rows.log_probs, rows.finish_reasons      # every row of the batch, on every rank
 
 `generate_rows` is the rollout boundary: it takes the whole batch's prompts, splits them among the rollout DP
-replicas (each replica = one rollout TP group), generates this replica's share (`generate`) and all-gathers the
-responses with their rollout log-probs and finish reasons, so every rank returns every prompt's rows in prompt
-order (`generate_all`: the responses only).
+replicas (each replica = one rollout TP group), generates this replica's share (`generate`) and moves the responses
+with their rollout log-probs and finish reasons to the other ranks as tensors, point to point
+(engine/rollout/exchange.py: nothing pickled), so every rank returns every prompt's rows in prompt order
+(`generate_all`: the responses only).
 
 `generate` re-reserves the engine's memory (`resume_memory`: SGLang requires it after
 `release_memory_occupation`; the embedded engine re-allocates its weight buffers), gathers the generation shard
@@ -25,9 +26,9 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 
 from tripod.engine.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
+from tripod.engine.rollout.exchange import exchange_rollout
 
 
 class WeightSync:
@@ -77,18 +78,15 @@ class WeightSync:
     def generate_rows(self, prompts: list[list[int]], params: SamplingParams, timer=None) -> GatheredRollout:
         """The rollout of a whole batch: each rollout DP replica generates its contiguous share of `prompts`
         (`replica_bounds`), and every rank gets every prompt's responses with their rollout log-probs and finish
-        reasons, in prompt order (n per prompt)."""
+        reasons, in prompt order (n per prompt). Collective over the world."""
         replicas, mine = self.hybrid.rollout_dp_size, self.hybrid.rollout_dp_rank
         bounds = replica_bounds(len(prompts), replicas)
         out = self.generate(prompts[bounds[mine]:bounds[mine + 1]], params, timer)
         responses = out.responses()
         # one float32 CPU tensor per row, as long as its response (RolloutOutput pads with 0 past each length)
         log_probs = [out.log_probs[i, : len(r)].detach().float().cpu().clone() for i, r in enumerate(responses)]
-        rows = list(zip(responses, log_probs, out.finish_reasons))
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (mine, rows))
-        joined = join_replicas(gathered, replicas)
-        return GatheredRollout([r for r, _, _ in joined], [lp for _, lp, _ in joined], [f for _, _, f in joined])
+        return GatheredRollout(*exchange_rollout(self.hybrid.plan.rollout_tp_groups, mine, responses, log_probs,
+                                                 list(out.finish_reasons)))
 
 
 @dataclass
@@ -105,14 +103,3 @@ def replica_bounds(num_prompts: int, replicas: int) -> list[int]:
     """Start offsets of each rollout replica's share of `num_prompts` prompts, plus the end: replica i takes
     prompts[bounds[i]:bounds[i + 1]] (shares differ by at most one prompt)."""
     return [num_prompts * i // replicas for i in range(replicas + 1)]
-
-
-def join_replicas(gathered: list[tuple[int, list]], replicas: int) -> list:
-    """Every rank's (replica, rows) -> all rows in replica order (the ranks of one replica hold the same rows; any
-    one of them stands for it)."""
-    by_replica = dict(gathered)
-    missing = [i for i in range(replicas) if i not in by_replica]
-    if missing:
-        raise RuntimeError(f"no responses from rollout replica(s) {missing} of {replicas}")
-    return [resp for i in range(replicas) for resp in by_replica[i]]
-
