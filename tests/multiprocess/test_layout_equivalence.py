@@ -36,6 +36,7 @@ CRITIC_FREE = ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false
                "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1",
                "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0.01"]
 ESTIMATORS = {"gae": [], "grpo_kl_loss": CRITIC_FREE}
+CP2 = ["actor_rollout_ref.actor.megatron.context_parallel_size=2"]
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,17 @@ CASES = [
                                             "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=120"],
          estimator="grpo_kl_loss"),
     Case("grpo_kl_loss_tp2pp2", 2, 2, 4, estimator="grpo_kl_loss"),
+    # context parallelism (actor, critic and reference: the critic's and reference's keys follow the actor's): each
+    # sequence cut into 2*CP load-balanced chunks (parallel/context_parallel.py), rows padded to a multiple of 4
+    Case("cp2", 1, 1, 2, CP2),
+    Case("tp2cp2", 2, 1, 4, CP2),
+    # CP with GRPO's shared prompts packed into one model row per prompt group, and with padding-free packing
+    Case("grpo_kl_loss_cp2", 1, 1, 2, CP2, estimator="grpo_kl_loss"),
+    Case("cp2_remove_padding", 1, 1, 2, CP2 + ["actor_rollout_ref.model.use_remove_padding=true",
+                                               "critic.model.use_remove_padding=true"]),
 ]
-PLANTED = {"lm_head_tp_split": Case("planted", 2, 1, 2), "pp_stage_grads": Case("planted", 1, 2, 2)}
+PLANTED = {"lm_head_tp_split": Case("planted", 2, 1, 2), "pp_stage_grads": Case("planted", 1, 2, 2),
+           "cp_sum_grad": Case("planted", 1, 1, 2, CP2)}
 
 
 def _args(setup: dict, run_dir: str, case: Case) -> list[str]:
