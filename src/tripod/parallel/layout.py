@@ -91,16 +91,19 @@ class ParallelLayout:
         n = len(self.ranks)
         if len(set(self.ranks)) != n or any(r < 0 or r >= world for r in self.ranks):
             raise ValueError(f"{self.name} ranks={self.ranks} must be distinct ranks of the world 0..{world - 1}")
+        # the messages name context parallelism only where it is on
+        cp_key, cp_size, cp_name = ("*context_parallel_size", f"*{self.cp}", "cp*") if self.cp > 1 else ("", "", "")
         if self.dp is None:
             if n % (self.tp * self.cp * self.pp):
-                raise ValueError(f"{self.name} world size {n} is not a multiple of tensor_model_parallel_size"
-                                 f"*context_parallel_size*pipeline_model_parallel_size={self.tp}*{self.cp}*{self.pp}"
-                                 "; change tp/cp/pp or the number of processes")
+                raise ValueError(f"{self.name} world size {n} is not a multiple of tensor_model_parallel_size{cp_key}"
+                                 f"*pipeline_model_parallel_size={self.tp}{cp_size}*{self.pp}; change tp/"
+                                 f"{cp_name.replace('*', '/')}pp or the number of processes")
             self.dp = n // (self.tp * self.cp * self.pp)
-        if self.tp * self.cp * self.pp * self.dp != n:
-            size = self.tp * self.cp * self.pp * self.dp
-            raise ValueError(f"{self.name} world size {n} != tp*cp*pp*dp = {self.tp}*{self.cp}*{self.pp}*{self.dp}="
-                             f"{size}; launch {size} processes or change tensor/context/pipeline/data_parallel_size")
+        size = self.tp * self.cp * self.pp * self.dp
+        if size != n:
+            raise ValueError(f"{self.name} world size {n} != tp*{cp_name}pp*dp = {self.tp}{cp_size}*{self.pp}*{self.dp}="
+                             f"{size}; launch {size} processes or change tensor/{'context/' if cp_name else ''}pipeline/"
+                             "data_parallel_size")
         if (self.tp * self.cp * self.dp) % (self.etp * self.ep):
             raise ValueError(f"{self.name} expert_tensor_parallel_size*expert_model_parallel_size={self.etp}*{self.ep}"
                              f" does not divide tensor_model_parallel_size*data_parallel_size={self.tp}*{self.dp} "
