@@ -1,7 +1,9 @@
 """Test-only forward passes of a tripod GPTModel, on the production pipeline driver (parallel/pipeline.py).
 
 `forward_logits` gives [b, s, vocab] logits (TP-gathered, unpadded) of an actor, or [b, s] values of a
-critic, on the last stage (None elsewhere), for parity checks against `transformers`.
+critic, on the last stage (None elsewhere), for parity checks against `transformers`. At context_parallel_size > 1
+each CP rank runs its load-balanced slots (parallel/context_parallel.py) and the output is all-gathered back into
+sequence order.
 """
 from __future__ import annotations
 
@@ -29,6 +31,14 @@ def forward_logits(model, layout, input_ids: torch.Tensor, position_ids: torch.T
     if position_ids is None:
         position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
     batch = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=causal_attention_mask(s, attention_mask))
+    cp = getattr(layout, "cp", 1)
+    if cp > 1:
+        from tripod.parallel.context_parallel import split_for_cp
+
+        ids, slots, mask = split_for_cp(input_ids, torch.arange(s), batch["attention_mask"], cp, layout.cp_rank)
+        for chunk in chunks:
+            chunk.rotary_pos_emb.tripod_positions = slots
+        batch = dict(input_ids=ids, position_ids=position_ids[:, :ids.shape[1]], attention_mask=mask)
     value_head, vocab = chunks[-1].tripod_value_head, chunks[-1].tripod_arch.vocab_size
 
     def forward_step(mb, chunk):
@@ -37,4 +47,8 @@ def forward_logits(model, layout, input_ids: torch.Tensor, position_ids: torch.T
         return out, lambda o: (o.sum() * 0.0, post(o))
 
     out = run_pipeline(chunks, layout, [batch], forward_step, forward_only=True, seq_length=s, micro_batch_size=b)
+    if cp > 1 and layout.is_last_stage:
+        from tripod.parallel.context_parallel import gather_sequence
+
+        return gather_sequence(out[0].transpose(0, 1), layout.cp_group).transpose(0, 1)
     return out[0] if layout.is_last_stage else None

@@ -160,6 +160,13 @@ ROWS = {
                                           "leave 2 of num_hidden_layers=4 layers for the 3 middle stage(s)"),
     "world_not_multiple_of_tp": (["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
                                   "trainer.n_gpus_per_node=3"], LOCAL, "tensor_model_parallel_size"),
+    "world_not_multiple_of_cp": (["actor_rollout_ref.actor.megatron.context_parallel_size=2",
+                                  "trainer.n_gpus_per_node=3"], LOCAL,
+                                 "tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size"),
+    "cp_with_transformer_engine": (["actor_rollout_ref.actor.megatron.context_parallel_size=2",
+                                    "actor_rollout_ref.actor.megatron.use_te=true", "trainer.n_gpus_per_node=2"],
+                                   LOCAL, "actor_rollout_ref.actor.megatron.context_parallel_size=2 runs tripod's "
+                                   "all-gather CP attention on the local spec"),
     "mini_batch_not_dividing": (["actor_rollout_ref.actor.ppo_mini_batch_size=3"], LOCAL, "ppo_mini_batch_size"),
     "rollout_tp_not_dividing": (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], LOCAL,
                                 "tensor_model_parallel_size"),

@@ -41,6 +41,28 @@ def test_rank_groups_equal_megatrons_rank_generator(world, tp, pp, ep, etp):
         assert _canon(ours[kind]) == _canon(groups), kind
 
 
+CP_SIZES = [(w, tp, cp, pp) for w, tp, cp, pp in itertools.product((2, 4, 8, 16), (1, 2, 4), (2, 4), (1, 2))
+            if w % (tp * cp * pp) == 0]
+
+
+@pytest.mark.parametrize("world, tp, cp, pp", CP_SIZES)
+def test_context_parallel_rank_groups_equal_megatrons_rank_generator(world, tp, cp, pp):
+    """With context_parallel_size: tp, cp, dp, dp x cp (DDP's and the distributed optimizer's group), pp, tp x pp,
+    tp x dp, tp x cp and tp x dp x cp are megatron's ("tp-cp-ep-dp-pp"), and so is the expert view (no cp in it)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    from tripod.parallel.layout import rank_groups
+
+    dp = world // (tp * cp * pp)
+    ours = rank_groups(list(range(world)), tp, pp, dp, cp=cp)
+    dense = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    expert = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    for kind, token in (("tp", "tp"), ("cp", "cp"), ("dp", "dp"), ("dp_cp", "dp-cp"), ("pp", "pp"), ("mp", "tp-pp"),
+                        ("tp_dp", "tp-dp"), ("tp_cp", "tp-cp"), ("tp_dp_cp", "tp-dp-cp")):
+        assert _canon(ours[kind]) == _canon(dense.get_ranks(token)), kind
+    assert _canon(ours["expt_dp"]) == _canon(expert.get_ranks("dp"))
+
+
 def test_rank_groups_catch_a_swapped_expert_order():
     """The comparison above can fail: ep-fastest ordering (a plausible slip) differs from megatron's."""
     from tripod.parallel.layout import rank_groups

@@ -36,6 +36,7 @@ CRITIC_FREE = ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false
                "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1",
                "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0.01"]
 ESTIMATORS = {"gae": [], "grpo_kl_loss": CRITIC_FREE}
+CP2 = ["actor_rollout_ref.actor.megatron.context_parallel_size=2"]
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,18 @@ CASES = [
     # rollout TP larger than the actor's: each generation shard regrouped point to point from the two DP replicas
     # (parallel/hybrid_engine/regroup.py), the embedded engine at TP2 in the local slice order
     Case("rollout_tp2_over_actor_tp1dp2", 1, 1, 2, ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"]),
+    # context parallelism (actor, critic and reference: the critic's and reference's keys follow the actor's): each
+    # sequence cut into 2*CP load-balanced chunks (parallel/context_parallel.py), rows padded to a multiple of 4;
+    # padding-free packing is on by default, so one case turns it off
+    Case("cp2", 1, 1, 2, CP2),
+    Case("tp2cp2", 2, 1, 4, CP2),
+    # CP with GRPO's shared prompts packed into one model row per prompt group
+    Case("grpo_kl_loss_cp2", 1, 1, 2, CP2, estimator="grpo_kl_loss"),
+    Case("cp2_padded_rows", 1, 1, 2, CP2 + ["actor_rollout_ref.model.use_remove_padding=false",
+                                            "critic.model.use_remove_padding=false"]),
 ]
-PLANTED = {"lm_head_tp_split": Case("planted", 2, 1, 2), "pp_stage_grads": Case("planted", 1, 2, 2)}
+PLANTED = {"lm_head_tp_split": Case("planted", 2, 1, 2), "pp_stage_grads": Case("planted", 1, 2, 2),
+           "cp_sum_grad": Case("planted", 1, 1, 2, CP2)}
 
 
 def _args(setup: dict, run_dir: str, case: Case) -> list[str]:

@@ -67,3 +67,33 @@ def test_uneven_pipeline_stages_match_transformers_and_round_trip(tmp_path):
     assert len(parity) == 1 and len(ckpt) == 3, out[-3000:]
     assert max(float(x) for x in parity + ckpt) < 1e-5
     assert "UNEVEN_HF_ROUNDTRIP" in out and "OK rollout_tp=1 layout=pp3-2/3/2" in out, out[-3000:]
+
+
+CP_LAYOUT_NAMES = ["TP1CP2PP1DP1", "TP2CP2PP1DP1", "TP1CP2PP1DP2", "TP1CP2PP2DP1"]
+
+
+@pytest.mark.dist
+def test_context_parallel_logits_match_transformers_and_cp1(tmp_path):
+    """Context parallelism (megatron's load-balanced 2*CP-chunk split, K / V all-gathered over the CP group:
+    parallel/context_parallel.py) at CP2, TP2xCP2, CP2xDP2 and CP2xPP2: logits == transformers and == CP1 (fp32,
+    1e-5, the bound of the other layouts: CP changes only which rank computes which query rows, and the order of
+    nothing but the softmax's key sum when the gathered keys are laid out in global order)."""
+    from transformers import AutoModelForCausalLM
+
+    cases = []
+    for seed, name in enumerate(["qwen2_gqa_qkvbias", "llama_llama3rope_untied"]):
+        family, overrides = MODELS[name]
+        hf_dir = make_tiny_hf_model(tmp_path, family, seed=seed, subdir=name, **overrides)
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        input_ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            ref = model(input_ids).logits
+        cases.append({"name": name, "hf_dir": hf_dir, "input_ids": input_ids, "ref_logits": ref})
+    torch.save(cases, tmp_path / "cases.pt")
+    out = run_torchrun("cp_parity_worker.py", 4, tmp_path / "cases.pt", timeout=400).stdout
+    rows = re.findall(rf"CP_PARITY (\S+) (\S+) rank \d+ hf {FLOAT} cp1 {FLOAT}", out)
+    assert {(m, lay) for m, lay, _, _ in rows} == {(m, lay) for m in ("qwen2_gqa_qkvbias", "llama_llama3rope_untied")
+                                                   for lay in CP_LAYOUT_NAMES}, out[-3000:]
+    worst = max(max(float(a), float(b)) for _, _, a, b in rows)
+    print(f"context parallel logits: worst |diff| to transformers or CP1 over {len(rows)} rows: {worst:.3e}")
+    assert worst < 1e-5

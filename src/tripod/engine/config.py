@@ -144,7 +144,15 @@ class MegatronConfig:
     tensor_model_parallel_size: int = 1
     """Tensor-parallel size (TP). verl: megatron.tensor_model_parallel_size; Megatron-LM: --tensor-model-parallel-size."""
     pipeline_model_parallel_size: int = 1
-    """Pipeline stages (PP); DP = world / (TP * PP). verl/Megatron-LM: pipeline_model_parallel_size."""
+    """Pipeline stages (PP); DP = world / (TP * CP * PP). verl/Megatron-LM: pipeline_model_parallel_size."""
+    context_parallel_size: int = 1
+    """Context parallelism (CP): each sequence is cut into 2*CP chunks and CP rank r runs chunks r and 2*CP-1-r
+    (megatron's load-balanced split); attention all-gathers K / V over the CP group (megatron's all_gather CP
+    semantics, tripod's own CPU / local-spec path: parallel/context_parallel.py). Micro-batches are right-padded to a
+    multiple of 2*CP (x TP with sequence_parallel), so any sequence length runs. Dense models on the local spec only
+    (use_te=auto picks it; MoE / MLA refused); the reward model needs 1. Ranks: tp-cp-dp-pp order, CP ranks hold
+    the same weights (gradients and the distributed optimizer reduce over DP x CP). verl/Megatron-LM:
+    context_parallel_size."""
     virtual_pipeline_model_parallel_size: Optional[int] = None
     """Interleaved pipeline: model chunks per stage (needs PP >= 2); null: off.
     Megatron-LM: --num-virtual-stages-per-pipeline-rank. verl: same name."""
@@ -184,7 +192,7 @@ class MegatronConfig:
     weights (and Adam states) and reduces gradients in fp32 (engine/precision.py)."""
     use_distributed_optimizer: Optional[bool] = None
     """Shard fp32 main weights and Adam states over DP (megatron's DistributedOptimizer, ZeRO-1).
-    null = auto: on when the model's data-parallel size is > 1 and its optim.optimizer is adam (megatron's
+    null = auto: on when the model's data-parallel size (x context_parallel_size) is > 1 and its optim.optimizer is adam (megatron's
     DistributedOptimizer supports Adam only); true needs adam. Its checkpoints resume at any layout. Training models
     only (the reference has no optimizer). Megatron-LM: --use-distributed-optimizer."""
     recompute_granularity: Optional[str] = None
@@ -219,14 +227,21 @@ class MegatronConfig:
     Megatron-LM: --transformer-impl transformer_engine|local."""
 
     def data_parallel_size(self, world_size: int) -> int:
-        """DP = world / (TP * PP) of this model (every model's layout spans the whole world). TP * PP < 1 is
-        `check()`'s to report; it counts as 1 here so that validation can go on."""
+        """DP = world / (TP * CP * PP) of this model (every model's layout spans the whole world). TP * CP * PP < 1
+        is `check()`'s to report; it counts as 1 here so that validation can go on."""
+        return world_size // max(self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                                 * self.context_parallel_size, 1)
+
+    def weight_replicas(self, world_size: int) -> int:
+        """Ranks that hold each weight shard: DP x CP = world / (TP * PP) (the hybrid engine's micro-DP view)."""
         return world_size // max(self.tensor_model_parallel_size * self.pipeline_model_parallel_size, 1)
 
     def check(self, key: str) -> list[str]:
         e = [f"{key}.{n}={v} must be >= 1" for n, v in (("tensor_model_parallel_size", self.tensor_model_parallel_size),
                                                          ("pipeline_model_parallel_size",
-                                                          self.pipeline_model_parallel_size)) if v < 1]
+                                                          self.pipeline_model_parallel_size),
+                                                         ("context_parallel_size", self.context_parallel_size))
+              if v < 1]
         e += _choice(f"{key}.moe_router_load_balancing_type", self.moe_router_load_balancing_type,
                      MOE_LOAD_BALANCING_TYPES)
         e += _choice(f"{key}.use_te", str(self.use_te).lower(), ("auto", "true", "false"))
@@ -248,6 +263,7 @@ def _megatron_like_actor() -> MegatronConfig:
     base = "${actor_rollout_ref.actor.megatron."
     return MegatronConfig(tensor_model_parallel_size=base + "tensor_model_parallel_size}",
                           pipeline_model_parallel_size=base + "pipeline_model_parallel_size}",
+                          context_parallel_size=base + "context_parallel_size}",
                           virtual_pipeline_model_parallel_size=base + "virtual_pipeline_model_parallel_size}",
                           num_layers_in_first_pipeline_stage=base + "num_layers_in_first_pipeline_stage}",
                           num_layers_in_last_pipeline_stage=base + "num_layers_in_last_pipeline_stage}",
@@ -258,6 +274,12 @@ def _megatron_like_actor() -> MegatronConfig:
                           moe_aux_loss_coeff=base + "moe_aux_loss_coeff}",
                           moe_router_bias_update_rate=base + "moe_router_bias_update_rate}",
                           param_dtype=base + "param_dtype}", use_te=base + "use_te}")
+
+
+def _reward_model_megatron() -> MegatronConfig:
+    m = _megatron_like_actor()
+    m.context_parallel_size = 1
+    return m
 
 
 @dataclass
@@ -688,8 +710,9 @@ class RewardModelConfig:
     micro_batch_size_per_gpu: Optional[int] = None
     """Sequences per reward-model forward on one rank; null: all of a rank's rows at once.
     verl: reward_model.micro_batch_size_per_gpu."""
-    megatron: MegatronConfig = field(default_factory=_megatron_like_actor)
-    """Parallel layout (TP x PP x DP, EP for MoE), precision and seed of the reward model (defaults: the actor's)."""
+    megatron: MegatronConfig = field(default_factory=_reward_model_megatron)
+    """Parallel layout (TP x PP x DP, EP for MoE), precision and seed of the reward model (defaults: the actor's,
+    except context_parallel_size: 1, which the reward model needs)."""
     offload: bool = False
     """Keep the reward model's parameters on the host and bring them to the device for each scoring (like
     actor_rollout_ref.ref.offload). verl: reward_model.megatron.param_offload."""

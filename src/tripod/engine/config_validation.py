@@ -19,13 +19,19 @@ FROZEN = ("actor_rollout_ref.ref", "reward_model")  # models that never train
 
 
 def _layout_fits(errors: list[str], key: str, m: MegatronConfig, world_size: int) -> bool:
-    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-    if tp < 1 or pp < 1:
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    if tp < 1 or pp < 1 or cp < 1:
         return False  # reported by MegatronConfig.check
-    if world_size % (tp * pp):
-        errors.append(f"{key}: tensor_model_parallel_size * pipeline_model_parallel_size = {tp}*{pp} = {tp * pp} "
-                      f"does not divide the world size {world_size}; pick TP and PP whose product divides "
-                      f"{world_size} (DP = world / (TP*PP))")
+    if cp > 1 and key == "reward_model.megatron":
+        errors.append(f"{key}.context_parallel_size={cp}: the reward model does not run context parallel; set it to 1")
+        return False
+    if world_size % (tp * pp * cp):
+        what = "tensor_model_parallel_size * pipeline_model_parallel_size"
+        what += " * context_parallel_size" if cp > 1 else ""
+        sizes = f"{tp}*{pp}*{cp}" if cp > 1 else f"{tp}*{pp}"
+        errors.append(f"{key}: {what} = {sizes} = {tp * pp * cp} "
+                      f"does not divide the world size {world_size}; pick sizes whose product divides "
+                      f"{world_size} (DP = world / (TP*CP*PP))")
         return False
     return True
 

@@ -133,7 +133,7 @@ def precision_problems(cfg, world_size: int, models: list[tuple[str, Any, bool]]
                          "runs on CUDA streams; on CPU the optimizer states already live in host memory); set it "
                          "to false")
             dist_opt = m.use_distributed_optimizer is not False  # null = auto: on at DP > 1 with Adam
-            if not dist_opt or m.data_parallel_size(world_size) <= 1:
+            if not dist_opt or m.weight_replicas(world_size) <= 1:
                 e.append(f"{key}.optimizer_cpu_offload=true needs the distributed optimizer (megatron offloads its "
                          f"shards); set {key}.use_distributed_optimizer=true")
         if m.optimizer_offload and m.optimizer_cpu_offload:

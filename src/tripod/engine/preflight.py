@@ -160,6 +160,7 @@ def preflight(cfg, world: int) -> None:
     from tripod.engine.rewards import check_data_sources
     from tripod.engine.rollout import validate_rollout_tp
     from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.context_parallel import check_cp_config
     from tripod.parallel.hybrid_engine import validate_layouts
 
     if cfg.trainer.device == "cuda" and torch.cuda.device_count() < min(world, cfg.trainer.n_gpus_per_node):
@@ -173,6 +174,8 @@ def preflight(cfg, world: int) -> None:
     m = arc.actor.megatron
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     check_stage_splits(cfg, arch)
+    check_cp_config(arch, [("actor_rollout_ref.actor", m)] + ([("critic", cfg.critic.megatron)] if cfg.uses_critic
+                                                              else []) + [("actor_rollout_ref.ref", arc.ref.megatron)])
     validate_rollout_tp(arch, arc.rollout.tensor_model_parallel_size)
     if arc.rollout.name == "vllm":  # installed, tested release, a family / head size / TP it runs (no vLLM import)
         from tripod.engine.rollout.vllm_engine import require_vllm
@@ -181,7 +184,7 @@ def preflight(cfg, world: int) -> None:
         rtp = arc.rollout.tensor_model_parallel_size
         groups = reshard_plan_from_config(cfg, world, arch).rollout_tp_groups if rtp > 1 else None
         require_vllm(arch, rtp, on_cuda=cfg.trainer.device == "cuda", rollout_tp_groups=groups)
-    validate_layouts(arch, tp, pp, m.data_parallel_size(world), arc.rollout.tensor_model_parallel_size, world,
+    validate_layouts(arch, tp, pp, m.weight_replicas(world), arc.rollout.tensor_model_parallel_size, world,
                      first=m.num_layers_in_first_pipeline_stage, last=m.num_layers_in_last_pipeline_stage,
                      vpp=m.virtual_pipeline_model_parallel_size or 1)
     tokenizer_dir = cfg.data.tokenizer or arc.model.path

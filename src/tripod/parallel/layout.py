@@ -1,9 +1,9 @@
-"""Per-model parallel layouts: TP x PP x DP (x EP) process groups owned by one model.
+"""Per-model parallel layouts: TP x CP x PP x DP (x EP) process groups owned by one model.
 
 Actor, critic and reference each get their OWN `ParallelLayout` in one torch.distributed world
 (e.g. actor TP2xPP2 and critic TP1xPP2xDP2 on the same 4 ranks, or layouts over subsets of the
-world). Ranks are laid out the megatron way, "tp-cp-ep-dp-pp": tp varies fastest, then dp, then pp,
-over the layout's `ranks` list. Expert layers (MoE) see the same ranks through a second decomposition, as
+world). Ranks are laid out the megatron way, "tp-cp-ep-dp-pp": tp varies fastest, then cp (context parallel),
+then dp, then pp, over the layout's `ranks` list. Expert layers (MoE) see the same ranks through a second decomposition, as
 megatron's expert rank generator does: expert-tp fastest, then ep, then expert-dp, then the same pp.
 
 Group creation is collective over the WHOLE world (torch.distributed.new_group must be called by
@@ -50,8 +50,8 @@ class _MissingIsNone(dict):
 class ParallelLayout:
     """The process groups of one model. `ranks` defaults to the whole world.
 
-    Sizes: tp (tensor_model_parallel_size), pp (pipeline_model_parallel_size), dp (data parallel;
-    None = len(ranks) // (tp*pp)), ep (expert_model_parallel_size) and etp (expert_tensor_parallel_size;
+    Sizes: tp (tensor_model_parallel_size), pp (pipeline_model_parallel_size), cp (context_parallel_size: the
+    ranks that split each sequence, parallel/context_parallel.py), dp (data parallel; None = len(ranks) // (tp*cp*pp)), ep (expert_model_parallel_size) and etp (expert_tensor_parallel_size;
     None = tp, megatron's default). first_stage_layers / last_stage_layers: megatron's
     num_layers_in_first/last_pipeline_stage (None = an even split; parallel/stages.py). Expert data parallel is edp = tp*dp // (etp*ep). `name` (actor / critic
     / reference) prefixes every error message. `arch` (a ModelArch), when given, is validated
@@ -62,6 +62,7 @@ class ParallelLayout:
     pp: int = 1
     dp: int | None = None
     ep: int = 1
+    cp: int = 1
     etp: int | None = None
     ranks: Sequence[int] | None = None
     first_stage_layers: int | None = None
@@ -72,7 +73,8 @@ class ParallelLayout:
     _group_ranks: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        for key, value in (("tensor_model_parallel_size", self.tp), ("pipeline_model_parallel_size", self.pp)):
+        for key, value in (("tensor_model_parallel_size", self.tp), ("pipeline_model_parallel_size", self.pp),
+                           ("context_parallel_size", self.cp)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{self.name} {key}={value!r} must be a positive integer")
         self.etp = self.tp if self.etp is None else self.etp
@@ -89,33 +91,38 @@ class ParallelLayout:
         n = len(self.ranks)
         if len(set(self.ranks)) != n or any(r < 0 or r >= world for r in self.ranks):
             raise ValueError(f"{self.name} ranks={self.ranks} must be distinct ranks of the world 0..{world - 1}")
+        # the messages name context parallelism only where it is on
+        cp_key, cp_size, cp_name = ("*context_parallel_size", f"*{self.cp}", "cp*") if self.cp > 1 else ("", "", "")
         if self.dp is None:
-            if n % (self.tp * self.pp):
-                raise ValueError(f"{self.name} world size {n} is not a multiple of tensor_model_parallel_size"
-                                 f"*pipeline_model_parallel_size={self.tp}*{self.pp}; change tp/pp or the "
-                                 "number of processes")
-            self.dp = n // (self.tp * self.pp)
-        if self.tp * self.pp * self.dp != n:
-            raise ValueError(f"{self.name} world size {n} != tp*pp*dp = {self.tp}*{self.pp}*{self.dp}="
-                             f"{self.tp * self.pp * self.dp}; launch {self.tp * self.pp * self.dp} processes "
-                             "or change tensor/pipeline/data_parallel_size")
-        if (self.tp * self.dp) % (self.etp * self.ep):
+            if n % (self.tp * self.cp * self.pp):
+                raise ValueError(f"{self.name} world size {n} is not a multiple of tensor_model_parallel_size{cp_key}"
+                                 f"*pipeline_model_parallel_size={self.tp}{cp_size}*{self.pp}; change tp/"
+                                 f"{cp_name.replace('*', '/')}pp or the number of processes")
+            self.dp = n // (self.tp * self.cp * self.pp)
+        size = self.tp * self.cp * self.pp * self.dp
+        if size != n:
+            raise ValueError(f"{self.name} world size {n} != tp*{cp_name}pp*dp = {self.tp}{cp_size}*{self.pp}*{self.dp}="
+                             f"{size}; launch {size} processes or change tensor/{'context/' if cp_name else ''}pipeline/"
+                             "data_parallel_size")
+        if (self.tp * self.cp * self.dp) % (self.etp * self.ep):
             raise ValueError(f"{self.name} expert_tensor_parallel_size*expert_model_parallel_size={self.etp}*{self.ep}"
                              f" does not divide tensor_model_parallel_size*data_parallel_size={self.tp}*{self.dp} "
                              "(the ranks of one pipeline stage); choose ep and etp whose product divides it")
         self._build_groups()
 
     # ---- rank arithmetic -------------------------------------------------------------------------
-    def _coords(self, index: int) -> tuple[int, int, int]:
-        return index % self.tp, (index // self.tp) % self.dp, index // (self.tp * self.dp)
+    def _coords(self, index: int) -> tuple[int, int, int, int]:
+        """(tp, dp, pp, cp) coordinates of the layout's `index`-th rank."""
+        tp, cp, dp = self.tp, self.cp, self.dp
+        return index % tp, (index // (tp * cp)) % dp, index // (tp * cp * dp), (index // tp) % cp
 
     @property
     def edp(self) -> int:
         """Expert data-parallel size: the replicas of each expert shard within one pipeline stage."""
-        return self.tp * self.dp // (self.etp * self.ep)
+        return self.tp * self.cp * self.dp // (self.etp * self.ep)
 
     def _enumerate(self) -> dict[str, list[list[int]]]:
-        return rank_groups(self.ranks, self.tp, self.pp, self.dp, self.ep, self.etp)
+        return rank_groups(self.ranks, self.tp, self.pp, self.dp, self.ep, self.etp, cp=self.cp)
 
     def _build_groups(self) -> None:
         me = dist.get_rank()
@@ -161,6 +168,15 @@ class ParallelLayout:
         return self._coords(self._index())[2]
 
     @property
+    def cp_rank(self) -> int:
+        return self._coords(self._index())[3]
+
+    @property
+    def cp_group(self):
+        self._check_member()
+        return self._groups["cp"]
+
+    @property
     def tp_group(self):
         self._check_member()
         return self._groups["tp"]
@@ -197,7 +213,7 @@ class ParallelLayout:
         return self.pp_rank == self.pp - 1
 
     def group_ranks(self, kind: str) -> list[int]:
-        """Global ranks of this rank's group of `kind` (tp, dp, pp, mp, tp_dp, embd, pos_embd; ep, expt_tp,
+        """Global ranks of this rank's group of `kind` (tp, cp, dp, dp_cp, pp, mp, tp_dp, embd, pos_embd; ep, expt_tp,
         tp_ep, tp_ep_pp, expt_dp for expert layers)."""
         self._check_member()
         return list(self._group_ranks[kind])
@@ -225,20 +241,27 @@ class ParallelLayout:
         if self.ep > 1 and not num_experts:
             raise ValueError(f"{self.name} expert_model_parallel_size={self.ep} but the model has no experts "
                              "(a dense model); use 1")
+        if self.cp > 1 and (num_experts or getattr(arch, "mla", None) is not None):
+            raise ValueError(f"{self.name} context_parallel_size={self.cp}: {arch.family} is an MoE / MLA model; "
+                             "context parallelism runs dense models only; set it to 1")
         if num_experts and num_experts % self.ep:
             raise _parallel_error(self.name, "expert_model_parallel_size", self.ep, "num_experts", num_experts)
 
     def describe(self) -> str:
-        where = (f"rank {dist.get_rank()} = (tp {self.tp_rank}, dp {self.dp_rank}, pp {self.pp_rank})"
+        cp = f", cp {self.cp_rank}" if self.is_member and self.cp > 1 else ""
+        where = (f"rank {dist.get_rank()} = (tp {self.tp_rank}{cp}, dp {self.dp_rank}, pp {self.pp_rank})"
                  if self.is_member else f"rank {dist.get_rank()} not a member")
         experts = f", experts ETP{self.etp} x EP{self.ep} x EDP{self.edp}" if self.ep > 1 or self.etp != self.tp else ""
-        return (f"{self.name}: TP{self.tp} x PP{self.pp} x DP{self.dp}{experts} over ranks {self.ranks} "
+        cps = f" x CP{self.cp}" if self.cp > 1 else ""
+        return (f"{self.name}: TP{self.tp}{cps} x PP{self.pp} x DP{self.dp}{experts} over ranks {self.ranks} "
                 f"(order tp-cp-ep-dp-pp); {where}")
 
     # ---- megatron views -------------------------------------------------------------------------
     @property
     def pg_collection(self):
-        """megatron ProcessGroupCollection of this rank's groups (cp is a size-1 group)."""
+        """megatron ProcessGroupCollection of this rank's groups. With cp > 1 megatron's schedules see the CP group
+        (they split the activation shape by it and scale the loss by its size), DDP and the optimizer reduce over
+        dp x cp; the TransformerConfig keeps context_parallel_size=1 (parallel/context_parallel.py says why)."""
         self._check_member()
         if self._pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
@@ -246,9 +269,9 @@ class ParallelLayout:
             g = _MissingIsNone(self._groups)  # embd / pos_embd are None off the first/last stages
             self._pg_collection = ProcessGroupCollection(
                 tp=g["tp"], pp=g["pp"], mp=g["mp"], embd=g["embd"], pos_embd=g["pos_embd"],
-                cp=g["self"], tp_cp=g["tp"], hcp=None, ep=g["ep"], expt_tp=g["expt_tp"], tp_ep=g["tp_ep"],
-                tp_ep_pp=g["tp_ep_pp"], tp_dp_cp=g["tp_dp"], dp=g["dp"], dp_cp=g["dp"], expt_dp=g["expt_dp"],
-                intra_dp_cp=g["dp"], intra_expt_dp=g["expt_dp"], intra_dist_opt=g["intra_dist_opt"],
+                cp=g["cp"], tp_cp=g["tp_cp"], hcp=None, ep=g["ep"], expt_tp=g["expt_tp"], tp_ep=g["tp_ep"],
+                tp_ep_pp=g["tp_ep_pp"], tp_dp_cp=g["tp_dp_cp"], dp=g["dp"], dp_cp=g["dp_cp"], expt_dp=g["expt_dp"],
+                intra_dp_cp=g["dp_cp"], intra_expt_dp=g["expt_dp"], intra_dist_opt=g["intra_dist_opt"],
             )
         return self._pg_collection
 
@@ -268,14 +291,15 @@ class ParallelLayout:
             "_POSITION_EMBEDDING_GROUP": g["pos_embd"], "_POSITION_EMBEDDING_GLOBAL_RANKS": r["pos_embd"],
             "_DATA_PARALLEL_GROUP": g["dp"], "_DATA_PARALLEL_GROUP_GLOO": g["dp"],
             "_DATA_PARALLEL_GLOBAL_RANKS": r["dp"],
-            "_DATA_PARALLEL_GROUP_WITH_CP": g["dp"], "_DATA_PARALLEL_GROUP_WITH_CP_AG": g["dp"],
-            "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": g["dp"], "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": r["dp"],
-            "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": g["dp"],
-            "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": g["dp"],
-            "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": g["dp"],
-            "_CONTEXT_PARALLEL_GROUP": g["self"], "_CONTEXT_PARALLEL_GLOBAL_RANKS": r["self"],
-            "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": g["tp"],
-            "_TENSOR_AND_DATA_PARALLEL_GROUP": g["tp_dp"], "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": g["tp_dp"],
+            "_DATA_PARALLEL_GROUP_WITH_CP": g["dp_cp"], "_DATA_PARALLEL_GROUP_WITH_CP_AG": g["dp_cp"],
+            "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": g["dp_cp"], "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": r["dp_cp"],
+            "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": g["dp_cp"],
+            "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": g["dp_cp"],
+            "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": g["dp_cp"],
+            "_CONTEXT_PARALLEL_GROUP": g["cp"], "_CONTEXT_PARALLEL_GLOBAL_RANKS": r["cp"],
+            "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": g["tp_cp"],
+            "_TENSOR_AND_DATA_PARALLEL_GROUP": g["tp_dp"],
+            "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": g["tp_dp_cp"],
             "_EXPERT_MODEL_PARALLEL_GROUP": g["ep"], "_EXPERT_MODEL_PARALLEL_RANKS": r["ep"],
             "_EXPERT_TENSOR_PARALLEL_GROUP": g["expt_tp"], "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": g["tp_ep"],
             "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": g["tp_ep_pp"],
@@ -315,36 +339,43 @@ class ParallelLayout:
 
 
 def rank_groups(ranks: Sequence[int], tp: int, pp: int, dp: int, ep: int = 1,
-                etp: int | None = None) -> dict[str, list[list[int]]]:
+                etp: int | None = None, *, cp: int = 1) -> dict[str, list[list[int]]]:
     """Every process group of a layout over `ranks`, as lists of global ranks (pure arithmetic, no world).
 
-    Dense groups index ranks as tp + tp*(dp_i + dp*pp_i) ("tp-cp-ep-dp-pp" with cp = ep = 1). Expert groups
-    re-read the tp*dp ranks of each pipeline stage as etp (fastest) x ep x edp, which is what megatron's
-    expert RankGenerator(order="tp-ep-dp-pp") builds; the pipeline groups of both views coincide.
+    Dense groups index ranks as tp + tp*(cp_i + cp*(dp_i + dp*pp_i)) (megatron's "tp-cp-ep-dp-pp" with ep = 1):
+    dp is the pure data-parallel group, dp_cp the ranks that hold the same weights (DDP's gradient reduction and the
+    distributed optimizer run over it), mp is tp x pp. Expert groups re-read the tp*cp*dp ranks of each pipeline
+    stage as etp (fastest) x ep x edp, which is what megatron's expert RankGenerator(order="tp-ep-dp-pp") builds
+    (it has no cp: expert data parallel absorbs it); the pipeline groups of both views coincide.
     """
     etp = tp if etp is None else etp
-    stage = tp * dp
+    stage = tp * cp * dp
     edp = stage // (etp * ep)
-    at = lambda i, j, k: ranks[i + tp * (j + dp * k)]  # noqa: E731  (tp, dp, pp) coordinates
+    at = lambda i, c, j, k: ranks[i + tp * (c + cp * (j + dp * k))]  # noqa: E731  (tp, cp, dp, pp) coordinates
     ex = lambda a, b, c, k: ranks[a + etp * (b + ep * c) + stage * k]  # noqa: E731  (etp, ep, edp, pp)
-    pp_lists = [[at(i, j, k) for k in range(pp)] for j in range(dp) for i in range(tp)]
+    T, C, D, P = range(tp), range(cp), range(dp), range(pp)
+    pp_lists = [[at(i, c, j, k) for k in P] for j in D for c in C for i in T]
     return {
-        "tp": [[at(i, j, k) for i in range(tp)] for k in range(pp) for j in range(dp)],
-        "dp": [[at(i, j, k) for j in range(dp)] for k in range(pp) for i in range(tp)],
+        "tp": [[at(i, c, j, k) for i in T] for k in P for j in D for c in C],
+        "cp": [[at(i, c, j, k) for c in C] for k in P for j in D for i in T],
+        "dp": [[at(i, c, j, k) for j in D] for k in P for c in C for i in T],
+        "dp_cp": [[at(i, c, j, k) for j in D for c in C] for k in P for i in T],
+        "tp_cp": [[at(i, c, j, k) for c in C for i in T] for k in P for j in D],
         "pp": pp_lists,
-        "mp": [[at(i, j, k) for k in range(pp) for i in range(tp)] for j in range(dp)],
-        "tp_dp": [[at(i, j, k) for j in range(dp) for i in range(tp)] for k in range(pp)],
+        "mp": [[at(i, c, j, k) for k in P for i in T] for j in D for c in C],
+        "tp_dp": [[at(i, c, j, k) for j in D for i in T] for k in P for c in C],
+        "tp_dp_cp": [[at(i, c, j, k) for j in D for c in C for i in T] for k in P],
         "embd": [sorted({g[0], g[-1]}) for g in pp_lists],
         "pos_embd": [[g[0]] for g in pp_lists],
         "self": [[r] for r in ranks],
-        "expt_tp": [[ex(a, b, c, k) for a in range(etp)] for k in range(pp) for c in range(edp) for b in range(ep)],
-        "ep": [[ex(a, b, c, k) for b in range(ep)] for k in range(pp) for c in range(edp) for a in range(etp)],
-        "tp_ep": [[ex(a, b, c, k) for b in range(ep) for a in range(etp)] for k in range(pp) for c in range(edp)],
-        "tp_ep_pp": [[ex(a, b, c, k) for k in range(pp) for b in range(ep) for a in range(etp)]
+        "expt_tp": [[ex(a, b, c, k) for a in range(etp)] for k in P for c in range(edp) for b in range(ep)],
+        "ep": [[ex(a, b, c, k) for b in range(ep)] for k in P for c in range(edp) for a in range(etp)],
+        "tp_ep": [[ex(a, b, c, k) for b in range(ep) for a in range(etp)] for k in P for c in range(edp)],
+        "tp_ep_pp": [[ex(a, b, c, k) for k in P for b in range(ep) for a in range(etp)]
                      for c in range(edp)],
-        "expt_dp": [[ex(a, b, c, k) for c in range(edp)] for k in range(pp) for b in range(ep) for a in range(etp)],
+        "expt_dp": [[ex(a, b, c, k) for c in range(edp)] for k in P for b in range(ep) for a in range(etp)],
         # one distributed-optimizer instance spans every rank of the layout: its grad norm (and zero count) sums
-        # the shards of all TP x PP x DP ranks (megatron's intra_dist_opt group with one instance)
-        "intra_dist_opt": [[ex(a, b, c, k) for c in range(edp) for k in range(pp) for b in range(ep)
+        # the shards of all TP x CP x PP x DP ranks (megatron's intra_dist_opt group with one instance)
+        "intra_dist_opt": [[ex(a, b, c, k) for c in range(edp) for k in P for b in range(ep)
                             for a in range(etp)]],
     }

@@ -73,7 +73,7 @@ def stage_numel_split(arch: ModelArch, tp: int, pp: int, *, value_head: bool = F
 
 def activation_bytes(arch: ModelArch, tp: int, pp: int, micro_batch: int, seq: int, dtype: torch.dtype, *,
                      recompute: str | None = None, value_head: bool = False, fused_attention: bool = False,
-                     first: int | None = None, last: int | None = None) -> int:
+                     first: int | None = None, last: int | None = None, cp: int = 1) -> int:
     """Bytes autograd saves for the backward of one micro-batch (`micro_batch` rows x `seq` tokens) on one rank of
     the largest pipeline stage: megatron's local (non-TE) layer spec, no dropout, as scripts/bench_memory.py counts
     them (torch.autograd.graph.saved_tensors_hooks). Per layer, with T = micro_batch * seq tokens, a = heads / tp,
@@ -90,30 +90,38 @@ def activation_bytes(arch: ModelArch, tp: int, pp: int, micro_batch: int, seq: i
     log-prob kernel never materialises the full logits).
     `fused_attention` (the attention that runs on CUDA: SDPA in the local spec, parallel/sdpa_attention.py, or TE's
     fused attention): no [b, a, s, s] probabilities (`fused_attention_saved_bytes`). The stage with the most layers
-    counts (`first` / `last`: uneven stages)."""
+    counts (`first` / `last`: uneven stages).
+    `cp` (context_parallel_size): a rank runs seq / cp of each row's slots (parallel/context_parallel.py), so every
+    per-token term divides by cp; its queries meet all seq keys (K and V all-gathered: the expanded k and v are
+    seq long, the probabilities and the mask seq / cp x seq)."""
     e = torch.empty((), dtype=dtype).element_size()
-    t, h, a, d, f = micro_batch * seq, arch.hidden_size, arch.num_heads // tp, arch.head_dim, arch.ffn_hidden_size // tp
+    sq = -(-seq // cp)  # this rank's slots of a row
+    t, h, a, d, f = micro_batch * sq, arch.hidden_size, arch.num_heads // tp, arch.head_dim, arch.ffn_hidden_size // tp
+    tk = micro_batch * seq  # keys each query meets (after CP's all-gather)
     kv = max(arch.num_kv_heads // tp, 1)
     norm = 2 * t * h * 4 + t * 4 + t * h * e
-    probs = micro_batch * a * seq * seq
-    attention = 3 * t * a * d * e + probs * 4 + (probs * e if e < 4 else 0)
+    probs = micro_batch * a * sq * seq
+    attention = (t + 2 * tk) * a * d * e + probs * 4 + (probs * e if e < 4 else 0)
     if fused_attention:  # its context (SDPA's output) is saved, and so is the out-projection's input (a reshaped copy)
-        attention = fused_attention_saved_bytes(micro_batch, seq, a, d, e) - t * a * d * e
+        attention = fused_attention_saved_bytes(micro_batch, sq, a, d, e, keys=seq) - t * a * d * e
     if recompute == "selective":
         attention = (t * a * d + 2 * t * kv * d) * e
-    layer = 2 * norm + attention + t * a * d * e + 5 * t * f * e + 4 * seq * d * e + seq * seq
+    layer = 2 * norm + attention + t * a * d * e + 5 * t * f * e + 4 * sq * d * e + sq * seq
     layers = max(StageSplit(arch.num_layers, pp, 1, first, last).stage_sizes()) if first or last else \
         -(-arch.num_layers // pp)
     stack = layers * t * h * e + layer if recompute == "full" else layers * layer
     return stack + norm + t * h * e + t * 8
 
 
-def fused_attention_saved_bytes(micro_batch: int, seq: int, heads: int, head_dim: int, elem: int) -> int:
+def fused_attention_saved_bytes(micro_batch: int, seq: int, heads: int, head_dim: int, elem: int,
+                                keys: int | None = None) -> int:
     """What SDPA's fused kernels save for the backward of one core attention (parallel/sdpa_attention.py): q, the
     expanded k and v and the output 4*T*a*d*e, the per-row log-sum-exp in fp32 micro_batch*a*seq*4, and the additive
-    mask micro_batch*seq^2*e (T = micro_batch*seq; measured exactly on CPU by tests/unit/test_sdpa_attention.py)."""
-    t = micro_batch * seq
-    return 4 * t * heads * head_dim * elem + micro_batch * heads * seq * 4 + micro_batch * seq * seq * elem
+    mask micro_batch*seq^2*e (T = micro_batch*seq; measured exactly on CPU by tests/unit/test_sdpa_attention.py).
+    `keys`: the key length where it differs from the query length (context parallelism: seq / cp queries, seq keys)."""
+    t, keys = micro_batch * seq, seq if keys is None else keys
+    return (2 * t + 2 * micro_batch * keys) * heads * head_dim * elem + micro_batch * heads * seq * 4 + \
+        micro_batch * seq * keys * elem
 
 
 @dataclass
@@ -132,6 +140,7 @@ class ModelMemory:
     recompute: str | None = None  # megatron recompute_granularity (activations)
     first: int | None = None  # uneven stages: layers on the first / last PP stage (None: even)
     last: int | None = None
+    cp: int = 1  # context_parallel_size: CP ranks hold the same weights, the distributed optimizer shards over DP x CP
     numel: int = 0
     expert_numel: int = 0  # of which routed experts
     rows: dict[str, int] = field(default_factory=dict)
@@ -149,7 +158,7 @@ class ModelMemory:
         self.rows = {"params": self.numel * pbytes}
         if self.trainable:
             # the distributed optimizer shards dense state over DP, expert state over expert-DP
-            sharded = (dense // self.dp + self.expert_numel // self.edp if self.distributed_optimizer
+            sharded = (dense // (self.dp * self.cp) + self.expert_numel // self.edp if self.distributed_optimizer
                        else self.numel)
             self.rows["grads"] = self.numel * 4
             self.rows["main_params"] = sharded * 4 if pbytes < 4 else 0
@@ -160,7 +169,8 @@ class ModelMemory:
     def layout(self) -> str:
         experts = f"EP{self.ep}ETP{self.etp or self.tp}" if self.ep > 1 or self.etp not in (None, self.tp) else ""
         stages = f"(first {self.first}, last {self.last})" if self.first or self.last else ""
-        return f"TP{self.tp}xPP{self.pp}xDP{self.dp}{experts}{stages}"
+        cp = f"xCP{self.cp}" if self.cp > 1 else ""
+        return f"TP{self.tp}{cp}xPP{self.pp}xDP{self.dp}{experts}{stages}"
 
     @property
     def total(self) -> int:
@@ -244,11 +254,12 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
 
     def model(name, m, trainable, value_head=False, offloaded=False, optimizer="adam", own_arch=None):
         tp, pp, dp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.data_parallel_size(world_size)
-        prec = resolve_precision(m, dp, trainable, optimizer)
+        prec = resolve_precision(m, dp * m.context_parallel_size, trainable, optimizer)  # shards over DP x CP
         return ModelMemory(name, tp, pp, dp, prec.param_dtype, trainable, prec.use_distributed_optimizer,
                            offloaded, value_head, m.expert_model_parallel_size, m.expert_tensor_parallel_size,
                            recompute=prec.recompute_granularity, first=m.num_layers_in_first_pipeline_stage,
-                           last=m.num_layers_in_last_pipeline_stage).compute(own_arch or arch)
+                           last=m.num_layers_in_last_pipeline_stage,
+                           cp=m.context_parallel_size).compute(own_arch or arch)
 
     seq = cfg.data.max_prompt_length + arc.rollout.response_length
 
@@ -276,7 +287,7 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
         (actor.expert_numel == 0 or (actor.ep == 1 and actor.etp in (None, actor.tp)))
     activations = {m.name: activation_bytes(critic_arch if m.value_head and critic_arch else arch, m.tp, m.pp,
                                             micro_rows(c), seq, m.param_dtype, recompute=m.recompute,
-                                            value_head=m.value_head, first=m.first, last=m.last,
+                                            value_head=m.value_head, first=m.first, last=m.last, cp=m.cp,
                                             fused_attention=device == "cuda" and arch.mla is None)  # MLA: eager
                    for m, c in zip(models, (arc.actor, cfg.critic)) if m.trainable}
     return MemoryPlan(models, 0 if aliased else generation_shard_bytes(arch, r.tensor_model_parallel_size, gdt),

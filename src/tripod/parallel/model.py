@@ -148,11 +148,13 @@ class ValueHead(torch.nn.Module):
         return F.linear(hidden, self.weight, self.bias), None
 
 
-def model_layer_spec(arch: ModelArch, use_te: bool, config, vp_stage: int | None = None, sdpa: bool = False):
+def model_layer_spec(arch: ModelArch, use_te: bool, config, vp_stage: int | None = None, sdpa: bool = False,
+                     cp: int = 1):
     """The family's layer spec (or decoder block spec) for `config`. The local spec first gets parallel/megatron_patches/cpu_compat.py's
     no-TE fixes, on CPU and GPU alike: its norm (WrappedTorchNorm) refuses sequence parallelism otherwise, and every
     MoE model at TP > 1 runs with it. `sdpa`: the local spec's core attention runs PyTorch SDPA
-    (parallel/sdpa_attention.py; build_gpt_model asks for it on CUDA)."""
+    (parallel/sdpa_attention.py; build_gpt_model asks for it on CUDA). `cp` > 1: that core attention is wrapped in
+    context parallelism's K / V all-gather (parallel/context_parallel.py)."""
     family = get_family(arch.family)
     if not use_te:
         from tripod.parallel.megatron_patches.cpu_compat import apply_no_te_fixes
@@ -162,6 +164,9 @@ def model_layer_spec(arch: ModelArch, use_te: bool, config, vp_stage: int | None
     if sdpa and not use_te:
         from tripod.parallel.sdpa_attention import use_sdpa_core_attention
         use_sdpa_core_attention(spec)
+    if cp > 1:
+        from tripod.parallel.context_parallel import use_cp_core_attention
+        use_cp_core_attention(spec)
     return spec
 
 
@@ -205,12 +210,17 @@ def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool
         config_overrides["virtual_pipeline_model_parallel_size"] = virtual_pipeline_size
     config = transformer_config_from_arch(arch, layout, params_dtype=params_dtype,
                                           sequence_parallel=sequence_parallel, **config_overrides)
+    if layout.cp > 1 and str(use_te).strip().lower() == "auto":
+        use_te = "false"  # CP runs tripod's all-gather attention on the local spec (parallel/context_parallel.py)
     use_te = resolve_use_te(use_te, arch)
+    from tripod.parallel.context_parallel import check_cp_model
+    check_cp_model(layout.name, layout.cp, arch, use_te)
     vpp = virtual_pipeline_size or 1
     first = layout.is_first_stage and (vp_stage or 0) == 0
     last = layout.is_last_stage and (vp_stage or 0) == vpp - 1
     with layout.activate():
-        layer_spec = model_layer_spec(arch, use_te, config, vp_stage, sdpa=_init_device(config).type == "cuda")
+        layer_spec = model_layer_spec(arch, use_te, config, vp_stage, sdpa=_init_device(config).type == "cuda",
+                                      cp=layout.cp)
         model_parallel_cuda_manual_seed(seed, tp_rank=layout.tp_rank, ep_rank=layout.ep_rank,
                                         etp_rank=layout.etp_rank)
         model = GPTModel(
@@ -231,6 +241,9 @@ def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool
     else:  # MLA: one rotary embedding per layer, over the qk_rope_head_dim dims (arch.head_dim)
         for layer in model.decoder.layers:
             layer.self_attention.rotary_pos_emb.inv_freq = inv_freq.to(device, torch.float32)
+    if layout.cp > 1:  # a CP rank's slots are not 0..s-1: RoPE takes each slot's global position
+        from tripod.parallel.megatron_patches.gpt_model import rope_with_slot_positions
+        rope_with_slot_positions(model)
     model.tripod_arch = arch
     model.tripod_value_head = value_head
     model.tripod_use_te = use_te

@@ -13,6 +13,8 @@ here, never by the engine), to prove that the cross-layout equivalence check fai
       sp_value_grad      the critic's value head sums its sequence-parallel gradient over TP instead of splitting it
                          (every TP rank already holds the full gradient: a TP-fold over-count)
       vpp_drop_chunk_grad  the gradients of the first virtual-pipeline chunk are dropped before each optimizer step
+      cp_sum_grad        context parallelism's per-token sum over CP ranks all-reduces its gradient too (every CP
+                         rank then back-propagates every token: a CP-fold over-count)
 `plant(bug)` / `unplant()` do the same in-process for one command of a world that runs several
 (tests/multiprocess/workers/tripod_commands.py): every plant only replaces attributes, and `unplant` puts the originals back.
 TRIPOD_TEST_OFFLOAD_RECORD=<path> turns every offload kind of every model on inside engine/offload.py's manager (a CPU
@@ -154,10 +156,34 @@ def _record_offload(path: str) -> None:
     offload.OffloadManager.__init__, offload.OffloadManager.enter = all_on, recorded
 
 
+def _sum_cp_grad() -> None:
+    import torch
+    import torch.distributed as dist
+
+    import tripod.engine.workers.megatron_worker as worker
+
+    class SumBoth(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            out = x.contiguous().clone()
+            dist.all_reduce(out, group=group)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.contiguous().clone()
+            dist.all_reduce(grad, group=ctx.group)
+            return grad, None
+
+    _patch(worker, "sum_over_cp", lambda x, group: SumBoth.apply(x, group))
+
+
 PLANTS = {"lm_head_tp_split": _flip_lm_head_split, "pp_stage_grads": _drop_first_stage_grads,
           "expert_dp_grads": _sum_expert_dp_grads, "adam_step_shared": _share_adam_step,
           "adam_exp_avg_sq_on_load": _zero_exp_avg_sq_on_load, "expert_bias_frozen": _freeze_expert_bias,
-          "sp_value_grad": _sum_sp_value_grad, "vpp_drop_chunk_grad": _drop_first_chunk_grads}
+          "sp_value_grad": _sum_sp_value_grad, "vpp_drop_chunk_grad": _drop_first_chunk_grads,
+          "cp_sum_grad": _sum_cp_grad}
 
 
 def plant(bug: str) -> None:

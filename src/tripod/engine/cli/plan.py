@@ -68,10 +68,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         cfg = load_config(None, [f"actor_rollout_ref.model.path={args.config}", *args.overrides])
     world = _world_size(cfg)
     m = cfg.actor_rollout_ref.actor.megatron
-    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-    if world % (tp * pp):
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    if world % (tp * pp * cp):
         raise ValueError(f"world size {world} (trainer.n_gpus_per_node * trainer.nnodes) is not a multiple of the "
-                         f"actor's TP*PP = {tp}*{pp}")
+                         f"actor's TP*CP*PP = {tp}*{cp}*{pp}")
     source = plan_model_config(cfg.actor_rollout_ref.model.path)
     arch = arch_from_hf(source)
     print(f"architecture: {source}")

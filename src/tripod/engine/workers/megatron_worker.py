@@ -35,6 +35,7 @@ from tripod.engine.workers.lr_schedule import build_lr_scheduler
 from tripod.engine.workers.moe_config import MOE_AUX_LOSS_NAMES
 from tripod.engine.workers.packing import pack_shared_prompts, pack_thd, pack_without_padding
 from tripod.parallel.arch import ModelArch
+from tripod.parallel.context_parallel import held_positions, padded_length, split_for_cp, sum_over_cp
 from tripod.parallel.megatron_patches.gpt_model import (
     bypass_output_layer,
     cast_floating_params,
@@ -197,8 +198,11 @@ class MegatronWorker:
                 packs = [None] * len(mbs)  # pipeline stages exchange [S, rows, H]: every micro-batch the same rows
                 seqs = [mb["input_ids"].shape[1] for mb in mbs]
             seqs = [max(seqs)] * len(mbs)
-        if self.module.config.sequence_parallel:  # megatron splits the sequence evenly over TP
-            seqs = [-(-seq // self.layout.tp) * self.layout.tp for seq in seqs]
+        cp, sp_tp = self.layout.cp, self.layout.tp if self.module.config.sequence_parallel else 1
+        if cp > 1:  # 2*cp chunks (parallel/context_parallel.py), each rank's part split over TP with SP
+            seqs = [padded_length(seq, cp, sp_tp) for seq in seqs]
+        elif sp_tp > 1:  # megatron splits the sequence evenly over TP
+            seqs = [-(-seq // sp_tp) * sp_tp for seq in seqs]
         for i, (mb, p) in enumerate(zip(mbs, packs)):
             mbs[i] = _pad_to(mb, seqs[i]) if p is None else mb
             mbs[i].packed = p.padded_to(seqs[i]) if p is not None else None
@@ -211,12 +215,18 @@ class MegatronWorker:
             rope = getattr(_unwrap(model), "rotary_pos_emb", None)
             if rope is not None and hasattr(rope, "tripod_positions"):
                 rope.tripod_positions = packed.positions if packed is not None and thd is None else None
-            pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand_as(ids)
-            if thd is not None:
+            if thd is not None:  # TE's THD format, no mask (a TE model refuses CP > 1: parallel/model.py)
+                pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand_as(ids)
                 out = model(input_ids=ids, position_ids=pos, attention_mask=None, packed_seq_params=thd)
-            else:
-                out = model(input_ids=ids, position_ids=pos,
-                            attention_mask=packed.mask if packed is not None else causal[ids.shape[1]])
+                return out, lambda output: loss_fn(output, mb)
+            mask = packed.mask if packed is not None else causal[ids.shape[1]]
+            if cp > 1:  # this rank's slots; RoPE takes their global positions
+                slots = packed.positions if packed is not None else torch.arange(ids.shape[1], device=dev)
+                ids, slots, mask = split_for_cp(ids, slots, mask, cp, self.layout.cp_rank)
+                if rope is not None:
+                    rope.tripod_positions = slots
+            pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand_as(ids)
+            out = model(input_ids=ids, position_ids=pos, attention_mask=mask)
             return out, lambda output: loss_fn(output, mb)
 
         if not forward_only:
@@ -260,31 +270,49 @@ class MegatronWorker:
         return float(self.optimizer.param_groups[0]["lr"])
 
     # ---- heads ---------------------------------------------------------------------------------
-    @staticmethod
-    def response_outputs(output: torch.Tensor, mb: PPOBatch) -> torch.Tensor:
-        """[N, R, ...] rows of the model output [b, s, ...] that predict each response token (packed or not)."""
+    def response_outputs(self, output: torch.Tensor, mb: PPOBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """([N, R, ...] rows of the model output [b, s, ...] that predict each response token (packed or not), None).
+        With context parallelism the output holds this CP rank's slots only: ([K, ...] rows of the K response
+        tokens this rank holds, their [N, R] mask); `_per_token` makes full [N, R] tensors of what is computed
+        from them."""
+        seq = (mb.packed.input_ids if mb.packed is not None else mb["input_ids"]).shape[1]
         flat = output.reshape(output.shape[0] * output.shape[1], *output.shape[2:])
         if mb.packed is not None:
-            return flat[mb.packed.gather]
-        rows = torch.arange(mb.size, device=output.device)[:, None] * output.shape[1]
-        return flat[rows + mb.response_positions()]
+            index = mb.packed.gather
+        else:
+            index = torch.arange(mb.size, device=output.device)[:, None] * seq + mb.response_positions()
+        if self.layout.cp == 1:
+            return flat[index], None
+        held, local = held_positions(index.to(output.device), seq, self.layout.cp, self.layout.cp_rank)
+        return flat[local[held]], held
+
+    def _per_token(self, values: torch.Tensor, held: torch.Tensor | None) -> torch.Tensor:
+        """[N, R] per-token results: as they are without CP, else this rank's [K] scattered into zeros and summed over
+        the CP group (context_parallel.sum_over_cp: the gradient reaches each rank's own tokens)."""
+        if held is None:
+            return values
+        full = values.new_zeros(held.shape).index_put((held,), values)
+        return sum_over_cp(full, self.layout.cp_group)
 
     def token_logprobs(self, output: torch.Tensor, mb: PPOBatch, temperature: float,
                        with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropy) of the response tokens from the last stage's hidden states [b, s, h]."""
         from tripod.kernels import logprobs_from_hidden
 
-        hidden = self.response_outputs(output, mb)
+        hidden, held = self.response_outputs(output, mb)
+        labels = mb["responses"] if held is None else mb["responses"][held.to(mb["responses"].device)]
         m = self.module  # the weight GPTModel's output layer would use (tied: the embedding, or its last-stage copy)
         weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else m.output_layer.weight
-        return logprobs_from_hidden(hidden, weight, mb["responses"], temperature=temperature,
-                                    tp_group=self.layout.tp_group if self.layout.tp > 1 else None,
-                                    with_entropy=with_entropy, vocab_size=self.arch.vocab_size,
-                                    reduce_hidden_grad=not m.config.sequence_parallel)
+        logp, ent = logprobs_from_hidden(hidden, weight, labels, temperature=temperature,
+                                         tp_group=self.layout.tp_group if self.layout.tp > 1 else None,
+                                         with_entropy=with_entropy, vocab_size=self.arch.vocab_size,
+                                         reduce_hidden_grad=not m.config.sequence_parallel)
+        return self._per_token(logp, held), None if ent is None else self._per_token(ent, held)
 
     def token_values(self, output: torch.Tensor, mb: PPOBatch) -> torch.Tensor:
         """Critic values [b, R] at the positions that predict each response token."""
-        return self.response_outputs(output, mb).squeeze(-1).float()
+        values, held = self.response_outputs(output, mb)
+        return self._per_token(values.squeeze(-1).float(), held)
 
     # ---- moving per-row results ------------------------------------------------------------------
     def gather_rows(self, local: torch.Tensor | None, shape_tail: tuple[int, ...], n_rows: int,

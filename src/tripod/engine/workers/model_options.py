@@ -8,8 +8,13 @@ from tripod.parallel.layout import ParallelLayout
 
 
 def layout_of(m, name: str, arch) -> ParallelLayout:
-    """The parallel layout a `megatron` config section describes, for the model called `name`."""
+    """The parallel layout a `megatron` config section describes, for the model called `name`. Context parallelism
+    is the PPO actor's, critic's and reference's (engine/workers/megatron_worker.py); the reward model refuses it."""
+    if name == "reward_model" and m.context_parallel_size > 1:
+        raise ValueError(f"reward_model context_parallel_size={m.context_parallel_size}: the reward model does not "
+                         "run context parallel; set its megatron.context_parallel_size to 1")
     return ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                          cp=m.context_parallel_size,
                           ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size, name=name, arch=arch,
                           first_stage_layers=m.num_layers_in_first_pipeline_stage,
                           last_stage_layers=m.num_layers_in_last_pipeline_stage)
@@ -19,5 +24,5 @@ def model_options(m, layout: ParallelLayout, key: str, arch, trainable: bool = T
     """Worker keyword arguments from the `{key}.megatron` config section: precision, sequence parallel, virtual
     stages, the MoE router's load balancing."""
     return dict(sequence_parallel=m.sequence_parallel, virtual_pipeline_size=m.virtual_pipeline_model_parallel_size,
-                precision=resolve_precision(m, layout.dp, trainable, optimizer), use_te=m.use_te,
+                precision=resolve_precision(m, layout.dp * layout.cp, trainable, optimizer), use_te=m.use_te,
                 config_overrides=moe_config_overrides(m, arch, key))

@@ -347,7 +347,7 @@ def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArch, layout, out_dir:
     """
     from safetensors.torch import save_file
 
-    if layout.dp_rank != 0 and layout.ep == 1:
+    if (layout.dp_rank != 0 or layout.cp_rank != 0) and layout.ep == 1:
         return  # other DP replicas hold the same weights (with EP they hold other experts and must take part)
     writer = layout.tp_rank == 0 and layout.pp_rank == 0 and layout.dp_rank == 0
     out_dir = os.fspath(out_dir)

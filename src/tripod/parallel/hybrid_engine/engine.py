@@ -44,7 +44,10 @@ class HybridEngine:
                  local_order: bool = True):
         import torch.distributed as dist
         self.arch, self.layout = arch, actor_layout
-        self.plan = build_reshard_plan(arch, actor_layout.tp, actor_layout.pp, actor_layout.dp, rollout_tp,
+        # CP ranks hold the same shards as DP replicas: the plan's "DP" is DP x CP (tp-cp-dp-pp order keeps the
+        # plan's tp-dp-pp arithmetic right, the replica index being cp_rank + cp * dp_rank)
+        self.plan = build_reshard_plan(arch, actor_layout.tp, actor_layout.pp, actor_layout.dp * actor_layout.cp,
+                                       rollout_tp,
                                        bucket_bytes=bucket_bytes, dtype=dtype, world_size=dist.get_world_size(),
                                        vpp=vpp or 1, ep=actor_layout.ep, etp=actor_layout.etp,
                                        first=actor_layout.first_stage_layers, last=actor_layout.last_stage_layers,

@@ -435,7 +435,7 @@ def reshard_plan_from_config(cfg, world_size: int, arch: ModelArch, *, bucket_by
 
     m, r = cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.rollout
     return build_reshard_plan(arch, m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
-                              m.data_parallel_size(world_size), r.tensor_model_parallel_size,
+                              m.weight_replicas(world_size), r.tensor_model_parallel_size,
                               bucket_bytes=bucket_bytes, world_size=world_size,
                               vpp=m.virtual_pipeline_model_parallel_size or 1, ep=m.expert_model_parallel_size,
                               etp=m.expert_tensor_parallel_size, first=m.num_layers_in_first_pipeline_stage,
