@@ -172,6 +172,24 @@ def train_in_worlds(runs: dict[str, tuple[int, list[str], str | None]], log_dir:
     assert not failed, "\n\n".join(failed)
 
 
+def train_in_world(args: list[str], world: int, log: str | os.PathLike, timeout: float = 900,
+                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`tripod train recipes/defaults.yaml *args` in-process on the ranks of one `world`-rank test world (what
+    `train(args)` does without the CLI process and its spawn: tests/multiprocess/workers/tripod_commands.py), with
+    `env` added to the ranks' environment; output (rank 0's lines included) to the file `log` and `.stdout`."""
+    from tests.helpers.common import launch_world
+
+    proc = launch_world("tripod_commands.py", world, json.dumps([["train", "recipes/defaults.yaml", *args]]),
+                        log=log, env=env)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    with open(log) as f:
+        return subprocess.CompletedProcess(["train", *args], proc.returncode, f.read(), None)
+
+
 def tripod_in_one_world(commands: list[list[str]], nproc: int, timeout: float = 600) -> str:
     """Run `tripod <command>` for each command in-process in one `nproc`-rank torchrun world (each command must need
     that world size); returns the merged output (rank 0 prints the commands' summary lines)."""

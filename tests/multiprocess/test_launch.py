@@ -1,5 +1,6 @@
 """Real launches of `tripod train` through recipes/launch_torchrun.sh: two torchrun agents forming one 2-node
-world over a c10d rendezvous on 127.0.0.1 give the same 3 PPO steps as one node, and under --max-restarts a
+world over a c10d rendezvous on 127.0.0.1 give the same 3 PPO steps as one node (a reference world of 4 ranks,
+started beside them), and under --max-restarts a
 SIGKILLed rank restarts the group, which resumes from the last complete checkpoint and ends with the weights of
 an uninterrupted run.
 
@@ -18,7 +19,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers.common import REPO_ROOT
+from tests.helpers.common import REPO_ROOT, launch_world
 from tests.helpers.common import free_port as _free_port
 from tests.helpers.common import launch_env as _env
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
@@ -48,6 +49,12 @@ def _finish(proc, timeout=600):
         out = f.read()
     assert proc.returncode is not None and proc.returncode != -signal.SIGKILL, f"launch timed out:\n{out[-5000:]}"
     return proc.returncode, out
+
+
+def _in_one_world(args, nproc, log):
+    """`tripod train recipes/defaults.yaml *args` in-process on the ranks of a test world (no launcher): a reference
+    run for the launches under test."""
+    return launch_world("tripod_commands.py", nproc, json.dumps([["train", "recipes/defaults.yaml", *args]]), log=log)
 
 
 def _metrics(run_dir):
@@ -112,9 +119,9 @@ def test_two_torchrun_nodes_equal_one_node(tmp_path):
     setup = make_ppo_setup(tmp_path)
     one, two = str(tmp_path / "one_node"), str(tmp_path / "two_nodes")
     common = ["data.val_files=[]", "trainer.val_before_train=false"]
-    # one node, 4 processes: the launcher reads trainer.n_gpus_per_node=4 from the recipe
-    code, out = _finish(_launch(tiny_overrides(setup, one, world=4, tp=2, steps=3) + common, tmp_path / "one.log"))
-    assert code == 0, out[-5000:]
+    # one node, 4 processes: the reference, in a world of 4 forked ranks (tests/helpers/forked_worlds.py: `tripod
+    # train` in-process on each rank, as under torchrun) beside the two launched nodes; one thread a rank each
+    one_node = _in_one_world(tiny_overrides(setup, one, world=4, tp=2, steps=3) + common, 4, tmp_path / "one.log")
     port = _free_port()
     nodes = [_launch(tiny_overrides(setup, two, world=2, tp=2, steps=3) + common, tmp_path / f"node{r}.log",
                      NNODES="2", NPROC="2",
@@ -123,6 +130,7 @@ def test_two_torchrun_nodes_equal_one_node(tmp_path):
     for proc in nodes:
         code, out = _finish(proc)
         assert code == 0, out[-5000:]
+    assert one_node.wait(timeout=600) == 0, (tmp_path / "one.log").read_text()[-5000:]
     with open(os.path.join(two, "config.yaml")) as f:
         assert "nnodes: 2" in f.read()
     _assert_same_run(one, two, tmp_path, steps=3)
@@ -158,9 +166,8 @@ def test_sigkill_of_one_rank_restarts_the_group_and_resumes_exactly(tmp_path):
     ref_args = tiny_overrides(setup, ref, world=2, steps=3) + common
     cut_args = [a for a in tiny_overrides(setup, cut, world=2, steps=3) if not a.startswith("trainer.resume=")]
     cut_args += common + ["trainer.resume=auto"]
-    code, out = _finish(_launch(ref_args, tmp_path / "ref.log"))
-    assert code == 0, out[-5000:]
-
+    # the uninterrupted reference in a world of forked ranks, beside the launch under test
+    reference = _in_one_world(ref_args, 2, tmp_path / "ref.log")
     job = _launch(cut_args, tmp_path / "killed.log", MAX_RESTARTS="2")
     marker = os.path.join(cut, "checkpoints", f"global_step_{kill_step - 1}", "COMPLETE")
     deadline = time.time() + 600
@@ -182,4 +189,5 @@ def test_sigkill_of_one_rank_restarts_the_group_and_resumes_exactly(tmp_path):
     assert len(resumed) == 1 and resumed[0].rstrip().endswith(f"global_step_{saved} at step {saved}"), resumed
     starts = {step: m["training/start_step"] for step, m in _metrics(cut).items()}
     assert starts == {s: (0 if s <= saved else saved) for s in (1, 2, 3)}, (kill_step, starts)
+    assert reference.wait(timeout=600) == 0, (tmp_path / "ref.log").read_text()[-5000:]
     _assert_same_run(ref, cut, tmp_path, steps=3)

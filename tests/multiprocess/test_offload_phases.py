@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
-from tests.helpers.trainer_runs import env, train
+from tests.helpers.trainer_runs import train_in_world
 
 D, H = "device", "host"
 # actor params, grads, optim | critic params, grads, optim | reference params (tests/unit/test_offload.py: the table
@@ -33,7 +33,9 @@ def test_two_step_run_records_where_every_kind_lives_after_each_phase(tmp_path):
     record = tmp_path / "offload.jsonl"
     args = tiny_overrides(setup, str(tmp_path / "run")) + [
         "trainer.save_freq=1", "trainer.val_before_train=false"]
-    proc = train(args, hooks=True, run_env=env(TRIPOD_TEST_OFFLOAD_RECORD=str(record)), timeout=600)
+    # tripod_commands.py runs train_with_hooks.py's module code, which records the phases on TRIPOD_TEST_OFFLOAD_RECORD
+    proc = train_in_world(args, 1, tmp_path / "train.log", env=dict(TRIPOD_TEST_OFFLOAD_RECORD=str(record)),
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:]
     rows = [json.loads(line) for line in record.read_text().splitlines()]
     phases = [r["phase"] for r in rows]

@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers.common import REPO_ROOT
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
-from tests.helpers.trainer_runs import TRIPOD, env, metrics, train
+from tests.helpers.trainer_runs import TRIPOD, env, metrics, train_in_world
 from tests.helpers.wandb_offline import history, offline_run_dir, read_records, run_info
 
 EPOCHS, MINI_BATCHES = 4, 2  # train_batch_size 4 / ppo_mini_batch_size 2
@@ -34,9 +34,9 @@ def run(tmp_path_factory):
         # a large LR and several epochs: the second mini-batch already sees ppo_kl far above target_kl
         f"actor_rollout_ref.actor.ppo_epochs={EPOCHS}", "actor_rollout_ref.actor.target_kl=1e-4",
         "actor_rollout_ref.actor.optim.lr=1e-2"]
-    run_env = env(WANDB_MODE="offline", WANDB_DIR=wandb_dir, WANDB_SILENT="true")
-    run_env.pop("MLFLOW_TRACKING_URI", None)
-    proc = train(args, timeout=900, run_env=run_env)
+    proc = train_in_world(args, 1, tmp / "train.log",  # MLflow in the run's directory: no tracking URI
+                          env=dict(WANDB_MODE="offline", WANDB_DIR=wandb_dir, WANDB_SILENT="true",
+                                   MLFLOW_TRACKING_URI=""))
     assert proc.returncode == 0, proc.stdout[-5000:]
     return {"dir": run_dir, "wandb": wandb_dir, "stdout": proc.stdout, "metrics": metrics(run_dir)}
 

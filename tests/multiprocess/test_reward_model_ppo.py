@@ -5,7 +5,7 @@ import pytest
 
 from tests.helpers.common import make_tiny_hf_model
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
-from tests.helpers.trainer_runs import metrics, train
+from tests.helpers.trainer_runs import metrics, train_in_world
 
 
 @pytest.mark.dist
@@ -21,7 +21,7 @@ def test_ppo_with_a_reward_model_on_its_own_layout(tmp_path):
         "reward_model.enable=true", f"reward_model.model.path={rm}", "reward_model.combine=sum",
         "reward_model.reward_weight=0.5", "reward_model.micro_batch_size_per_gpu=2", "reward_model.offload=true",
         "reward_model.megatron.tensor_model_parallel_size=2", "trainer.val_before_train=false"]
-    proc = train(args, timeout=900)
+    proc = train_in_world(args, 2, tmp_path / "train.log")
     assert proc.returncode == 0, proc.stdout[-5000:]
     steps = [m for m in metrics(run_dir) if "reward/model_mean" in m]
     assert [m["step"] for m in steps] == [1, 2], proc.stdout[-3000:]
