@@ -77,6 +77,7 @@ def _run_rank(req: dict[str, Any], rank: int, port: int, out_fd: int) -> None:
 
         import torch
 
+        _only_own_exit_handlers()
         random.seed()  # a fresh interpreter seeds both from the OS; the forks must not share one stream
         torch.seed()
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
@@ -100,6 +101,23 @@ def _run_rank(req: dict[str, Any], rank: int, port: int, out_fd: int) -> None:
             except Exception:
                 pass
         os._exit(code)
+
+
+def _only_own_exit_handlers() -> None:
+    """At its exit a rank runs the exit handlers its own run registered, not the server's: those remove what the
+    server made at import for every fork (wandb deletes its import-time media directory at exit), which would break
+    every later world. Kept: the interpreter's own exit work (logging's flush, weakref finalizers made by the rank,
+    multiprocessing's child cleanup), as a fresh interpreter would do it."""
+    import logging
+    import weakref
+
+    atexit._clear()  # type: ignore[attr-defined]
+    for finalizer in list(weakref.finalize._registry):  # type: ignore[attr-defined]
+        finalizer.atexit = False
+    atexit.register(logging.shutdown)
+    if "multiprocessing.util" in sys.modules:
+        atexit.register(sys.modules["multiprocessing.util"]._exit_function)
+    atexit.register(weakref.finalize._exitfunc)  # type: ignore[attr-defined]
 
 
 def _lead_world(conn: socket.socket) -> None:
