@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from tripod.engine.algorithms import apply_kl_penalty, build_kl_controller, compute_advantage
 from tripod.engine.algorithms.dynamic_sampling import DynamicSampler
-from tripod.engine.algorithms.rollout_correction import correct_batch
+from tripod.engine.algorithms.rollout_correction import correct_batch, mismatch_metrics
 from tripod.engine.checkpoints import CheckpointManager
 from tripod.engine.checkpoints.manager import latest_complete
 from tripod.engine.config import TripodConfig, save_resolved_config
@@ -37,10 +37,11 @@ from tripod.engine.rewards.replica_scoring import pool_workers, score_where_gene
 from tripod.engine.rollout import SamplingParams, make_rollout_engine
 from tripod.engine.rollout.weight_sync import WeightSync
 from tripod.engine.throughput import PerfCounter
-from tripod.engine.workers.batch import batch_metrics, build_ppo_batch
+from tripod.engine.workers.batch import PPOBatch, batch_metrics, build_ppo_batch
 from tripod.engine.workers.model_options import layout_of, model_options
 from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
 from tripod.engine.workers.reward_model import build_reward_model, combine_rewards
+from tripod.engine.workers.row_shards import RowShards, plan_row_shards
 from tripod.parallel.arch import arch_from_hf
 from tripod.parallel.hybrid_engine.engine import HybridEngine
 
@@ -201,6 +202,8 @@ class PPOTrainer:
                     scores, dtype=torch.float32, device=self.device)
             ro, ref, critic = arc.rollout, arc.ref, cfg.critic  # micro-batches: rows, or a token budget (dynamic bsz)
             bypass = algo.rollout_correction.bypass_mode
+            shards = self.row_shards(batch, bypass)  # model outputs stay on the DP rank that updates their rows
+            rows = shards.rows if shards is not None else None
             if bypass:  # verl's bypass mode: the rollout's log-probs are the old ones, nothing is recomputed
                 batch["old_log_probs"] = batch["rollout_log_probs"]
             elif not self.on_policy_update(batch.size):  # else the update takes them from its own forward
@@ -208,35 +211,46 @@ class PPOTrainer:
                     self.offload.enter("old_log_prob")
                     batch["old_log_probs"], _ = self.actor.compute_log_probs(
                         batch, ro.log_prob_micro_batch_size_per_gpu or batch.size, temperature,
-                        token_budget=ro.log_prob_max_token_len_per_gpu if ro.log_prob_use_dynamic_bsz else None)
+                        token_budget=ro.log_prob_max_token_len_per_gpu if ro.log_prob_use_dynamic_bsz else None,
+                        rows=rows)
             if self.ref is not None:
                 with timer("ref"):
                     self.offload.enter("ref")
                     batch["ref_log_probs"], _ = self.ref.compute_log_probs(
                         batch, ref.log_prob_micro_batch_size_per_gpu or batch.size, temperature,
-                        token_budget=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None)
+                        token_budget=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None,
+                        rows=rows)
             if self.critic is not None:
                 with timer("values"):
                     self.offload.enter("values")
                     batch["values"] = self.critic.compute_values(
                         batch, critic.ppo_micro_batch_size_per_gpu or batch.size,
-                        token_budget=critic.forward_max_token_len_per_gpu if critic.use_dynamic_bsz else None)
+                        token_budget=critic.forward_max_token_len_per_gpu if critic.use_dynamic_bsz else None,
+                        rows=rows)
             metrics = dict(reward_metrics)
             with timer("adv"):
                 if algo.use_kl_in_reward:
                     token_rewards, kl = apply_kl_penalty(token_rewards, batch["old_log_probs"], batch["ref_log_probs"],
-                                                         mask, self.kl_ctrl.value, algo.kl_penalty)
+                                                         mask, self.kl_ctrl.value, algo.kl_penalty,
+                                                         **({} if shards is None else {"mean": shards.masked_mean}))
                     metrics.update({"actor/reward_kl_penalty": float(kl), "actor/reward_kl_penalty_coeff":
                                     self.kl_ctrl.value})
                     self.kl_ctrl.update(float(kl), n_steps=cfg.data.train_batch_size)
                 batch["token_rewards"] = token_rewards
                 if batch.recomputed_old_log_probs and not bypass and "rollout_log_probs" in batch.tensors:
-                    metrics.update(correct_batch(batch, algo.rollout_correction))  # may reject whole sequences
-                    mask = batch["response_mask"]
+                    if shards is None:
+                        metrics.update(correct_batch(batch, algo.rollout_correction))  # may reject whole sequences
+                        mask = batch["response_mask"]
+                    else:  # the mismatch metrics only (row_shards: no IS weights, no rejection)
+                        metrics.update(mismatch_metrics(batch["old_log_probs"].float(),
+                                                        batch["rollout_log_probs"].float(), mask.float(),
+                                                        shards.masked_mean, shards.masked_max))
                 adv, ret = compute_advantage(algo.adv_estimator, token_rewards, mask, values=batch.tensors.get("values"),
                                              index=batch["index"], gamma=algo.gamma, lam=algo.lam,
                                              **({"norm_by_std": algo.norm_adv_by_std_in_grpo}
-                                                if algo.adv_estimator == "grpo" else {}))
+                                                if algo.adv_estimator == "grpo" else {}),
+                                             **({"whiten": shards.masked_whiten}
+                                                if shards is not None and algo.adv_estimator == "gae" else {}))
                 batch["advantages"], batch["returns"] = adv, ret
             if self.critic is not None:
                 with timer("update_critic"):
@@ -247,7 +261,7 @@ class PPOTrainer:
                     self.offload.enter("update_actor")
                     metrics.update(self.actor.update(batch, arc.actor, temperature, n))
         timings = timer.metrics()
-        metrics.update(batch_metrics(batch, scores))
+        metrics.update(batch_metrics(batch, scores, shards))
         metrics.update(timings)
         metrics.update(self.perf.metrics(batch, timings, arc.actor.ppo_epochs,
                                          recomputed_old_log_probs=batch.recomputed_old_log_probs and not bypass,
@@ -265,6 +279,18 @@ class PPOTrainer:
         if self.rank == 0:
             print(f"DEVICE_CHECK step={self.step} device={self.device} ops_off_device=0", flush=True)
         return metrics
+
+    def row_shards(self, batch: PPOBatch, bypass: bool) -> RowShards | None:
+        """The step's row assignment (engine/workers/row_shards.py) where nothing reads other DP ranks' model
+        outputs: no active rollout correction (its IS weights and rejection are not reduced over ranks), the
+        KL-in-reward penalty (per token) only ahead of GAE, whose whitening reduces over the ranks, and a critic
+        only with GAE."""
+        algo, arc = self.cfg.algorithm, self.cfg.actor_rollout_ref
+        gae = algo.adv_estimator == "gae"
+        allowed = ((bypass or not algo.rollout_correction.active) and (gae or not algo.use_kl_in_reward)
+                   and (gae or self.critic is None))
+        return plan_row_shards(batch, arc.rollout.n, self.actor, arc.actor, self.critic, self.cfg.critic, self.ref,
+                               allowed)
 
     def on_policy_update(self, rows: int) -> bool:
         """True when the actor update is exactly on-policy: one epoch of one mini-batch, with the weights that

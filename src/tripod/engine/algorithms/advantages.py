@@ -93,13 +93,14 @@ def _broadcast(per_sample: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @register_adv_est("gae")
 def gae_advantage(token_rewards, mask, *, values, index, gamma, lam, backend: str = "auto",
-                  logp=None, ref_logp=None, kl_coef: float = 0.0, kl_kind: str = "k1"):
-    """GAE with a critic; advantages whitened over the mask, returns = unwhitened A + V."""
+                  logp=None, ref_logp=None, kl_coef: float = 0.0, kl_kind: str = "k1", whiten=masked_whiten):
+    """GAE with a critic; advantages whitened over the mask (by `whiten(x, mask)`: a batch sharded over DP ranks
+    passes one that reduces over them), returns = unwhitened A + V."""
     _require(values, "values", "gae")
     advantages, returns = gae_scan(token_rewards, values, mask, gamma, lam, backend=backend, logp=logp,
                                    ref_logp=ref_logp, kl_coef=kl_coef, kl_kind=kl_kind)
     m = mask.to(advantages.dtype)
-    return masked_whiten(advantages, mask) * m, returns * m
+    return whiten(advantages, mask) * m, returns * m
 
 
 @register_adv_est("grpo")

@@ -8,6 +8,8 @@ The estimators themselves (k1/kl, abs, k2/mse, k3/low_var_kl) are the `tripod.ke
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from tripod.engine.algorithms.losses import agg_loss
@@ -34,8 +36,10 @@ def apply_kl_penalty(
     mask: torch.Tensor,
     kl_coef: float,
     kind: str = "k1",
+    mean: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_mean,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token_rewards - kl_coef * kl, mean kl over the mask). The mean kl feeds the KL controller.
+    """(token_rewards - kl_coef * kl, mean kl over the mask). The mean kl feeds the KL controller; `mean(kl, mask)`
+    computes it (a batch sharded over DP ranks passes one that reduces over them).
 
     When the shaped rewards go straight into GAE, `compute_advantage("gae", ..., logp=, ref_logp=,
     kl_coef=, kl_kind=)` fuses the same shaping into the scan instead.
@@ -46,7 +50,7 @@ def apply_kl_penalty(
         raise ValueError(f"token_rewards has shape {tuple(token_rewards.shape)} but logp has shape "
                          f"{tuple(kl.shape)}; they must match")
     m = mask.to(kl.dtype)
-    return token_rewards - kl_coef * kl * m, masked_mean(kl, mask)
+    return token_rewards - kl_coef * kl * m, mean(kl, mask)
 
 
 def kl_loss(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -82,17 +83,22 @@ def rejection_keep(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str,
     raise ValueError(f"rollout_rs={mode!r} is not one of {list(ROLLOUT_RS_MODES)}")
 
 
-def mismatch_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
-                     mask: torch.Tensor) -> dict[str, float]:
-    """rollout_corr/{kl, k3_kl, abs_diff_max, abs_diff_mean} over the tokens of `mask`."""
+def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> float:
+    counted = mask > 0
+    return float(x[counted].max()) if counted.any() else 0.0
+
+
+def mismatch_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor,
+                     mean: Callable = masked_mean, max_of: Callable = _masked_max) -> dict[str, float]:
+    """rollout_corr/{kl, k3_kl, abs_diff_max, abs_diff_mean} over the tokens of `mask`; `mean(x, mask)` and
+    `max_of(x, mask)` reduce (a batch sharded over DP ranks passes ones that reduce over them)."""
     diff = (old_log_probs - rollout_log_probs).detach()
     safe = diff.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    counted = mask > 0
     abs_diff = diff.abs()
-    return {"rollout_corr/kl": float(masked_mean(-diff, mask)),
-            "rollout_corr/k3_kl": float(masked_mean(torch.exp(safe) - 1.0 - safe, mask)),
-            "rollout_corr/abs_diff_max": float(abs_diff[counted].max()) if counted.any() else 0.0,
-            "rollout_corr/abs_diff_mean": float(masked_mean(abs_diff, mask))}
+    return {"rollout_corr/kl": float(mean(-diff, mask)),
+            "rollout_corr/k3_kl": float(mean(torch.exp(safe) - 1.0 - safe, mask)),
+            "rollout_corr/abs_diff_max": float(max_of(abs_diff, mask)),
+            "rollout_corr/abs_diff_mean": float(mean(abs_diff, mask))}
 
 
 def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tripod.engine.algorithms.masked import masked_mean
+from tripod.engine.algorithms.masked import masked_mean as _masked_mean
 
 
 @dataclass
@@ -118,10 +118,13 @@ def split_rows(n: int, parts: int) -> list[slice]:
     return [slice(i * k, (i + 1) * k) for i in range(parts)]
 
 
-def batch_metrics(batch: PPOBatch, scores: list[float]) -> dict[str, float]:
+def batch_metrics(batch: PPOBatch, scores: list[float], shards=None) -> dict[str, float]:
     """What a PPO step's batch looked like (verl's names): scores, advantages, returns, response and prompt lengths,
-    and with a critic its values and explained variance."""
+    and with a critic its values and explained variance. `shards` (engine/workers/row_shards.py's RowShards): the
+    per-token results are this rank's rows only, their statistics reduce over the DP ranks."""
     mask = batch["response_mask"]
+    masked_mean = _masked_mean if shards is None else shards.masked_mean
+    row_mean = (lambda x: x.mean()) if shards is None else shards.row_mean  # noqa: E731
     # generated lengths from the layout, not the loss mask (rollout correction's rejection may have zeroed rows)
     lengths = (batch["attention_mask"].sum(-1) - batch["prompt_lens"].to(batch["attention_mask"].device)).float()
     out = {"critic/score/mean": float(sum(scores) / len(scores)), "critic/score/max": float(max(scores)),
@@ -129,7 +132,7 @@ def batch_metrics(batch: PPOBatch, scores: list[float]) -> dict[str, float]:
            "critic/advantages/mean": float(masked_mean(batch["advantages"], mask)),
            "critic/returns/mean": float(masked_mean(batch["returns"], mask)),
            # rows whose advantage is not 0 on every token: 0 when every GRPO group scored alike (an update of nothing)
-           "critic/advantages/nonzero_frac": float(((batch["advantages"] * mask).abs().sum(-1) > 0).float().mean()),
+           "critic/advantages/nonzero_frac": float(row_mean(((batch["advantages"] * mask).abs().sum(-1) > 0).float())),
            "response_length/mean": float(lengths.mean()),
            "response_length/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
            "prompt_length/mean": float(batch["prompt_lens"].float().mean())}

@@ -70,11 +70,12 @@ def _token_budget_microbatches(worker: MegatronWorker, rows: PPOBatch, budget: i
     return [rows.select(g).trimmed() for g in row_groups], torch.tensor([i for g in row_groups for i in g])
 
 
-def _forward_microbatches(worker: MegatronWorker, batch: PPOBatch, micro: int, budget: int | None
-                          ) -> tuple[list[PPOBatch], torch.Tensor | None]:
+def _forward_microbatches(worker: MegatronWorker, batch: PPOBatch, micro: int, budget: int | None,
+                          rows: list[int] | None = None) -> tuple[list[PPOBatch], torch.Tensor | None]:
     """This DP rank's rows of a forward-only pass (log-probs, values) as micro-batches: `micro` rows each, or under a
-    token `budget` (then also the row order, see `_token_budget_microbatches`)."""
-    mine = batch.select(worker.dp_rows(batch.size))
+    token `budget` (then also the row order, see `_token_budget_microbatches`). `rows`: the step's row assignment
+    (engine/workers/row_shards.py), else the rank's contiguous share."""
+    mine = batch.select(worker.dp_rows(batch.size) if rows is None else rows)
     if budget:
         return _token_budget_microbatches(worker, mine, budget)
     return _microbatches(mine, micro), None
@@ -135,17 +136,37 @@ def _split_mini_batch(worker: MegatronWorker, mini: PPOBatch, cfg):
     so ranks may run different numbers of micro-batches: the loss scale uses this rank's count (megatron divides by
     it), and the normaliser is the whole mini-batch's, so the gradient is the same whatever the split."""
     mask = mini["response_mask"]
+    mine = mini.select(_dp_choice(worker, mini, cfg))
     if cfg.use_dynamic_bsz:
-        lay = worker.layout
-        units, costs = _budget_units(worker, mini)
-        if len(units) % lay.dp or len({len(u) for u in units}) > 1:  # a prompt's rows would straddle DP ranks
-            units, costs = [[i] for i in range(mini.size)], mini["attention_mask"].sum(-1).tolist()
-        mine = mini.select(sorted(i for u in balanced_partition(costs, lay.dp)[lay.dp_rank] for i in units[u]))
         micro, _ = _token_budget_microbatches(worker, mine, cfg.ppo_max_token_len_per_gpu)
     else:
-        mine = mini.select(worker.dp_rows(mini.size))
         micro = _microbatches(mine, cfg.ppo_micro_batch_size_per_gpu or mine.size)
     return micro, agg_norm(mask, cfg.loss_agg_mode), mask.sum().clamp(min=1), len(micro) * worker.layout.dp
+
+
+def _dp_choice(worker: MegatronWorker, mini: PPOBatch, cfg) -> list[int]:
+    """The rows of mini-batch `mini` (its own indices) this DP rank updates: with use_dynamic_bsz equal row counts
+    (whole prompt groups where packing shares prompts) of balanced token sums, else its contiguous share."""
+    lay = worker.layout
+    if not cfg.use_dynamic_bsz:
+        return list(range(mini.size))[worker.dp_rows(mini.size)]
+    units, costs = _budget_units(worker, mini)
+    if len(units) % lay.dp or len({len(u) for u in units}) > 1:  # a prompt's rows would straddle DP ranks
+        units, costs = [[i] for i in range(mini.size)], mini["attention_mask"].sum(-1).tolist()
+    return sorted(i for u in balanced_partition(costs, lay.dp)[lay.dp_rank] for i in units[u])
+
+
+def update_rows(worker: MegatronWorker, batch: PPOBatch, cfg, n_samples: int) -> list[int] | None:
+    """Every row (global index, ascending) this DP rank updates over the step's mini-batches, when that set is the
+    same in every epoch (no shuffle, or one epoch); else None. A function of the batch's lengths and prompt ids
+    only, so every rank derives every rank's set alike."""
+    if cfg.shuffle and cfg.ppo_epochs > 1:
+        return None
+    out: list[int] = []
+    for rows in _mini_batch_rows(batch, cfg.ppo_mini_batch_size * n_samples, cfg.shuffle, 0):
+        ids = list(range(batch.size))[rows] if isinstance(rows, slice) else rows.tolist()
+        out += [ids[i] for i in _dp_choice(worker, batch.select(rows), cfg)]
+    return sorted(out)
 
 
 def _mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
@@ -165,11 +186,13 @@ class PolicyWorker(MegatronWorker):
     """Actor (trainable) or reference (frozen): log-probs of response tokens, and the PPO actor update."""
 
     def compute_log_probs(self, batch: PPOBatch, micro: int, temperature: float, with_entropy: bool = False,
-                          token_budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          token_budget: int | None = None, rows: list[int] | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) of every response token, on every rank; micro-batches of `micro` rows, or of at
-        most `token_budget` tokens (log_prob_use_dynamic_bsz)."""
+        most `token_budget` tokens (log_prob_use_dynamic_bsz). With `rows` (this DP rank's rows of the step,
+        engine/workers/row_shards.py) only those rows, left in place in an [N, R] tensor that is NaN elsewhere."""
         n, r = batch.size, batch["responses"].shape[1]
-        mbs, order = _forward_microbatches(self, batch, micro, token_budget)
+        mbs, order = _forward_microbatches(self, batch, micro, token_budget, rows)
 
         def loss_fn(output, mb):
             logp, ent = self.token_logprobs(output, mb, temperature, with_entropy)
@@ -181,9 +204,9 @@ class PolicyWorker(MegatronWorker):
         outs = self.run(mbs, loss_fn, forward_only=True)
         logp = _in_row_order(torch.cat([o["logp"] for o in outs]) if outs else None, order)
         ent = _in_row_order(torch.cat([o["entropy"] for o in outs]) if outs and with_entropy else None, order)
-        logp = self.gather_rows(logp, (r,), n)
+        logp = self.gather_rows(logp, (r,), n) if rows is None else self.rows_in_place(logp, (r,), rows, n)
         if with_entropy:
-            ent = self.gather_rows(ent, (r,), n)
+            ent = self.gather_rows(ent, (r,), n) if rows is None else self.rows_in_place(ent, (r,), rows, n)
         return logp, ent
 
     def update(self, batch: PPOBatch, cfg, temperature: float, n_samples: int) -> dict[str, float]:
@@ -244,10 +267,11 @@ class PolicyWorker(MegatronWorker):
 class CriticWorker(MegatronWorker):
     """Value model: values of response positions, and the clipped value-loss update."""
 
-    def compute_values(self, batch: PPOBatch, micro: int, token_budget: int | None = None) -> torch.Tensor:
-        """Values of every response position, on every rank; micro-batches as in `PolicyWorker.compute_log_probs`."""
+    def compute_values(self, batch: PPOBatch, micro: int, token_budget: int | None = None,
+                       rows: list[int] | None = None) -> torch.Tensor:
+        """Values of every response position, on every rank (or only `rows`); as `PolicyWorker.compute_log_probs`."""
         n, r = batch.size, batch["responses"].shape[1]
-        mbs, order = _forward_microbatches(self, batch, micro, token_budget)
+        mbs, order = _forward_microbatches(self, batch, micro, token_budget, rows)
 
         def loss_fn(output, mb):
             v = self.token_values(output, mb)
@@ -255,7 +279,7 @@ class CriticWorker(MegatronWorker):
 
         outs = self.run(mbs, loss_fn, forward_only=True)
         values = _in_row_order(torch.cat([o["values"] for o in outs]) if outs else None, order)
-        return self.gather_rows(values, (r,), n)
+        return self.gather_rows(values, (r,), n) if rows is None else self.rows_in_place(values, (r,), rows, n)
 
     def update(self, batch: PPOBatch, cfg, n_samples: int) -> dict[str, float]:
         """The clipped value-loss update over the PPO epochs and mini-batches (`run_ppo_epochs`)."""

@@ -1,0 +1,11 @@
+"""A batch sharded by DP rank (engine/workers/row_shards.py): the statistics the step reads over the whole batch
+(GAE's advantage whitening, the KL-in-reward mean, rollout correction's mismatch metrics, batch_metrics) reduced
+over 3 gloo ranks that each hold a random share of the rows equal those of the whole batch on one rank
+(tests/multiprocess/workers/row_shards_check.py). That a run keeps its rows sharded and still trains like one rank
+is test_layout_equivalence.py's check."""
+from tests.helpers.common import run_torchrun
+
+
+def test_sharded_statistics_equal_the_whole_batch():
+    out = run_torchrun("row_shards_check.py", 3, timeout=120).stdout
+    assert out.count("ROW_SHARDS_OK") == 3, out[-3000:]

@@ -1,0 +1,50 @@
+"""The step's row assignment (engine/workers/ppo_workers.py `update_rows`, which the forward passes follow so that
+their outputs stay on their DP rank): on a stand-in worker, each DP rank's rows are exactly the rows the update's
+mini-batches give that rank (`_split_mini_batch`, mini-batch by mini-batch, as `run_ppo_epochs` walks them), the
+ranks' rows partition the batch, and a shuffle that changes the mini-batches per epoch has no fixed assignment."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tests.unit.test_token_budget import _batch
+from tripod.engine.workers import ppo_workers
+from tripod.engine.workers.batch import split_rows
+
+
+def _worker(dp: int, dp_rank: int, pack: bool) -> SimpleNamespace:
+    return SimpleNamespace(share_prompt_prefix=pack, can_pack=True, model=[None], remove_padding=False,
+                           layout=SimpleNamespace(pp=1, dp=dp, dp_rank=dp_rank),
+                           dp_rows=lambda n: split_rows(n, dp)[dp_rank])
+
+
+def _cfg(dynamic: bool, shuffle: bool, epochs: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(use_dynamic_bsz=dynamic, ppo_max_token_len_per_gpu=120, ppo_micro_batch_size_per_gpu=2,
+                           loss_agg_mode="token-mean", shuffle=shuffle, ppo_epochs=epochs, ppo_mini_batch_size=2)
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("pack", [False, True])
+def test_each_rank_forwards_the_rows_its_update_gets(dp, dynamic, shuffle, pack):
+    n = 2
+    batch = _batch(11, prompts=8, n=n)
+    cfg = _cfg(dynamic, shuffle)
+    held = []
+    for rank in range(dp):
+        worker = _worker(dp, rank, pack)
+        updated = []
+        for rows in ppo_workers._mini_batch_rows(batch, cfg.ppo_mini_batch_size * n, cfg.shuffle, 0):
+            micro, *_ = ppo_workers._split_mini_batch(worker, batch.select(rows), cfg)
+            updated += [i for mb in micro for i in mb["row"].tolist()]
+        assert ppo_workers.update_rows(worker, batch, cfg, n) == sorted(updated)
+        held += updated
+    assert sorted(held) == list(range(batch.size))  # every row on exactly one DP rank
+
+
+def test_a_shuffle_over_several_epochs_has_no_fixed_assignment():
+    batch = _batch(3, prompts=8, n=2)
+    assert ppo_workers.update_rows(_worker(2, 0, False), batch, _cfg(False, True, epochs=2), 2) is None
+    assert ppo_workers.update_rows(_worker(2, 0, False), batch, _cfg(False, False, epochs=2), 2) is not None
