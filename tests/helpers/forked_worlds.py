@@ -44,12 +44,6 @@ def enabled() -> bool:
 
 
 # ---- server side -----------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_rank(req: dict[str, Any], rank: int, port: int, out_fd: int) -> None:
     """In a forked rank: become the worker script's `__main__`, as torchrun would start it; never returns."""
     code = 1
@@ -128,7 +122,9 @@ def _lead_world(conn: socket.socket) -> None:
         req = json.loads(conn.makefile("r").readline())
         out_fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         conn.sendall(f"{os.getpid()}\n".encode())
-        port = _free_port()
+        from tests.helpers.common import free_port
+
+        port = free_port()
         ranks = {}
         for rank in range(req["nproc"]):
             pid = os.fork()

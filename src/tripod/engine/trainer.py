@@ -37,11 +37,11 @@ from tripod.engine.rewards.replica_scoring import pool_workers, score_where_gene
 from tripod.engine.rollout import SamplingParams, make_rollout_engine
 from tripod.engine.rollout.weight_sync import WeightSync
 from tripod.engine.throughput import PerfCounter
-from tripod.engine.workers.batch import PPOBatch, batch_metrics, build_ppo_batch
+from tripod.engine.workers.batch import batch_metrics, build_ppo_batch
 from tripod.engine.workers.model_options import layout_of, model_options
 from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
 from tripod.engine.workers.reward_model import build_reward_model, combine_rewards
-from tripod.engine.workers.row_shards import RowShards, plan_row_shards
+from tripod.engine.workers.row_shards import plan_row_shards
 from tripod.parallel.arch import arch_from_hf
 from tripod.parallel.hybrid_engine.engine import HybridEngine
 
@@ -202,7 +202,8 @@ class PPOTrainer:
                     scores, dtype=torch.float32, device=self.device)
             ro, ref, critic = arc.rollout, arc.ref, cfg.critic  # micro-batches: rows, or a token budget (dynamic bsz)
             bypass = algo.rollout_correction.bypass_mode
-            shards = self.row_shards(batch, bypass)  # model outputs stay on the DP rank that updates their rows
+            shards = plan_row_shards(  # model outputs stay on the DP rank that updates their rows
+                batch, algo, bypass, n, self.actor, arc.actor, self.critic, cfg.critic, self.ref)
             rows = shards.rows if shards is not None else None
             if bypass:  # verl's bypass mode: the rollout's log-probs are the old ones, nothing is recomputed
                 batch["old_log_probs"] = batch["rollout_log_probs"]
@@ -279,18 +280,6 @@ class PPOTrainer:
         if self.rank == 0:
             print(f"DEVICE_CHECK step={self.step} device={self.device} ops_off_device=0", flush=True)
         return metrics
-
-    def row_shards(self, batch: PPOBatch, bypass: bool) -> RowShards | None:
-        """The step's row assignment (engine/workers/row_shards.py) where nothing reads other DP ranks' model
-        outputs: no active rollout correction (its IS weights and rejection are not reduced over ranks), the
-        KL-in-reward penalty (per token) only ahead of GAE, whose whitening reduces over the ranks, and a critic
-        only with GAE."""
-        algo, arc = self.cfg.algorithm, self.cfg.actor_rollout_ref
-        gae = algo.adv_estimator == "gae"
-        allowed = ((bypass or not algo.rollout_correction.active) and (gae or not algo.use_kl_in_reward)
-                   and (gae or self.critic is None))
-        return plan_row_shards(batch, arc.rollout.n, self.actor, arc.actor, self.critic, self.cfg.critic, self.ref,
-                               allowed)
 
     def on_policy_update(self, rows: int) -> bool:
         """True when the actor update is exactly on-policy: one epoch of one mini-batch, with the weights that

@@ -69,10 +69,15 @@ class RowShards:
         return whitened if shift_mean else whitened + mean
 
 
-def plan_row_shards(batch: PPOBatch, n_samples: int, actor: MegatronWorker, actor_cfg,
-                    critic: MegatronWorker | None, critic_cfg, ref: MegatronWorker | None,
-                    allowed: bool) -> RowShards | None:
-    """The step's `RowShards`, or None where some rank cannot keep its rows (decided alike on every rank)."""
+def plan_row_shards(batch: PPOBatch, algo, bypass: bool, n_samples: int, actor: MegatronWorker, actor_cfg,
+                    critic: MegatronWorker | None, critic_cfg, ref: MegatronWorker | None) -> RowShards | None:
+    """The step's `RowShards`, or None where some rank cannot keep its rows (decided alike on every rank). Rows stay
+    apart only where nothing reads other DP ranks' model outputs: no active rollout correction (its IS weights and
+    rejection are not reduced over ranks; `bypass` needs none), the KL-in-reward penalty (per token) only ahead of
+    GAE, whose whitening reduces over the ranks, and a critic only with GAE."""
+    gae = algo.adv_estimator == "gae"
+    allowed = ((bypass or not algo.rollout_correction.active) and (gae or not algo.use_kl_in_reward)
+               and (gae or critic is None))
     lay = actor.layout
     if lay.dp == 1:  # one DP rank holds every row: nothing to keep apart (and the one-rank path stays as it was)
         return None
