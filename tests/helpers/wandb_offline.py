@@ -10,6 +10,7 @@ import glob
 import json
 import os
 import struct
+import time
 
 BLOCK, HEADER = 32768, 7
 
@@ -20,7 +21,19 @@ def offline_run_dir(wandb_dir: str) -> str:
     return runs[0]
 
 
-def read_records(run_dir: str) -> list:
+def read_records(run_dir: str, timeout: float = 60.0) -> list:
+    """Every record of the run, once its `exit` record is on disk. `run.finish()` can return before wandb's writer
+    (the wandb-core service, another process) has flushed the file: on a loaded box the suite once read a file that
+    held only its header. So wait, up to `timeout` seconds, for the last record a finished run writes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = _parse(run_dir)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
+def _parse(run_dir: str) -> list:
     from wandb.proto import wandb_internal_pb2
 
     (path,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
@@ -34,6 +47,8 @@ def read_records(run_dir: str) -> list:
             pos += left
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
+        if pos + HEADER + length > len(data):
+            break  # a chunk still being written
         payload = data[pos + HEADER:pos + HEADER + length]
         pos += HEADER + length
         if kind == 1:
