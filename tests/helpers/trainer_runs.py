@@ -1,7 +1,7 @@
 """Running `tripod train` from tests, and the cross-layout equivalence check with its arithmetic bounds.
 
 `train(args)` runs the real CLI in a subprocess (optionally through tests/multiprocess/workers/train_with_hooks.py, which can register
-a test reward or plant a bug), `train_together({name: args})` starts independent runs side by side,
+a test reward or plant a bug), `train_together({name: args})` makes independent runs side by side, each in a test world of its own,
 `train_in_worlds({name: (world, args, bug)})` makes many runs with one torchrun world per world size (one process
 start per rank for all the runs of that size), `final_actor_weights_of` exports several runs' final actor weights in
 one process, `tripod_in_one_world` runs CLI commands in one torchrun world; `assert_same_training(base, other)` compares two finished runs.
@@ -87,18 +87,34 @@ def train(args: list[str], timeout: float = 900, hooks: bool = False, run_env: d
                           text=True, timeout=timeout, **popen)
 
 
+def world_size_of(args: list[str]) -> int:
+    """The world a `tripod train` with these overrides spawns: trainer.nnodes x trainer.n_gpus_per_node (defaults 1)."""
+    sizes = {"trainer.nnodes": 1, "trainer.n_gpus_per_node": 1}
+    for arg in args:
+        key, _, value = arg.partition("=")
+        if key in sizes:
+            sizes[key] = int(value)
+    return sizes["trainer.nnodes"] * sizes["trainer.n_gpus_per_node"]
+
+
 def train_together(runs: dict[str, list[str]], log_dir: str, timeout: float = 900, hooks: bool = False,
                    run_envs: dict[str, dict] | None = None) -> None:
-    """Start `train(args)` for every {name: args} at once and wait for all; output goes to `log_dir/<name>.log`,
-    whose tail a failure shows. For independent runs whose ranks together fit the machine: with a fixed thread count
-    per rank (`env`) a run's arithmetic does not depend on what runs beside it, only its wall time does."""
-    cmd = HOOKED_TRIPOD if hooks else TRIPOD
+    """Make every {name: overrides of `tripod train recipes/defaults.yaml`} at once, each in its own test world of
+    the size its overrides ask for (`train_in_world`'s forked ranks: no CLI process, no interpreter start per rank),
+    and wait for all; output goes to `log_dir/<name>.log`, whose tail a failure shows. For independent runs: with a
+    fixed thread count per rank (`env`) a run's arithmetic does not depend on what runs beside it, only its wall time
+    does. `run_envs[name]` is added to that run's ranks' environment (TRIPOD_TEST_PLANT=<bug> plants a bug of
+    tests/multiprocess/workers/train_with_hooks.py there, as `hooks` did for the CLI; the worker imports that module
+    in every rank, so `hooks` needs nothing more)."""
+    from tests.helpers.common import launch_world, torchrun_failure
+
+    del hooks  # the in-process worker applies the hooks' environment in every rank
     procs = {}
     for name, args in runs.items():
-        with open(os.path.join(log_dir, f"{name}.log"), "w") as log:
-            procs[name] = subprocess.Popen(cmd + ["train", "recipes/defaults.yaml", *args], cwd=REPO_ROOT,
-                                           env=(run_envs or {}).get(name) or env(), stdout=log,
-                                           stderr=subprocess.STDOUT, text=True)
+        extra = {k: v for k, v in ((run_envs or {}).get(name) or {}).items() if os.environ.get(k) != v}
+        procs[name] = launch_world("tripod_commands.py", world_size_of(args),
+                                   json.dumps([["train", "recipes/defaults.yaml", *args]]),
+                                   log=os.path.join(log_dir, f"{name}.log"), env=extra)
     failed = []
     for name, proc in procs.items():
         try:
@@ -107,11 +123,10 @@ def train_together(runs: dict[str, list[str]], log_dir: str, timeout: float = 90
             proc.kill()
             proc.wait()
         if proc.returncode != 0:
-            failed.append(name)
-    for name in failed:
-        with open(os.path.join(log_dir, f"{name}.log")) as f:
-            print(f"--- {name} (exit {procs[name].returncode}) ---\n{f.read()[-5000:]}")
-    assert not failed, f"training runs {failed} failed (output above and in {log_dir})"
+            with open(os.path.join(log_dir, f"{name}.log")) as f:
+                failed.append(f"run {name}: " + torchrun_failure("tripod_commands.py", world_size_of(runs[name]),
+                                                                proc.returncode, f.read()))
+    assert not failed, "\n\n".join(failed)
 
 
 def metrics(run_dir: str) -> list[dict]:
@@ -173,21 +188,21 @@ def train_in_worlds(runs: dict[str, tuple[int, list[str], str | None]], log_dir:
 
 
 def train_in_world(args: list[str], world: int, log: str | os.PathLike, timeout: float = 900,
-                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`tripod train recipes/defaults.yaml *args` in-process on the ranks of one `world`-rank test world (what
+                   env: dict[str, str] | None = None,
+                   command: tuple[str, str] = ("train", "recipes/defaults.yaml")) -> subprocess.CompletedProcess:
+    """`tripod train recipes/defaults.yaml *args` (or another `command`) in-process on the ranks of one `world`-rank test world (what
     `train(args)` does without the CLI process and its spawn: tests/multiprocess/workers/tripod_commands.py), with
     `env` added to the ranks' environment; output (rank 0's lines included) to the file `log` and `.stdout`."""
     from tests.helpers.common import launch_world
 
-    proc = launch_world("tripod_commands.py", world, json.dumps([["train", "recipes/defaults.yaml", *args]]),
-                        log=log, env=env)
+    proc = launch_world("tripod_commands.py", world, json.dumps([[*command, *args]]), log=log, env=env)
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
     with open(log) as f:
-        return subprocess.CompletedProcess(["train", *args], proc.returncode, f.read(), None)
+        return subprocess.CompletedProcess([*command, *args], proc.returncode, f.read(), None)
 
 
 def tripod_in_one_world(commands: list[list[str]], nproc: int, timeout: float = 600) -> str:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers.common import REPO_ROOT
+from tests.helpers.common import REPO_ROOT, run_torchrun
 from tests.helpers.ppo_setup import make_ppo_setup
 from tripod.engine.bench.summary import check_schema, compare, summarize
 
@@ -138,11 +138,7 @@ def _on_policy_child(model: str, train: str) -> None:
 
 def test_on_policy_update_skips_the_recompute_with_the_same_gradient(tmp_path):
     setup = make_ppo_setup(tmp_path)
-    code = ("import sys; sys.argv=['x']; from tripod.engine.launch import run_distributed; from tests.multiprocess import test_bench as t; "
-            f"run_distributed(1, t._on_policy_child, {setup['model']!r}, {setup['train']!r})")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    proc = run_torchrun("on_policy_skip.py", 1, setup["model"], setup["train"], timeout=600)
     runs = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
     skip, rec, bug = runs["skip"], runs["recompute"], runs["planted"]
     assert [s["old_recomputed"] for s in skip] == [False, False] and rec[0]["old_recomputed"]

@@ -6,16 +6,14 @@ one torchrun world, tests/helpers/trainer_runs.py's train_in_worlds); the tests 
 import json
 import os
 import shutil
-import subprocess
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.common import REPO_ROOT
 from tests.helpers.ppo_setup import make_ppo_setup
 from tests.helpers.preference_data import make_preference_files
-from tests.helpers.trainer_runs import REL, TRIPOD, OutOfBounds, env, train_in_worlds, weight_violations
+from tests.helpers.trainer_runs import REL, OutOfBounds, train_in_world, train_in_worlds, weight_violations
 
 STEPS = 3
 LAYOUTS = {"base": (1, 1, 1), "tp2": (2, 2, 1), "pp2": (2, 1, 2), "dp2": (2, 1, 1)}  # world, tp, pp
@@ -108,8 +106,8 @@ def test_resume_from_a_mid_run_checkpoint_is_exact(runs):
     shutil.copytree(dirs["resume"], resumed)
     shutil.rmtree(os.path.join(resumed, "checkpoints", "global_step_3"))
     shutil.rmtree(os.path.join(resumed, "hf"))
-    proc = subprocess.run([*TRIPOD, *TRAIN_RM, *_overrides(setup, resumed, *LAYOUTS["tp2"], *RESUME)], cwd=REPO_ROOT, env=env(),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    proc = train_in_world(_overrides(setup, resumed, *LAYOUTS["tp2"], *RESUME), LAYOUTS["tp2"][0],
+                          os.path.join(tmp, "resumed.log"), command=TRAIN_RM)
     assert proc.returncode == 0 and "resumed from" in proc.stdout and "global_step_2" in proc.stdout, proc.stdout[-3000:]
     want, got = _metrics(dirs["resume"]), _metrics(resumed)
     assert [m["step"] for m in got] == [0, 1, 2, 3] and got[3] == want[3]
