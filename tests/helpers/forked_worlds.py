@@ -256,6 +256,13 @@ class ForkedWorld:
             self.sock.close()
         return self.returncode
 
+    def poll(self) -> int | None:
+        """The exit code, or None while the world runs (as `Popen.poll`)."""
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
     def kill(self) -> None:
         self.killed = True
         try:

@@ -17,13 +17,11 @@ import fnmatch
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from tests.helpers import dapo_reward
-from tests.helpers.common import DIST_DIR, REPO_ROOT, make_tiny_hf_model
+from tests.helpers.common import REPO_ROOT, launch_world, make_tiny_hf_model
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
 
 NOT_EXERCISED = {
@@ -91,7 +89,7 @@ def _allowed(key: str) -> bool:
 
 
 def _start_reads(tmp_path, name, overrides, n_train=32, train_source=None):
-    """Start one instrumented training (a process of its own, one thread); `_finish_reads` waits for it.
+    """Start one instrumented training (a 1-rank test world of its own, one thread); `_finish_reads` waits for it.
     `train_source` replaces the train rows' data_source."""
     from tripod.engine.data import make_arithmetic_rows, write_prompt_parquet
 
@@ -111,12 +109,8 @@ def _start_reads(tmp_path, name, overrides, n_train=32, train_source=None):
         write_prompt_parquet(rows, setup["train"])
     out = tmp_path / f"{name}.json"
     args = tiny_overrides(setup, str(tmp_path / name / "run"), steps=1) + [f"data.tokenizer={setup['model']}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
     log = tmp_path / f"{name}.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, str(DIST_DIR / "config_reads.py"), str(out), *args, *overrides],
-                                cwd=REPO_ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+    proc = launch_world("config_reads.py", 1, str(out), *args, *overrides, log=log)  # a 1-rank test world
     return proc, out, log, str(tmp_path / name / "run"), rows
 
 
