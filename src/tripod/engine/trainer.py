@@ -27,6 +27,7 @@ from tripod.engine.checkpoints.manager import latest_complete
 from tripod.engine.config import TripodConfig, save_resolved_config
 from tripod.engine.config_loading import config_to_dict
 from tripod.engine.data import PromptBatch, PromptDataLoader, PromptDataset
+from tripod.engine.data.token_cache import resolve_cache_dir
 from tripod.engine.device import DeviceGuard, check_devices_enabled, current_device, freeze_long_lived_objects
 from tripod.engine.divergence_guard import DivergenceGuard, GuardDecision, Remedies
 from tripod.engine.logging import StepProfiler, Timer, Tracker, validation_samples
@@ -65,7 +66,8 @@ class PPOTrainer:
         ds_args = dict(tokenizer=self.tokenizer, prompt_key=cfg.data.prompt_key,
                        max_prompt_length=cfg.data.max_prompt_length,
                        filter_overlong_prompts=cfg.data.filter_overlong_prompts,
-                       apply_chat_template=cfg.data.apply_chat_template, reward_fn_key=cfg.data.reward_fn_key)
+                       apply_chat_template=cfg.data.apply_chat_template, reward_fn_key=cfg.data.reward_fn_key,
+                       token_cache_dir=resolve_cache_dir(cfg.data.token_cache_dir))
         self.train_set = PromptDataset(cfg.data.train_files, **ds_args)
         self.val_set = PromptDataset(cfg.data.val_files, **ds_args) if cfg.data.val_files else None
         self.loader = PromptDataLoader(self.train_set, cfg.data.gen_batch_size, cfg.data.shuffle, cfg.data.seed)
