@@ -1,8 +1,9 @@
-"""A batch sharded by DP rank (engine/workers/row_shards.py): the statistics the step reads over the whole batch
-(GAE's advantage whitening, the KL-in-reward mean, rollout correction's mismatch metrics, batch_metrics) reduced
-over 3 gloo ranks that each hold a random share of the rows equal those of the whole batch on one rank
-(tests/multiprocess/workers/row_shards_check.py). That a run keeps its rows sharded and still trains like one rank
-is test_layout_equivalence.py's check."""
+"""A batch sharded by DP rank (engine/workers/row_shards.py) on 3 gloo ranks that each need a random share of the
+rows (tests/multiprocess/workers/row_shards_check.py): the rollout exchange delivers each rank exactly the rows it
+names, its batch holds exactly those rows laid out as in the whole batch, and the statistics the step reads over the
+whole batch (GAE's advantage whitening, the KL-in-reward mean, rollout correction's mismatch metrics, batch_metrics,
+GRPO's and RLOO's group advantages) reduced over the ranks equal those of the whole batch on one rank. That a run
+keeps its rows sharded and still trains like one rank is test_layout_equivalence.py's check."""
 from tests.helpers.common import run_torchrun
 
 

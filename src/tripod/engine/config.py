@@ -85,6 +85,10 @@ class DataConfig:
     """Render chat-message prompts with the tokenizer's chat template. (verl always applies it.)"""
     tokenizer: Optional[str] = None
     """Tokenizer directory; null: the actor model's. verl: data.tokenizer."""
+    token_cache_dir: Optional[str] = ""
+    """Where tokenized prompts are cached, keyed by data file, tokenizer and prompt settings, so one rank of a node
+    tokenizes a file and the others (and reruns) read it (engine/data/token_cache.py). "": $XDG_CACHE_HOME (or
+    ~/.cache)/tripod/prompt_tokens; null: no cache, every rank tokenizes every file."""
 
     def check(self, key: str = "data") -> list[str]:
         e = [] if self.train_files else [f"{key}.train_files is empty; give one or more parquet files"]

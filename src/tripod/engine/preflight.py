@@ -157,6 +157,7 @@ def preflight(cfg, world: int) -> None:
     from transformers import AutoTokenizer
 
     from tripod.engine.data import PromptDataset
+    from tripod.engine.data.token_cache import resolve_cache_dir
     from tripod.engine.rewards import check_data_sources
     from tripod.engine.rollout import validate_rollout_tp
     from tripod.parallel.arch import arch_from_hf
@@ -195,7 +196,7 @@ def preflight(cfg, world: int) -> None:
     for files in (d.train_files, d.val_files):
         if files:
             ds = PromptDataset(files, tokenizer, d.prompt_key, d.max_prompt_length, d.filter_overlong_prompts,
-                               d.apply_chat_template, d.reward_fn_key)
+                               d.apply_chat_template, d.reward_fn_key, resolve_cache_dir(d.token_cache_dir))
             if not cfg.reward_model.enable:  # with a reward model, rows without a rule function get its score
                 check_data_sources(ds.data_sources)
     if cfg.reward_model.enable:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tripod.engine.memory import peak_memory_gb
+from tripod.engine.workers.batch import RowLengths
 from tripod.parallel.arch import ModelArch
 
 PER_RANK_MEMORY_KEYS = 16
@@ -82,23 +83,26 @@ class PerfCounter:
     def model_tokens(batch, shared_prompts: bool) -> tuple[float, float]:
         """(tokens the policy's forward runs, tokens the rollout runs): response tokens plus every prompt token, or
         with shared prompts each prompt once (rows of one prompt share its `index`; engine/workers/packing.py and
-        the rollout's single prefill). Padding is not counted."""
-        response = float(batch["response_mask"].sum())
+        the rollout's single prefill). Padding is not counted. `batch`: a PPOBatch or every row's `RowLengths`."""
+        rows = RowLengths.of(batch)
+        response = float(rows.response_lens.sum())
         first = {}
-        for row, i in enumerate(batch["index"].tolist()):
+        for row, i in enumerate(rows.index.tolist()):
             first.setdefault(i, row)
-        unique_prompt = float(batch["prompt_lens"][list(first.values())].sum())
-        all_prompt = float(batch["prompt_lens"].sum())
+        unique_prompt = float(rows.prompt_lens[list(first.values())].sum())
+        all_prompt = float(rows.prompt_lens.sum())
         return (unique_prompt if shared_prompts else all_prompt) + response, unique_prompt + response
 
     def metrics(self, batch, times: dict[str, float], ppo_epochs: int,
                 recomputed_old_log_probs: bool = True, shared_prompts: bool = False) -> dict[str, float]:
         """perf/* of one step. total_num_tokens counts every row's prompt + response (the work a step stands for);
-        the FLOPs behind MFU count the tokens the model really ran (`model_tokens`)."""
-        tokens = float(batch["attention_mask"].sum())
-        response = float(batch["response_mask"].sum())
-        seq = tokens / batch.size
-        run_tokens, gen_tokens = self.model_tokens(batch, shared_prompts)
+        the FLOPs behind MFU count the tokens the model really ran (`model_tokens`). `batch`: a PPOBatch or every
+        row's `RowLengths` (a batch sharded by DP rank: engine/workers/row_shards.py)."""
+        rows = RowLengths.of(batch)
+        tokens = float(rows.seq_lens.sum())
+        response = float(rows.response_lens.sum())
+        seq = tokens / rows.size
+        run_tokens, gen_tokens = self.model_tokens(rows, shared_prompts)
         step_s = times.get("timing_s/step", 0.0) or 1e-9
         actor_s = times.get("timing_s/update_actor", 0.0) + times.get("timing_s/old_log_prob", 0.0)
         fwd = 1 if recomputed_old_log_probs else 0  # the old log-prob forward, skipped when exactly on-policy

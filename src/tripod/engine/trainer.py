@@ -5,8 +5,9 @@
     log-probs -> values (critic) -> KL in reward -> rollout correction (engine/algorithms/rollout_correction.py)
     -> advantages -> critic update -> actor update -> log / checkpoint
 
-Every rank runs this same code; each model runs on its own parallel layout (parallel/layout.py) and the batch is
-replicated on every rank (workers take their DP rows). Critic-free estimators (grpo, rloo, reinforce++) skip the
+Every rank runs this same code; each model runs on its own parallel layout (parallel/layout.py). The batch holds
+only the rows this rank's DP rank updates where the step allows it (engine/workers/row_shards.py), else every row
+(workers take their DP rows). Critic-free estimators (grpo, rloo, reinforce++) skip the
 critic entirely; the reference model is only built when a KL term needs it, the reward model
 (engine/workers/reward_model.py) only when reward_model.enable.
 """
@@ -26,6 +27,7 @@ from tripod.engine.checkpoints.manager import latest_complete
 from tripod.engine.config import TripodConfig, save_resolved_config
 from tripod.engine.config_loading import config_to_dict
 from tripod.engine.data import PromptBatch, PromptDataLoader, PromptDataset
+from tripod.engine.data.token_cache import resolve_cache_dir
 from tripod.engine.device import DeviceGuard, check_devices_enabled, current_device, freeze_long_lived_objects
 from tripod.engine.divergence_guard import DivergenceGuard, GuardDecision, Remedies
 from tripod.engine.logging import StepProfiler, Timer, Tracker, validation_samples
@@ -37,11 +39,11 @@ from tripod.engine.rewards.replica_scoring import pool_workers, score_where_gene
 from tripod.engine.rollout import SamplingParams, make_rollout_engine
 from tripod.engine.rollout.weight_sync import WeightSync
 from tripod.engine.throughput import PerfCounter
-from tripod.engine.workers.batch import batch_metrics, build_ppo_batch
+from tripod.engine.workers.batch import RowLengths, batch_metrics
 from tripod.engine.workers.model_options import layout_of, model_options
 from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
 from tripod.engine.workers.reward_model import build_reward_model, combine_rewards
-from tripod.engine.workers.row_shards import plan_row_shards
+from tripod.engine.workers.row_shards import plan_row_shards, step_batch
 from tripod.parallel.arch import arch_from_hf
 from tripod.parallel.hybrid_engine.engine import HybridEngine
 
@@ -64,7 +66,8 @@ class PPOTrainer:
         ds_args = dict(tokenizer=self.tokenizer, prompt_key=cfg.data.prompt_key,
                        max_prompt_length=cfg.data.max_prompt_length,
                        filter_overlong_prompts=cfg.data.filter_overlong_prompts,
-                       apply_chat_template=cfg.data.apply_chat_template, reward_fn_key=cfg.data.reward_fn_key)
+                       apply_chat_template=cfg.data.apply_chat_template, reward_fn_key=cfg.data.reward_fn_key,
+                       token_cache_dir=resolve_cache_dir(cfg.data.token_cache_dir))
         self.train_set = PromptDataset(cfg.data.train_files, **ds_args)
         self.val_set = PromptDataset(cfg.data.val_files, **ds_args) if cfg.data.val_files else None
         self.loader = PromptDataLoader(self.train_set, cfg.data.gen_batch_size, cfg.data.shuffle, cfg.data.seed)
@@ -183,17 +186,29 @@ class PPOTrainer:
         cfg, timer = self.cfg, Timer(self.profiler.range)
         arc, algo = cfg.actor_rollout_ref, cfg.algorithm
         n, temperature = arc.rollout.n, arc.rollout.temperature
+        bypass = algo.rollout_correction.bypass_mode
+        planned: list = []  # the step's RowShards or None (row_shards.py), decided in the exchange from the lengths
+
+        def needs(p: PromptBatch, lengths: list[int]) -> list[int] | None:  # the rows this rank's batch holds
+            planned[:] = [plan_row_shards(RowLengths.of_rollout([len(x) for x in p.input_ids for _ in range(n)],
+                                                                lengths, [i for i in p.indices for _ in range(n)]),
+                                          algo, bypass, n, self.actor, arc.actor, self.critic, cfg.critic, self.ref)]
+            return None if planned[0] is None else planned[0].rows
+        # with dynamic sampling the kept rows are known after scoring, a reward model scores every row: whole batch
+        shardable = not self.sampler.enable and self.reward_model is None
         with timer("step"):
             self.offload.enter("rollout")
             rollout, reward_metrics = self.sampler.collect(  # dynamic sampling may draw further prompt batches
-                prompts, lambda p, k: self.weight_sync.generate_rows(p.input_ids,
-                                                                     self.sampling_params(False, self.step, k), timer),
+                prompts, lambda p, k: self.weight_sync.generate_rows(
+                    p.input_ids, self.sampling_params(False, self.step, k), timer,
+                    needs=(lambda lengths: needs(p, lengths)) if shardable else None),
                 lambda p, responses: self.score(p, responses, n), timer)
-            prompts, responses, scores = rollout.prompts, rollout.responses, rollout.rewards
-            rep_prompts = [p for p in prompts.input_ids for _ in range(n)]
-            batch = build_ppo_batch(rep_prompts, responses, arc.rollout.response_length, self.pad_id,
-                                    [i for i in prompts.indices for _ in range(n)], rollout.rollout_log_probs,
-                                    rollout.finish_reasons).to(self.device)
+            shards = planned[0] if planned else None  # model outputs stay on the DP rank that updates their rows
+            prompts, all_scores = rollout.prompts, rollout.rewards
+            batch, scores = step_batch(prompts.input_ids, prompts.indices, n, rollout.responses,
+                                       rollout.rollout_log_probs, rollout.finish_reasons, all_scores,
+                                       arc.rollout.response_length, self.pad_id, shards)
+            batch, rollout = batch.to(self.device), None  # the rollout's rows live on in the batch only
             mask = batch["response_mask"]
             with timer("reward"):
                 token_rewards = torch.zeros_like(mask)
@@ -201,33 +216,26 @@ class PPOTrainer:
                 token_rewards[torch.arange(batch.size, device=self.device), last] = torch.tensor(
                     scores, dtype=torch.float32, device=self.device)
             ro, ref, critic = arc.rollout, arc.ref, cfg.critic  # micro-batches: rows, or a token budget (dynamic bsz)
-            bypass = algo.rollout_correction.bypass_mode
-            shards = plan_row_shards(  # model outputs stay on the DP rank that updates their rows
-                batch, algo, bypass, n, self.actor, arc.actor, self.critic, cfg.critic, self.ref)
-            rows = shards.rows if shards is not None else None
             if bypass:  # verl's bypass mode: the rollout's log-probs are the old ones, nothing is recomputed
                 batch["old_log_probs"] = batch["rollout_log_probs"]
-            elif not self.on_policy_update(batch.size):  # else the update takes them from its own forward
+            elif not self.on_policy_update(len(all_scores)):  # else the update takes them from its own forward
                 with timer("old_log_prob"):
                     self.offload.enter("old_log_prob")
                     batch["old_log_probs"], _ = self.actor.compute_log_probs(
                         batch, ro.log_prob_micro_batch_size_per_gpu or batch.size, temperature,
-                        token_budget=ro.log_prob_max_token_len_per_gpu if ro.log_prob_use_dynamic_bsz else None,
-                        rows=rows)
+                        token_budget=ro.log_prob_max_token_len_per_gpu if ro.log_prob_use_dynamic_bsz else None)
             if self.ref is not None:
                 with timer("ref"):
                     self.offload.enter("ref")
                     batch["ref_log_probs"], _ = self.ref.compute_log_probs(
                         batch, ref.log_prob_micro_batch_size_per_gpu or batch.size, temperature,
-                        token_budget=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None,
-                        rows=rows)
+                        token_budget=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None)
             if self.critic is not None:
                 with timer("values"):
                     self.offload.enter("values")
                     batch["values"] = self.critic.compute_values(
                         batch, critic.ppo_micro_batch_size_per_gpu or batch.size,
-                        token_budget=critic.forward_max_token_len_per_gpu if critic.use_dynamic_bsz else None,
-                        rows=rows)
+                        token_budget=critic.forward_max_token_len_per_gpu if critic.use_dynamic_bsz else None)
             metrics = dict(reward_metrics)
             with timer("adv"):
                 if algo.use_kl_in_reward:
@@ -246,12 +254,13 @@ class PPOTrainer:
                         metrics.update(mismatch_metrics(batch["old_log_probs"].float(),
                                                         batch["rollout_log_probs"].float(), mask.float(),
                                                         shards.masked_mean, shards.masked_max))
-                adv, ret = compute_advantage(algo.adv_estimator, token_rewards, mask, values=batch.tensors.get("values"),
-                                             index=batch["index"], gamma=algo.gamma, lam=algo.lam,
-                                             **({"norm_by_std": algo.norm_adv_by_std_in_grpo}
-                                                if algo.adv_estimator == "grpo" else {}),
-                                             **({"whiten": shards.masked_whiten}
-                                                if shards is not None and algo.adv_estimator == "gae" else {}))
+                grpo = {"norm_by_std": algo.norm_adv_by_std_in_grpo} if algo.adv_estimator == "grpo" else {}
+                if shards is not None and algo.adv_estimator != "gae":  # a group's rows may sit on other ranks
+                    adv, ret = shards.outcome_advantages(algo.adv_estimator, all_scores, mask, **grpo)
+                else:
+                    adv, ret = compute_advantage(algo.adv_estimator, token_rewards, mask, index=batch["index"],
+                                                 values=batch.tensors.get("values"), gamma=algo.gamma, lam=algo.lam,
+                                                 **grpo, **({"whiten": shards.masked_whiten} if shards else {}))
                 batch["advantages"], batch["returns"] = adv, ret
             if self.critic is not None:
                 with timer("update_critic"):
@@ -262,9 +271,9 @@ class PPOTrainer:
                     self.offload.enter("update_actor")
                     metrics.update(self.actor.update(batch, arc.actor, temperature, n))
         timings = timer.metrics()
-        metrics.update(batch_metrics(batch, scores, shards))
+        metrics.update(batch_metrics(batch, all_scores, shards))
         metrics.update(timings)
-        metrics.update(self.perf.metrics(batch, timings, arc.actor.ppo_epochs,
+        metrics.update(self.perf.metrics(batch.lengths, timings, arc.actor.ppo_epochs,
                                          recomputed_old_log_probs=batch.recomputed_old_log_probs and not bypass,
                                          shared_prompts=self.actor.share_prompt_prefix and self.actor.can_pack))
         return metrics

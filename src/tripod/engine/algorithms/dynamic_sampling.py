@@ -116,7 +116,8 @@ class DynamicSampler:
         responses = generated if isinstance(generated, list) else generated.responses
         with timer("reward"):
             scores, counts = score(prompts, responses)
-            penalties = self.shaper.penalties([len(r) for r in responses])
+            lengths = getattr(generated, "lengths", None) or [len(r) for r in responses]  # every row's, held or not
+            penalties = self.shaper.penalties(lengths)
             rewards = [s + p for s, p in zip(scores, penalties)] if self.shaper.enable else list(scores)
         if isinstance(generated, list):
             return Rollout(prompts, responses, list(scores), rewards, penalties, dict(counts))

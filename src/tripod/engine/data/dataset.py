@@ -8,7 +8,9 @@ Parquet layout (verl's, written by scripts/preprocess_gsm8k.py and scripts/make_
     extra_info    struct<...>, optional, passed through to the reward function
 
 `PromptDataset` reads and tokenizes every row once (chat template applied, generation prompt added), drops prompts
-longer than `max_prompt_length`, and hands out `PromptBatch`es. `PromptDataLoader` walks it in a per-epoch order
+longer than `max_prompt_length`, and hands out `PromptBatch`es. With a `token_cache_dir` the token ids come from a
+cache keyed by the file, the tokenizer and the settings (engine/data/token_cache.py): one rank of a node tokenizes a
+file, the others and later runs read its entry. `PromptDataLoader` walks it in a per-epoch order
 that depends only on (seed, epoch), and its `state_dict()` ({epoch, offset}) lets a resumed run see exactly the
 batches the interrupted run would have seen.
 """
@@ -19,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import numpy as np
+
+from tripod.engine.data.token_cache import cached_token_ids
 
 
 def _read_rows(path: str, required: Sequence[str]) -> list[dict[str, Any]]:
@@ -118,7 +122,8 @@ class PromptDataset:
 
     def __init__(self, files: str | Sequence[str], tokenizer: Any, prompt_key: str = "prompt",
                  max_prompt_length: int = 512, filter_overlong_prompts: bool = True,
-                 apply_chat_template: bool = True, reward_fn_key: str = "data_source") -> None:
+                 apply_chat_template: bool = True, reward_fn_key: str = "data_source",
+                 token_cache_dir: str | None = None) -> None:
         files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
         if not files:
             raise ValueError("PromptDataset got no files; set data.train_files / data.val_files")
@@ -126,7 +131,10 @@ class PromptDataset:
             raise ValueError(f"data.max_prompt_length={max_prompt_length} must be >= 1")
         self.files = [os.fspath(f) for f in files]
         self.max_prompt_length = max_prompt_length
-        rows, texts = [], []
+        rows, ids = [], []
+        # A chat template already renders BOS etc.; raw text gets the tokenizer's own special tokens.
+        encode = lambda texts: tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"]  # noqa: E731
+        settings = {"prompt_key": prompt_key, "apply_chat_template": apply_chat_template}
         for path in self.files:
             file_rows = _read_rows(path, [prompt_key, reward_fn_key, "reward_model.ground_truth"])
             no_truth = [i for i, row in enumerate(file_rows) if (row["reward_model"] or {}).get("ground_truth") is None]
@@ -134,11 +142,10 @@ class PromptDataset:
                 raise ValueError(f"data file {path}: {len(no_truth)} of {len(file_rows)} rows have no "
                                  f"reward_model.ground_truth (null; first at row {no_truth[0]}); fill it in or drop "
                                  "those rows")
-            for i, row in enumerate(file_rows):
-                rows.append(row)
-                texts.append(_prompt_text(row[prompt_key], tokenizer, apply_chat_template, f"{path} row {i}"))
-        # A chat template already renders BOS etc.; raw text gets the tokenizer's own special tokens.
-        ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"]
+            rows += file_rows
+            texts = lambda: [_prompt_text(row[prompt_key], tokenizer, apply_chat_template, f"{path} row {i}")  # noqa: E731
+                             for i, row in enumerate(file_rows)]
+            ids += cached_token_ids(path, len(file_rows), texts, encode, tokenizer, settings, token_cache_dir)
         self.items: list[dict[str, Any]] = []
         too_long = []
         for position, (row, input_ids) in enumerate(zip(rows, ids)):

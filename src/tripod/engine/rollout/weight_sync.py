@@ -2,7 +2,7 @@
 
     sync = WeightSync(hybrid, rollout_engine, actor_model)
     rows = sync.generate_rows(prompts, params, timer)       # the trainer's only call into the rollout engine
-    rows.responses, rows.log_probs, rows.finish_reasons      # every row of the batch, on every rank
+    rows.responses, rows.log_probs, rows.finish_reasons      # every row of the batch (or the rows `needs` names)
 
 `generate_rows` is the rollout boundary: it takes the whole batch's prompts, splits them among the rollout DP
 replicas (each replica = one rollout TP group), generates this replica's share (`generate`) and moves the responses
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -75,10 +75,12 @@ class WeightSync:
         """Every prompt's responses, in prompt order (n per prompt): `generate_rows(...).responses`."""
         return self.generate_rows(prompts, params, timer).responses
 
-    def generate_rows(self, prompts: list[list[int]], params: SamplingParams, timer=None) -> GatheredRollout:
+    def generate_rows(self, prompts: list[list[int]], params: SamplingParams, timer=None,
+                      needs: Callable[[list[int]], list[int] | None] | None = None) -> GatheredRollout:
         """The rollout of a whole batch: each rollout DP replica generates its contiguous share of `prompts`
         (`replica_bounds`), and every rank gets every prompt's responses with their rollout log-probs and finish
-        reasons, in prompt order (n per prompt). Collective over the world."""
+        reasons, in prompt order (n per prompt); or, where `needs(every row's response length)` names this rank's
+        rows (exchange.exchange_rollout), those and its replica's own. Collective over the world."""
         replicas, mine = self.hybrid.rollout_dp_size, self.hybrid.rollout_dp_rank
         bounds = replica_bounds(len(prompts), replicas)
         out = self.generate(prompts[bounds[mine]:bounds[mine + 1]], params, timer)
@@ -86,17 +88,20 @@ class WeightSync:
         # one float32 CPU tensor per row, as long as its response (RolloutOutput pads with 0 past each length)
         log_probs = [out.log_probs[i, : len(r)].detach().float().cpu().clone() for i, r in enumerate(responses)]
         return GatheredRollout(*exchange_rollout(self.hybrid.plan.rollout_tp_groups, mine, responses, log_probs,
-                                                 list(out.finish_reasons)))
+                                                 list(out.finish_reasons), needs))
 
 
 @dataclass
 class GatheredRollout:
     """A whole batch's rollout on every rank, row i*n + j = sample j of prompt i: the response tokens, the rollout
     engine's log-prob of each (float32 [len(response)], the convention of engine/rollout/base.py) and the finish
-    reason ("stop" / "length")."""
-    responses: list[list[int]]
-    log_probs: list[torch.Tensor]
-    finish_reasons: list[str]
+    reason ("stop" / "length"); every row's response length. Where `rows` names the rows this rank needed (a batch
+    sharded by DP rank) the other rows are None, except those its own rollout replica generated."""
+    responses: list[list[int] | None]
+    log_probs: list[torch.Tensor | None]
+    finish_reasons: list[str | None]
+    lengths: list[int] | None = None
+    rows: list[int] | None = None
 
 
 def replica_bounds(num_prompts: int, replicas: int) -> list[int]:

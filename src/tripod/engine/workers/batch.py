@@ -17,10 +17,62 @@ from tripod.engine.algorithms.masked import masked_mean as _masked_mean
 
 
 @dataclass
+class RowLengths:
+    """Every row's prompt length, counted response tokens (its response mask's sum), tokens (its attention mask's
+    sum) and prompt id (`index`), [N] int64 each, on the CPU: what the row assignment, the token-budget partition,
+    the loss normalisers and the length metrics read of rows a rank may not hold."""
+    prompt_lens: torch.Tensor
+    response_lens: torch.Tensor
+    seq_lens: torch.Tensor
+    index: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return int(self.index.shape[0])
+
+    @staticmethod
+    def of_rollout(prompt_lens: list[int], response_lens: list[int], index: list[int]) -> "RowLengths":
+        """The lengths of the batch `build_ppo_batch` lays out of these rows (nothing masked yet)."""
+        p, r = torch.tensor(prompt_lens, dtype=torch.int64), torch.tensor(response_lens, dtype=torch.int64)
+        return RowLengths(p, r, p + r, torch.tensor(index, dtype=torch.int64))
+
+    @staticmethod
+    def of(batch: "PPOBatch | RowLengths") -> "RowLengths":
+        if isinstance(batch, RowLengths):
+            return batch
+        cpu = lambda t: t.detach().to("cpu", torch.int64)  # noqa: E731
+        return RowLengths(cpu(batch["prompt_lens"]), cpu(batch["response_mask"].sum(-1)),
+                          cpu(batch["attention_mask"].sum(-1)), cpu(batch["index"]))
+
+    def select(self, rows: torch.Tensor | list[int] | slice) -> "RowLengths":
+        idx = rows if isinstance(rows, slice) else torch.as_tensor(rows, dtype=torch.long).cpu()
+        return RowLengths(self.prompt_lens[idx], self.response_lens[idx], self.seq_lens[idx], self.index[idx])
+
+
+@dataclass
+class BatchShard:
+    """The rows a sharded batch holds (`rows`: their ids among the `lengths.size` rows `lengths` describes, ascending;
+    the batch holds them in that order): the step's rows, or a mini-batch's (ppo_workers._sharded_mini_batch)."""
+    rows: list[int]
+    lengths: RowLengths
+
+    def __post_init__(self) -> None:
+        self._local = {g: i for i, g in enumerate(self.rows)}
+
+    def local(self, rows: list[int]) -> list[int]:
+        """Row ids -> this batch's row positions (KeyError on a row it does not hold)."""
+        return [self._local[int(g)] for g in rows]
+
+    def __contains__(self, row: int) -> bool:
+        return int(row) in self._local
+
+
+@dataclass
 class PPOBatch:
     tensors: dict[str, torch.Tensor]              # every entry has N rows
     meta: dict[str, list] = field(default_factory=dict)  # per-row python values (data_source, ground truth, ...)
     packed: Any = None  # a micro-batch's shared-prompt layout (engine/workers/packing.py), set by the worker's run()
+    shard: BatchShard | None = None  # set when the batch holds only this DP rank's rows (see the module docstring)
 
     @property
     def size(self) -> int:
@@ -52,7 +104,13 @@ class PPOBatch:
 
     def to(self, device: torch.device | str) -> "PPOBatch":
         """The batch with every tensor on `device` (the device engine/device.py chose)."""
-        return PPOBatch({k: v.to(device, non_blocking=True) for k, v in self.tensors.items()}, self.meta)
+        return PPOBatch({k: v.to(device, non_blocking=True) for k, v in self.tensors.items()}, self.meta,
+                        shard=self.shard)
+
+    @property
+    def lengths(self) -> RowLengths:
+        """Every row's lengths and prompt id: the whole step's for a sharded batch, else this batch's own."""
+        return self.shard.lengths if self.shard is not None else RowLengths.of(self)
 
     def trimmed(self) -> "PPOBatch":
         """Drop sequence columns that are padding in every row (less compute per micro-batch)."""
@@ -73,17 +131,18 @@ class PPOBatch:
 
 def build_ppo_batch(prompts: list[list[int]], responses: list[list[int]], response_length: int,
                     pad_token_id: int, index: list[int], rollout_log_probs: list[torch.Tensor] | None = None,
-                    finish_reasons: list[str] | None = None) -> PPOBatch:
+                    finish_reasons: list[str] | None = None, seq_len: int | None = None) -> PPOBatch:
     """Lay out `prompts[i] + responses[i]` right-padded; responses padded to `response_length` columns.
     `rollout_log_probs[i]` (the rollout engine's log-prob of each token of responses[i]) becomes row i of
     "rollout_log_probs" [N, response_length], aligned with "responses" and 0 past each length; `finish_reasons`
-    go to meta["finish_reasons"]."""
+    go to meta["finish_reasons"]. `seq_len`: pad the rows to at least this many columns (a sharded batch keeps the
+    whole batch's width, so its rows are laid out as in the whole batch)."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     if rollout_log_probs is not None and len(rollout_log_probs) != len(responses):
         raise ValueError(f"{len(rollout_log_probs)} rows of rollout log-probs for {len(responses)} responses")
     n = len(prompts)
-    seq = max(len(p) + max(len(r), 1) for p, r in zip(prompts, responses))
+    seq = max([len(p) + max(len(r), 1) for p, r in zip(prompts, responses)] + [seq_len or 0])
     input_ids = torch.full((n, seq), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((n, seq), dtype=torch.long)
     resp = torch.full((n, response_length), pad_token_id, dtype=torch.long)
@@ -125,8 +184,14 @@ def batch_metrics(batch: PPOBatch, scores: list[float], shards=None) -> dict[str
     mask = batch["response_mask"]
     masked_mean = _masked_mean if shards is None else shards.masked_mean
     row_mean = (lambda x: x.mean()) if shards is None else shards.row_mean  # noqa: E731
-    # generated lengths from the layout, not the loss mask (rollout correction's rejection may have zeroed rows)
-    lengths = (batch["attention_mask"].sum(-1) - batch["prompt_lens"].to(batch["attention_mask"].device)).float()
+    # generated lengths from the layout, not the loss mask (rollout correction's rejection may have zeroed rows); a
+    # sharded batch's from every row's lengths
+    if batch.shard is not None:
+        every = batch.shard.lengths
+        lengths, prompt_lens = (every.seq_lens - every.prompt_lens).float(), every.prompt_lens.float()
+    else:
+        lengths = (batch["attention_mask"].sum(-1) - batch["prompt_lens"].to(batch["attention_mask"].device)).float()
+        prompt_lens = batch["prompt_lens"].float()
     out = {"critic/score/mean": float(sum(scores) / len(scores)), "critic/score/max": float(max(scores)),
            "critic/score/min": float(min(scores)),
            "critic/advantages/mean": float(masked_mean(batch["advantages"], mask)),
@@ -135,7 +200,7 @@ def batch_metrics(batch: PPOBatch, scores: list[float], shards=None) -> dict[str
            "critic/advantages/nonzero_frac": float(row_mean(((batch["advantages"] * mask).abs().sum(-1) > 0).float())),
            "response_length/mean": float(lengths.mean()),
            "response_length/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
-           "prompt_length/mean": float(batch["prompt_lens"].float().mean())}
+           "prompt_length/mean": float(prompt_lens.mean())}
     if "values" in batch.tensors:
         v, r = batch["values"], batch["returns"]
         out["critic/values/mean"] = float(masked_mean(v, mask))

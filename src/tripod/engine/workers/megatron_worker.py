@@ -6,9 +6,10 @@ schedule with a loss function (parallel/pipeline.py, the one driver).
 Everything megatron does for this model runs inside `layout.activate()` (see parallel/layout.py), so actor, critic
 and reference can have different TP/PP/DP sizes in the same world.
 
-Data flow: every rank holds the whole `PPOBatch`; a worker takes its DP rank's rows, cuts them into micro-batches,
-and `gather_rows()` brings per-row results back to every rank (broadcast from the last PP stage, all-gather over DP),
-or `rows_in_place()` leaves them on their DP rank (the step's row assignment, engine/workers/row_shards.py).
+Data flow: a rank holds the whole `PPOBatch`, takes its DP rank's rows, cuts them into micro-batches, and
+`gather_rows()` brings per-row results back to every rank (broadcast from the last PP stage, all-gather over DP); or
+it holds only its DP rank's rows (a sharded batch, engine/workers/row_shards.py) and `rows_of_stages()` keeps the
+results there (broadcast from the last PP stage only).
 
 Rows that share a prompt (GRPO's n samples) run it through the model once when `share_prompt_prefix` is on, and
 `remove_padding` lays the rows out without padding, several to a model row (engine/workers/packing.py,
@@ -332,17 +333,14 @@ class MegatronWorker:
         dist.all_gather(parts, local, group=lay.dp_group)
         return torch.cat(parts, 0)
 
-    def rows_in_place(self, local: torch.Tensor | None, shape_tail: tuple[int, ...], rows: list[int], n_rows: int
-                      ) -> torch.Tensor:
-        """This DP rank's `rows` (on the last stage) -> an [n_rows, ...] tensor on every stage holding them in place
-        and NaN in the rows other DP ranks hold (a reader of the whole batch shows up as NaN)."""
-        local = (torch.empty((len(rows), *shape_tail), device=self.device) if local is None
+    def rows_of_stages(self, local: torch.Tensor | None, shape_tail: tuple[int, ...], n_rows: int) -> torch.Tensor:
+        """This rank's `n_rows` results (computed on the last stage) on every stage of its pipeline: a sharded batch's
+        rows (engine/workers/row_shards.py), which stay on their DP rank."""
+        local = (torch.empty((n_rows, *shape_tail), device=self.device) if local is None
                  else local.to(self.device, torch.float32).contiguous())
         if self.layout.pp > 1:
             dist.broadcast(local, src=self.layout.group_ranks("pp")[-1], group=self.layout.pp_group)
-        out = torch.full((n_rows, *shape_tail), float("nan"), device=self.device)
-        out[torch.tensor(rows, device=self.device)] = local
-        return out
+        return local
 
     def sum_over_dp(self, values: dict[str, float]) -> dict[str, float]:
         """Sum scalar metrics over the DP group (after bringing them from the last stage)."""

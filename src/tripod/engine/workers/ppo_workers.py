@@ -1,8 +1,8 @@
 """The actor, critic and reference of PPO, each a `MegatronWorker` with the computations the step needs.
 
 Loss scaling (see engine/algorithms/losses.py): every micro-batch loss is its share of the *global* mini-batch
-loss (normalised by the whole mini-batch's token / sequence count, known on every rank because every rank holds
-the batch), multiplied by num_microbatches * dp to undo megatron's division by the number of micro-batches and
+loss (normalised by the whole mini-batch's token / sequence count, known on every rank: it holds the batch, or a
+sharded batch carries every row's lengths), multiplied by num_microbatches * dp to undo megatron's division by the number of micro-batches and
 its DP gradient averaging. Metrics are shares of global values too, so summing them over micro-batches and DP ranks
 gives the mini-batch value whatever the layout: the actor's pg_loss at TP1xPP1 and TP2xPP2xDP2 agree.
 """
@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tripod.engine.algorithms import agg_norm, entropy_loss, kl_loss, masked_mean, policy_loss, value_loss
 from tripod.engine.data.batching import balanced_partition, split_by_token_budget
-from tripod.engine.workers.batch import PPOBatch, split_rows
+from tripod.engine.workers.batch import BatchShard, PPOBatch, RowLengths, split_rows
 from tripod.engine.workers.megatron_worker import MegatronWorker
 
 
@@ -27,15 +27,16 @@ def _microbatches(batch: PPOBatch, micro: int) -> list[PPOBatch]:
     return [batch.select(s) for s in split_rows(n, n // micro)]
 
 
-def _budget_units(worker: MegatronWorker, rows: PPOBatch) -> tuple[list[list[int]], list[int]]:
+def _budget_units(worker: MegatronWorker, rows: PPOBatch | RowLengths) -> tuple[list[list[int]], list[int]]:
     """What a token budget packs: with shared-prompt packing on, the rows of one prompt (adjacent rows with the same
     `index`) stay together, costing the prompt once plus their responses (each as long as the longest, or at its
-    own length without padding); else every row alone, costing its tokens."""
-    lens = rows["attention_mask"].sum(-1).tolist()
+    own length without padding); else every row alone, costing its tokens. Reads the rows' lengths only."""
+    stats = RowLengths.of(rows)
+    lens = stats.seq_lens.tolist()
     if not (worker.share_prompt_prefix and worker.can_pack):
         return [[i] for i in range(len(lens))], lens
-    index, prompt = rows["index"].tolist(), rows["prompt_lens"].tolist()
-    response = rows["response_mask"].sum(-1).tolist()
+    index, prompt = stats.index.tolist(), stats.prompt_lens.tolist()
+    response = stats.response_lens.tolist()
     units: list[list[int]] = []
     for i, p in enumerate(index):
         if units and index[units[-1][0]] == p:
@@ -70,12 +71,12 @@ def _token_budget_microbatches(worker: MegatronWorker, rows: PPOBatch, budget: i
     return [rows.select(g).trimmed() for g in row_groups], torch.tensor([i for g in row_groups for i in g])
 
 
-def _forward_microbatches(worker: MegatronWorker, batch: PPOBatch, micro: int, budget: int | None,
-                          rows: list[int] | None = None) -> tuple[list[PPOBatch], torch.Tensor | None]:
+def _forward_microbatches(worker: MegatronWorker, batch: PPOBatch, micro: int, budget: int | None
+                          ) -> tuple[list[PPOBatch], torch.Tensor | None]:
     """This DP rank's rows of a forward-only pass (log-probs, values) as micro-batches: `micro` rows each, or under a
-    token `budget` (then also the row order, see `_token_budget_microbatches`). `rows`: the step's row assignment
-    (engine/workers/row_shards.py), else the rank's contiguous share."""
-    mine = batch.select(worker.dp_rows(batch.size) if rows is None else rows)
+    token `budget` (then also the row order, see `_token_budget_microbatches`): every row of a sharded batch (it
+    holds this rank's rows only: engine/workers/row_shards.py), else the rank's contiguous share."""
+    mine = batch if batch.shard is not None else batch.select(worker.dp_rows(batch.size))
     if budget:
         return _token_budget_microbatches(worker, mine, budget)
     return _microbatches(mine, micro), None
@@ -89,13 +90,13 @@ def _in_row_order(per_row: torch.Tensor | None, order: torch.Tensor | None) -> t
     return out
 
 
-def _mini_batch_rows(batch: PPOBatch, mini_rows: int, shuffle: bool, epoch: int) -> list:
+def _mini_batch_rows(batch: PPOBatch | RowLengths, mini_rows: int, shuffle: bool, epoch: int) -> list:
     """Row sets of the mini-batches of one PPO epoch; with `shuffle`, a permutation every rank derives alike
     (seeded by the batch's prompt ids and the epoch, so a resumed run shuffles the same way)."""
     slices = split_rows(batch.size, batch.size // mini_rows)
     if not shuffle:
         return slices
-    seed = int(batch["index"].sum()) * 1009 + epoch
+    seed = int(batch.index.sum() if isinstance(batch, RowLengths) else batch["index"].sum()) * 1009 + epoch
     order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(seed))
     return [order[s] for s in slices]
 
@@ -105,14 +106,16 @@ def run_ppo_epochs(worker: MegatronWorker, batch: PPOBatch, cfg, n_samples: int,
                    stop: Callable[[dict[str, float]], bool] | None = None) -> tuple[dict[str, float], bool, int]:
     """The PPO update loop of the actor and the critic: `cfg.ppo_epochs` epochs over mini-batches of
     `cfg.ppo_mini_batch_size * n_samples` rows (verl semantics), `update_mini_batch` (forward + backward) then one
-    optimizer step per mini-batch; `stop(metrics)` true after a mini-batch ends the update early.
-    Returns (metrics averaged over the optimizer steps with `{prefix}/grad_norm` and `{prefix}/lr`, stopped early,
-    number of optimizer steps)."""
+    optimizer step per mini-batch; `stop(metrics)` true after a mini-batch ends the update early. A sharded batch
+    (engine/workers/row_shards.py) walks the whole step's mini-batches by every row's lengths, each as the rows of it
+    this rank holds (`_sharded_mini_batch`). Returns (metrics averaged over the optimizer steps with
+    `{prefix}/grad_norm` and `{prefix}/lr`, stopped early, number of optimizer steps)."""
     mini_rows = cfg.ppo_mini_batch_size * n_samples
     per_step, grad_norms = [], []
     for epoch in range(cfg.ppo_epochs):
-        for rows in _mini_batch_rows(batch, mini_rows, cfg.shuffle, epoch):
-            metrics = update_mini_batch(batch.select(rows))
+        for rows in _mini_batch_rows(batch if batch.shard is None else batch.shard.lengths, mini_rows, cfg.shuffle,
+                                     epoch):
+            metrics = update_mini_batch(batch.select(rows) if batch.shard is None else _sharded_mini_batch(batch, rows))
             grad_norms.append(worker.step())
             per_step.append(metrics)
             if stop is not None and stop(metrics):
@@ -128,40 +131,63 @@ def _epoch_metrics(worker: MegatronWorker, per_step: list[dict[str, float]], gra
     return out
 
 
+def _sharded_mini_batch(batch: PPOBatch, rows) -> PPOBatch:
+    """Mini-batch `rows` (global row ids, or a slice of them) of a sharded batch: the rows of it this batch holds, in
+    mini-batch order, with a shard whose `lengths` are the whole mini-batch's and whose `rows` are the held rows'
+    positions in it."""
+    every = batch.shard.lengths
+    ids = list(range(every.size))[rows] if isinstance(rows, slice) else [int(g) for g in rows]
+    held = [k for k, g in enumerate(ids) if g in batch.shard]
+    mini = batch.select(batch.shard.local([ids[k] for k in held]))
+    mini.shard = BatchShard(held, every.select(ids))
+    return mini
+
+
 def _split_mini_batch(worker: MegatronWorker, mini: PPOBatch, cfg):
     """(this rank's micro-batches, global loss normaliser, global token count, loss scale) of a mini-batch.
 
     With use_dynamic_bsz the DP ranks get equal row counts (whole prompt groups where packing shares prompts) of
     balanced token sums and cut them under the token budget,
     so ranks may run different numbers of micro-batches: the loss scale uses this rank's count (megatron divides by
-    it), and the normaliser is the whole mini-batch's, so the gradient is the same whatever the split."""
-    mask = mini["response_mask"]
-    mine = mini.select(_dp_choice(worker, mini, cfg))
+    it), and the normaliser is the whole mini-batch's, so the gradient is the same whatever the split. A sharded
+    mini-batch (`_sharded_mini_batch`) takes them from its rows' lengths: its mask's sums (nothing is masked out on
+    that path)."""
+    if mini.shard is None:
+        mask = mini["response_mask"]
+        mine = mini.select(_dp_choice(worker, mini, cfg))
+        norm, tokens = agg_norm(mask, cfg.loss_agg_mode), mask.sum().clamp(min=1)
+    else:
+        mine = mini.select(mini.shard.local(_dp_choice(worker, mini.shard.lengths, cfg)))
+        counted, dev = mini.shard.lengths.response_lens, mini["response_mask"].device
+        norm = (counted.sum() if cfg.loss_agg_mode == "token-mean" else (counted > 0).sum()).to(dev, torch.float32)
+        tokens = counted.sum().to(dev, torch.float32).clamp(min=1)
     if cfg.use_dynamic_bsz:
         micro, _ = _token_budget_microbatches(worker, mine, cfg.ppo_max_token_len_per_gpu)
     else:
         micro = _microbatches(mine, cfg.ppo_micro_batch_size_per_gpu or mine.size)
-    return micro, agg_norm(mask, cfg.loss_agg_mode), mask.sum().clamp(min=1), len(micro) * worker.layout.dp
+    return micro, norm, tokens, len(micro) * worker.layout.dp
 
 
-def _dp_choice(worker: MegatronWorker, mini: PPOBatch, cfg) -> list[int]:
+def _dp_choice(worker: MegatronWorker, mini: PPOBatch | RowLengths, cfg) -> list[int]:
     """The rows of mini-batch `mini` (its own indices) this DP rank updates: with use_dynamic_bsz equal row counts
-    (whole prompt groups where packing shares prompts) of balanced token sums, else its contiguous share."""
+    (whole prompt groups where packing shares prompts) of balanced token sums, else its contiguous share. Reads the
+    rows' lengths only."""
     lay = worker.layout
     if not cfg.use_dynamic_bsz:
         return list(range(mini.size))[worker.dp_rows(mini.size)]
     units, costs = _budget_units(worker, mini)
     if len(units) % lay.dp or len({len(u) for u in units}) > 1:  # a prompt's rows would straddle DP ranks
-        units, costs = [[i] for i in range(mini.size)], mini["attention_mask"].sum(-1).tolist()
+        units, costs = [[i] for i in range(mini.size)], RowLengths.of(mini).seq_lens.tolist()
     return sorted(i for u in balanced_partition(costs, lay.dp)[lay.dp_rank] for i in units[u])
 
 
-def update_rows(worker: MegatronWorker, batch: PPOBatch, cfg, n_samples: int) -> list[int] | None:
+def update_rows(worker: MegatronWorker, batch: PPOBatch | RowLengths, cfg, n_samples: int) -> list[int] | None:
     """Every row (global index, ascending) this DP rank updates over the step's mini-batches, when that set is the
-    same in every epoch (no shuffle, or one epoch); else None. A function of the batch's lengths and prompt ids
-    only, so every rank derives every rank's set alike."""
+    same in every epoch (no shuffle, or one epoch); else None. A function of the rows' lengths and prompt ids
+    only (`RowLengths`), so every rank derives every rank's set alike, before any row has reached it."""
     if cfg.shuffle and cfg.ppo_epochs > 1:
         return None
+    batch = RowLengths.of(batch)
     out: list[int] = []
     for rows in _mini_batch_rows(batch, cfg.ppo_mini_batch_size * n_samples, cfg.shuffle, 0):
         ids = list(range(batch.size))[rows] if isinstance(rows, slice) else rows.tolist()
@@ -186,13 +212,12 @@ class PolicyWorker(MegatronWorker):
     """Actor (trainable) or reference (frozen): log-probs of response tokens, and the PPO actor update."""
 
     def compute_log_probs(self, batch: PPOBatch, micro: int, temperature: float, with_entropy: bool = False,
-                          token_budget: int | None = None, rows: list[int] | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (and entropies) of every response token, on every rank; micro-batches of `micro` rows, or of at
-        most `token_budget` tokens (log_prob_use_dynamic_bsz). With `rows` (this DP rank's rows of the step,
-        engine/workers/row_shards.py) only those rows, left in place in an [N, R] tensor that is NaN elsewhere."""
+                          token_budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropies) of every response token of `batch`, on every rank of the layout; micro-batches of
+        `micro` rows, or of at most `token_budget` tokens (log_prob_use_dynamic_bsz). A sharded batch's rows (this DP
+        rank's, engine/workers/row_shards.py) stay on this DP rank; a whole batch's are gathered over DP."""
         n, r = batch.size, batch["responses"].shape[1]
-        mbs, order = _forward_microbatches(self, batch, micro, token_budget, rows)
+        mbs, order = _forward_microbatches(self, batch, micro, token_budget)
 
         def loss_fn(output, mb):
             logp, ent = self.token_logprobs(output, mb, temperature, with_entropy)
@@ -204,9 +229,10 @@ class PolicyWorker(MegatronWorker):
         outs = self.run(mbs, loss_fn, forward_only=True)
         logp = _in_row_order(torch.cat([o["logp"] for o in outs]) if outs else None, order)
         ent = _in_row_order(torch.cat([o["entropy"] for o in outs]) if outs and with_entropy else None, order)
-        logp = self.gather_rows(logp, (r,), n) if rows is None else self.rows_in_place(logp, (r,), rows, n)
+        sharded = batch.shard is not None
+        logp = self.rows_of_stages(logp, (r,), n) if sharded else self.gather_rows(logp, (r,), n)
         if with_entropy:
-            ent = self.gather_rows(ent, (r,), n) if rows is None else self.rows_in_place(ent, (r,), rows, n)
+            ent = self.rows_of_stages(ent, (r,), n) if sharded else self.gather_rows(ent, (r,), n)
         return logp, ent
 
     def update(self, batch: PPOBatch, cfg, temperature: float, n_samples: int) -> dict[str, float]:
@@ -223,7 +249,7 @@ class PolicyWorker(MegatronWorker):
                                                "actor", None if cfg.target_kl is None else stop)
         if stopped and dist.get_rank() == 0:
             print(f"actor: PPO epochs stopped early after {updates} of {cfg.ppo_epochs} x "
-                  f"{batch.size // (cfg.ppo_mini_batch_size * n_samples)} optimizer steps: "
+                  f"{batch.lengths.size // (cfg.ppo_mini_batch_size * n_samples)} optimizer steps: "
                   f"actor/ppo_kl={last['actor/ppo_kl']:.4g} > actor.target_kl={cfg.target_kl}", flush=True)
         out["actor/early_stopped"] = float(stopped)
         out["actor/num_updates"] = float(updates)
@@ -267,11 +293,10 @@ class PolicyWorker(MegatronWorker):
 class CriticWorker(MegatronWorker):
     """Value model: values of response positions, and the clipped value-loss update."""
 
-    def compute_values(self, batch: PPOBatch, micro: int, token_budget: int | None = None,
-                       rows: list[int] | None = None) -> torch.Tensor:
-        """Values of every response position, on every rank (or only `rows`); as `PolicyWorker.compute_log_probs`."""
+    def compute_values(self, batch: PPOBatch, micro: int, token_budget: int | None = None) -> torch.Tensor:
+        """Values of every response position of `batch`; as `PolicyWorker.compute_log_probs`."""
         n, r = batch.size, batch["responses"].shape[1]
-        mbs, order = _forward_microbatches(self, batch, micro, token_budget, rows)
+        mbs, order = _forward_microbatches(self, batch, micro, token_budget)
 
         def loss_fn(output, mb):
             v = self.token_values(output, mb)
@@ -279,7 +304,7 @@ class CriticWorker(MegatronWorker):
 
         outs = self.run(mbs, loss_fn, forward_only=True)
         values = _in_row_order(torch.cat([o["values"] for o in outs]) if outs else None, order)
-        return self.gather_rows(values, (r,), n) if rows is None else self.rows_in_place(values, (r,), rows, n)
+        return self.rows_of_stages(values, (r,), n) if batch.shard is not None else self.gather_rows(values, (r,), n)
 
     def update(self, batch: PPOBatch, cfg, n_samples: int) -> dict[str, float]:
         """The clipped value-loss update over the PPO epochs and mini-batches (`run_ppo_epochs`)."""

@@ -1,32 +1,47 @@
-"""The step's rows kept on the DP rank that updates them (issue 17 item 5): the assignment and the batch statistics.
+"""The step's batch sharded by DP rank (issue 17 item 5): which rows each rank holds, and the whole-batch statistics.
 
-One assignment per step (`ppo_workers.update_rows`: every row a DP rank's update gives it, over all mini-batches) is
-used by the forward passes too, so the old / reference log-probs and the values never leave the DP rank that
-computed them: the batch holds them in place and NaN in the other ranks' rows. What reads the whole batch then
-reduces over the actor's DP group (one rank per shard): GAE's advantage whitening, the KL-in-reward mean, rollout
-correction's mismatch metrics and `batch_metrics`. `plan_row_shards` returns None (the all-gather path, every row everywhere) where the assignment
-is not fixed over the step (shuffled mini-batches over several epochs), where actor, critic and reference split
-the rows differently on a rank, or where the caller says the step reads other ranks' rows (an active rollout
-correction: IS weights or rejection; KL-in-reward ahead of a group estimator).
+One assignment per step (`ppo_workers.update_rows`: every row a DP rank's update gives it, over all mini-batches),
+computed from every row's lengths and prompt id (`RowLengths`) before any row moves, so the rollout exchange
+(engine/rollout/exchange.py) delivers each rank only its rows and its `PPOBatch` holds only them (`PPOBatch.shard`:
+their global ids and every row's lengths). The old / reference log-probs and the values are computed on those rows
+and stay there. What reads the whole batch reduces over the actor's DP group (one rank per shard): GAE's advantage
+whitening, the KL-in-reward mean, rollout correction's mismatch metrics and `batch_metrics` (`RowShards`); GRPO's and
+RLOO's group advantages are per-row functions of the scores, which every rank holds (`outcome_advantages`).
+
+`plan_row_shards` returns None (the whole batch on every rank) where the assignment is not fixed over the step
+(shuffled mini-batches over several epochs), where actor, critic and reference split the rows differently on a rank,
+where the step reads other ranks' rows (an active rollout correction: IS weights or rejection; KL-in-reward ahead of
+a group estimator; an estimator that whitens over the batch other than GAE: reinforce_plus_plus(_baseline)), or at DP1.
+The trainer also keeps the whole batch with dynamic sampling (the kept rows are known only after scoring) and with a
+reward model (it scores every row on every rank).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from tripod.engine.algorithms import compute_advantage
 from tripod.engine.algorithms.masked import WHITEN_EPS
-from tripod.engine.workers.batch import PPOBatch
+from tripod.engine.workers.batch import BatchShard, PPOBatch, RowLengths, build_ppo_batch
 from tripod.engine.workers.megatron_worker import MegatronWorker
 from tripod.engine.workers.ppo_workers import update_rows
 
+# estimators whose advantages a sharded batch computes: GAE (whitening reduced over the ranks), and the group ones
+# that are a function of each row's score alone (`outcome_advantages`)
+SHARDED_ESTIMATORS = ("gae", "grpo", "rloo")
+
 
 class RowShards:
-    """This rank's `rows` of an `n`-row batch; statistics over every rank's rows by sums over `group`."""
+    """This rank's `rows` (global ids, ascending) of the step's rows (`lengths`: every row's); statistics of per-row
+    tensors that hold only those rows, over every rank's rows, by sums over `group` (the actor's DP group)."""
 
-    def __init__(self, rows: list[int], n: int, group, dp: int, device: torch.device) -> None:
-        self.rows, self.n, self.group, self.dp = rows, n, group, dp
-        self.owned = torch.zeros(n, dtype=torch.bool, device=device)
-        self.owned[torch.tensor(rows, dtype=torch.long, device=device)] = True
+    def __init__(self, rows: list[int], lengths: RowLengths, group, dp: int) -> None:
+        self.rows, self.lengths, self.group, self.dp = rows, lengths, group, dp
+        self.n = lengths.size
+
+    @property
+    def batch_shard(self) -> BatchShard:
+        return BatchShard(self.rows, self.lengths)
 
     def _sums(self, *parts: torch.Tensor) -> torch.Tensor:
         t = torch.stack([p.to(torch.float64) for p in parts])
@@ -34,31 +49,28 @@ class RowShards:
             dist.all_reduce(t, group=self.group)
         return t
 
-    def _mask(self, mask: torch.Tensor) -> torch.Tensor:
-        return mask.bool() & self.owned.view(-1, *([1] * (mask.dim() - 1)))
-
     def masked_mean(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """`masked.masked_mean` over every rank's rows (0 when nothing counts)."""
-        m = self._mask(mask)
+        m = mask.bool()
         total, count = self._sums(torch.where(m, x, 0).sum(), m.sum())
         return (total / count.clamp(min=1)).to(x.dtype)
 
     def masked_max(self, x: torch.Tensor, mask: torch.Tensor) -> float:
         """Largest x over every rank's counted tokens (0.0 when nothing counts)."""
-        m = self._mask(mask)
-        t = torch.where(m, x, float("-inf")).max().to(torch.float64).reshape(1)
+        t = torch.where(mask.bool(), x, float("-inf")).max().to(torch.float64).reshape(1) if x.numel() else \
+            torch.full((1,), float("-inf"), dtype=torch.float64, device=x.device)
         if self.dp > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return float(t) if torch.isfinite(t).all() else 0.0
 
     def row_mean(self, x: torch.Tensor) -> torch.Tensor:
-        """Mean of a per-row [N] tensor over every rank's rows."""
-        total, count = self._sums(torch.where(self.owned, x, 0).sum(), self.owned.sum())
+        """Mean of a per-row [rows] tensor over every rank's rows."""
+        total, count = self._sums(x.sum(), torch.tensor(x.shape[0], device=x.device))
         return (total / count).to(x.dtype)
 
     def masked_whiten(self, x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
         """`masked.masked_whiten` with mean and unbiased variance over every rank's rows."""
-        m = self._mask(mask)
+        m = mask.bool()
         total, count = self._sums(torch.where(m, x, 0).sum(), m.sum())
         if count.item() < 2:
             raise ValueError(f"masked_whiten needs at least 2 tokens where mask is 1, got {int(count.item())}")
@@ -68,27 +80,60 @@ class RowShards:
         whitened = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
         return whitened if shift_mean else whitened + mean
 
+    def outcome_advantages(self, name: str, scores: list[float], mask: torch.Tensor, **options
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(advantages, returns) of this rank's rows (`mask`: their response mask) under a group estimator (grpo,
+        rloo) from every row's score: the estimator run on one token per row (the score where the row has a
+        response), whose per-row result is what the whole batch's broadcasts over each row's tokens."""
+        if name not in SHARDED_ESTIMATORS or name == "gae":
+            raise ValueError(f"outcome_advantages: {name!r} is not a group estimator a sharded batch computes")
+        has = (self.lengths.response_lens > 0).to(torch.float32)[:, None]
+        rewards = torch.tensor(scores, dtype=torch.float32)[:, None] * has
+        adv, ret = compute_advantage(name, rewards, has, index=self.lengths.index, **options)
+        pick = torch.tensor(self.rows, dtype=torch.long)
+        return ((adv[pick].to(mask.device) * mask).to(adv.dtype), (ret[pick].to(mask.device) * mask).to(ret.dtype))
 
-def plan_row_shards(batch: PPOBatch, algo, bypass: bool, n_samples: int, actor: MegatronWorker, actor_cfg,
+
+def plan_row_shards(lengths: RowLengths, algo, bypass: bool, n_samples: int, actor: MegatronWorker, actor_cfg,
                     critic: MegatronWorker | None, critic_cfg, ref: MegatronWorker | None) -> RowShards | None:
-    """The step's `RowShards`, or None where some rank cannot keep its rows (decided alike on every rank). Rows stay
-    apart only where nothing reads other DP ranks' model outputs: no active rollout correction (its IS weights and
-    rejection are not reduced over ranks; `bypass` needs none), the KL-in-reward penalty (per token) only ahead of
-    GAE, whose whitening reduces over the ranks, and a critic only with GAE."""
+    """The step's `RowShards` from every row's `lengths`, or None where some rank cannot keep its rows (decided alike
+    on every rank: one all_reduce over the world). Rows stay apart only where nothing reads other DP ranks' rows: no
+    active rollout correction (its IS weights and rejection are not reduced over ranks; `bypass` needs none), the
+    KL-in-reward penalty (per token) only ahead of GAE, whose whitening reduces over the ranks, a critic only with
+    GAE, and an estimator of SHARDED_ESTIMATORS."""
     gae = algo.adv_estimator == "gae"
     allowed = ((bypass or not algo.rollout_correction.active) and (gae or not algo.use_kl_in_reward)
-               and (gae or critic is None))
+               and (gae or critic is None) and algo.adv_estimator in SHARDED_ESTIMATORS)
     lay = actor.layout
     if lay.dp == 1:  # one DP rank holds every row: nothing to keep apart (and the one-rank path stays as it was)
         return None
-    rows = update_rows(actor, batch, actor_cfg, n_samples) if allowed else None
+    rows = update_rows(actor, lengths, actor_cfg, n_samples) if allowed else None
     ok = rows is not None
     if ok and critic is not None:
         ok = (critic.layout.dp, critic.layout.dp_rank) == (lay.dp, lay.dp_rank) and \
-            update_rows(critic, batch, critic_cfg, n_samples) == rows
+            update_rows(critic, lengths, critic_cfg, n_samples) == rows
     if ok and ref is not None:
         ok = (ref.layout.dp, ref.layout.dp_rank) == (lay.dp, lay.dp_rank)
     flag = torch.tensor([int(ok)], device=actor.device)
     if dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return RowShards(rows, batch.size, lay.dp_group, lay.dp, actor.device) if int(flag) else None
+    return RowShards(rows, lengths, lay.dp_group, lay.dp) if int(flag) else None
+
+
+def step_batch(input_ids: list[list[int]], indices: list[int], n: int, responses: list, log_probs: list | None,
+               finish_reasons: list | None, rewards: list[float], response_length: int, pad_id: int,
+               shards: RowShards | None) -> tuple[PPOBatch, list[float]]:
+    """(the step's `PPOBatch`, the sequence reward of each of its rows) from the prompts (n rows each) and their
+    rollout: every row, or with `shards` this rank's rows only (laid out as wide as the whole batch, with
+    `PPOBatch.shard` set)."""
+    rows = shards.rows if shards is not None else range(len(responses))
+    pick = lambda xs: None if xs is None else [xs[g] for g in rows]  # noqa: E731
+    prompts = [input_ids[g // n] for g in rows]
+    width = None
+    if shards is not None:
+        every = shards.lengths
+        width = int((every.prompt_lens + every.response_lens.clamp(min=1)).max())
+    batch = build_ppo_batch(prompts, pick(responses), response_length, pad_id, [indices[g // n] for g in rows],
+                            pick(log_probs), pick(finish_reasons), seq_len=width)
+    batch.shard = shards.batch_shard if shards is not None else None
+    return batch, pick(rewards)
