@@ -113,7 +113,7 @@ def save_model_checkpoint(model: torch.nn.Module, path: str | os.PathLike, arch:
     Collective: every rank of the world calls it (the layout must span the world). An existing
     checkpoint at `path` is replaced.
     """
-    from megatron.core import dist_checkpointing
+    from tripod.parallel.megatron_patches.checkpoint_save import save_synchronously
 
     _check_world_layout(layout, "save_model_checkpoint")
     check_checkpoint_destination(path)  # every rank, on the same untouched directory
@@ -129,7 +129,7 @@ def save_model_checkpoint(model: torch.nn.Module, path: str | os.PathLike, arch:
         os.makedirs(model_dir)
     dist.barrier()
     with layout.activate():
-        dist_checkpointing.save(sharded_model_state(model), model_dir)
+        save_synchronously(sharded_model_state(model), model_dir)
     dist.barrier()
     if dist.get_rank() == 0:
         dtype = next(gpt.parameters()).dtype

@@ -50,13 +50,12 @@ _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def _save_optimizer(worker, path: str) -> None:
-    from megatron.core import dist_checkpointing
-
     from tripod.parallel.checkpoint import sharded_model_state
+    from tripod.parallel.megatron_patches.checkpoint_save import save_synchronously
 
     with worker.layout.activate():
         model_sd = sharded_model_state(worker.chunks)
-        dist_checkpointing.save(worker.optimizer.sharded_state_dict(model_sd, metadata=_OPTIM_METADATA), path)
+        save_synchronously(worker.optimizer.sharded_state_dict(model_sd, metadata=_OPTIM_METADATA), path)
 
 
 def _ensure_optimizer_state(worker) -> None:
