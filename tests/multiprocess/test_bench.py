@@ -154,15 +154,17 @@ def test_on_policy_update_skips_the_recompute_with_the_same_gradient(tmp_path):
 
 
 @pytest.mark.peers
-def test_trl_baseline_runs_and_counts_its_real_completions(tmp_path):
+@pytest.mark.parametrize("mini_batch", [2, 1])
+def test_trl_baseline_runs_and_counts_its_real_completions(tmp_path, mini_batch):
     """The TRL peer end to end on a tiny model (creates .venv-trl on first use, ~3 min): its records count the tokens
-    of TRL's own completions and say how many samples had a non-zero advantage."""
+    of TRL's own completions and say how many samples had a non-zero advantage. With 2 mini-batches (mini_batch 1)
+    TRL takes 2 optimizer steps per generation batch (steps_per_generation) and they make one record."""
     setup = make_ppo_setup(tmp_path)
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "tripod", "bench", "recipes/bench/smollm2-135m-grpo.yaml",
            f"actor_rollout_ref.model.path={setup['model']}", f"data.train_files={setup['train']}",
            "data.max_prompt_length=64", "data.max_response_length=6", "data.train_batch_size=2",
-           "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=2",
+           f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch}", "actor_rollout_ref.rollout.n=2",
            "--steps", "1", "--warmup", "0", "--out", str(out), "--baseline", "trl"]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=1500)

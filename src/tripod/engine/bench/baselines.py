@@ -25,8 +25,8 @@ TRL_VERSION = "1.16.0"
 BASELINES = {"trl": "TRL GRPOTrainer", "hf": "plain transformers GRPO loop (full logits)"}
 
 MATCHED = ["model weights and tokenizer", "prompts of every step (same rows, same order, same chat template)",
-           "prompts per step", "samples per prompt", "max new tokens", "epochs over the batch", "one optimizer step "
-           "per batch", "learning rate, Adam betas/eps, weight decay, grad clip", "sampling temperature and top-p "
+           "prompts per step", "samples per prompt", "max new tokens", "epochs over the batch", "optimizer steps "
+           "per batch (one per mini-batch)", "learning rate, Adam betas/eps, weight decay, grad clip", "sampling temperature and top-p "
            "(top-k off)", "GRPO advantage (group mean, std scaling as the recipe)", "no reference model / KL",
            "token-mean loss", "fp32 on CPU", "reward rule (tripod's engine.rewards)"]
 NOT_MATCHED = {
@@ -34,7 +34,9 @@ NOT_MATCHED = {
             "throughput uses each one's own tokens)", "generation engine (TRL: transformers generate with full "
             "logits; tripod: its embedded KV-cache engine)", "parallel layout (TRL: 1 process with all the cores "
             "as threads; tripod: the recipe's ranks x trainer.threads_per_rank, the same cores in all)", "TRL-only extras (its internal "
-            "metrics, accelerate wrapping) are inside its step time; its log printing is off"],
+            "metrics, accelerate wrapping) are inside its step time; its log printing is off", "with several "
+            "mini-batches: TRL shuffles the generation batch's rows before splitting it (steps_per_generation), "
+            "tripod splits it by prompt groups"],
     "hf": ["random samples (own draws)", "generation with transformers generate", "1 process with all cores"],
 }
 
@@ -75,7 +77,7 @@ def work_spec(cfg, steps: int, warmup: int) -> dict:
     a, r = arc.actor, arc.rollout
     return {"repo": REPO, "model": arc.model.path, "prompts": prompts, "prompt_token_counts": counts,
             "prompts_per_step": d.train_batch_size, "n": r.n, "max_new_tokens": r.response_length,
-            "epochs": a.ppo_epochs, "temperature": r.temperature, "top_p": r.top_p, "clip_ratio": a.clip_ratio,
+            "epochs": a.ppo_epochs, "mini_batches": d.train_batch_size // a.ppo_mini_batch_size, "temperature": r.temperature, "top_p": r.top_p, "clip_ratio": a.clip_ratio,
             "norm_adv_by_std": cfg.algorithm.norm_adv_by_std_in_grpo, "seed": cfg.trainer.seed, "warmup": warmup,
             "threads": cores_available(),
             "optim": {"lr": a.optim.lr, "weight_decay": a.optim.weight_decay, "betas": list(a.optim.betas),
@@ -88,9 +90,10 @@ def check_matchable(cfg) -> None:
     if algo.adv_estimator != "grpo" or algo.use_kl_in_reward or a.use_kl_loss or a.loss_agg_mode != "token-mean":
         raise ValueError("--baseline needs a GRPO recipe without KL (algorithm.adv_estimator=grpo, "
                          "use_kl_in_reward=false, actor.use_kl_loss=false, loss_agg_mode=token-mean)")
-    if a.ppo_mini_batch_size != cfg.data.train_batch_size:
-        raise ValueError("--baseline needs one mini-batch per step (actor.ppo_mini_batch_size == "
-                         "data.train_batch_size), as TRL takes one optimizer step per generation batch here")
+    if cfg.data.train_batch_size % a.ppo_mini_batch_size:
+        raise ValueError("--baseline needs whole mini-batches (data.train_batch_size a multiple of "
+                         "actor.ppo_mini_batch_size): TRL takes one optimizer step per mini-batch of a generation "
+                         "batch (steps_per_generation)")
 
 
 def trl_python() -> str:

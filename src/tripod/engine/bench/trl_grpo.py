@@ -72,14 +72,19 @@ def main(spec_path: str, raw_path: str) -> None:
 
     records: list[dict] = []
     n, prompts_per_step = spec["n"], spec["prompts_per_step"]
+    minis = spec.get("mini_batches", 1)  # optimizer steps per generation batch: one record per generation batch
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
+            if state.global_step % minis:
+                return
             stage.clear()
             generated.clear()
             self.tokens0, self.t0 = state.num_input_tokens_seen, time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
+            if state.global_step % minis:  # global_step counts the optimizer step just taken
+                return
             wall = time.perf_counter() - self.t0
             total = int(state.num_input_tokens_seen - self.tokens0)
             i = len(records)
@@ -111,12 +116,13 @@ def main(spec_path: str, raw_path: str) -> None:
     o = spec["optim"]
     args = GRPOConfig(
         output_dir=os.path.join(os.path.dirname(raw_path), "trl_out"), use_cpu=True, bf16=False, fp16=False,
-        per_device_train_batch_size=prompts_per_step * n, gradient_accumulation_steps=1, num_generations=n,
+        per_device_train_batch_size=prompts_per_step * n // minis, gradient_accumulation_steps=1,
+        steps_per_generation=minis, num_generations=n,
         max_completion_length=spec["max_new_tokens"], num_iterations=spec["epochs"], learning_rate=o["lr"],
         weight_decay=o["weight_decay"], adam_beta1=o["betas"][0], adam_beta2=o["betas"][1], adam_epsilon=o["eps"],
         max_grad_norm=o["grad_clip"], lr_scheduler_type="constant", warmup_steps=0, beta=0.0,
         epsilon=spec["clip_ratio"], temperature=spec["temperature"], top_p=spec["top_p"], top_k=0,
-        scale_rewards="group" if spec["norm_adv_by_std"] else "none", loss_type="dapo", max_steps=steps,
+        scale_rewards="group" if spec["norm_adv_by_std"] else "none", loss_type="dapo", max_steps=steps * minis,
         # no log dicts or progress bars between the bench's lines (the records above are what is measured)
         shuffle_dataset=False, seed=spec["seed"], logging_strategy="no", disable_tqdm=True, report_to="none",
         save_strategy="no",

@@ -2,9 +2,13 @@
 
 Every rank of the rollout TP group runs `generate` together. Prompts are left-padded into one batch and
 prefilled in one forward pass (each prompt once: its KV cache rows and last logits are then copied to its n
-samples), then decoded one token per step; finished rows (stop token or max_new_tokens) are dropped from the
-batch and the loop ends when none is left. Sampling runs on every rank with the same seeded generator and rank
-0's tokens are broadcast, so the TP ranks always agree. Works in fp32 on CPU (tests, demo) and in bf16 on GPU.
+samples), then decoded one token per step. A finished row (stop token or max_new_tokens) is no longer sampled;
+its cache row is dropped from the batch once at most half of the rows are live (until then it rides along: a CPU
+decode step streams all the weights whatever its row count, and every compaction copies the whole cache); the loop
+ends when no row is live. The draws are those of dropping each finished row at once (one per live row and step,
+in the same order), up to the float rounding of other batch sizes. Sampling runs on every rank with the same
+seeded generator and rank 0's tokens are broadcast, so the TP ranks always agree. Works in fp32 on CPU (tests,
+demo) and in bf16 on GPU.
 """
 from __future__ import annotations
 
@@ -201,35 +205,40 @@ class EmbeddedRolloutEngine(RolloutEngine):
         positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
         samples = torch.arange(len(prompts), device=self.device).repeat_interleave(params.n)
         next_position = prompt_mask.sum(-1)[samples]
-        rows = torch.arange(total)  # original row of each live batch entry
+        rows = torch.arange(total)  # original row of each batch entry
+        active = torch.arange(total)  # batch entries still generating (the others ride along until compaction)
         try:
             logits = self.decoder.forward(ids, positions, cache)
             if params.n > 1:
                 cache.keep_rows(samples)
                 logits = logits[samples]
             self.last_kv_cache_bytes = sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
+            feed = torch.empty(total, dtype=torch.long, device=self.device)  # each batch entry's next input token
             for step in range(params.max_new_tokens):
-                tokens, logp = sample_next_token(logits, params, generator)
+                batch_size = feed.shape[0]
+                on = active.to(self.device)
+                tokens, logp = sample_next_token(logits if len(active) == batch_size else logits[on], params, generator)
                 tokens, logp = tokens.contiguous(), logp.float().contiguous()
                 self._broadcast_from_first_rank(tokens, logp)
-                out_ids[rows, step] = tokens.cpu()
-                out_logp[rows, step] = logp.cpu()
-                lengths[rows] += 1
-                stopped = torch.isin(tokens, stop_ids)
-                for r in rows[stopped.cpu()].tolist():
+                mine = rows[active]
+                out_ids[mine, step] = tokens.cpu()
+                out_logp[mine, step] = logp.cpu()
+                lengths[mine] += 1
+                stopped = torch.isin(tokens, stop_ids).cpu()
+                for r in mine[stopped].tolist():
                     finish[r] = FINISH_STOP
-                if step + 1 == params.max_new_tokens:
+                if step + 1 == params.max_new_tokens or bool(stopped.all()):
                     break
-                live = ~stopped
-                if not live.any():
-                    break
-                if not live.all():
-                    keep = live.nonzero().squeeze(-1)
+                feed[on] = tokens  # a finished entry keeps its last token: its outputs are never read again
+                active = active[~stopped]
+                if 2 * len(active) <= batch_size:  # copy the cache rows only when at most half are still live
+                    keep = active.to(self.device)
                     cache.keep_rows(keep)
-                    rows, tokens, next_position = rows[keep.cpu()], tokens[keep], next_position[keep]
+                    rows, feed, next_position = rows[active], feed[keep], next_position[keep]
+                    active = torch.arange(len(active))
                 cache.valid[:, cache.length] = True
                 with _torch_threads(self.decode_threads):
-                    logits = self.decoder.forward(tokens[:, None], next_position[:, None], cache)
+                    logits = self.decoder.forward(feed[:, None], next_position[:, None], cache)
                 next_position = next_position + 1
         finally:
             self.kv_cache = None

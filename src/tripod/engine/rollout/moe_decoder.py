@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tripod.engine.rollout.tp_decoder import KVCache, TPDecoder, rms_norm
+from tripod.engine.rollout.tp_decoder import KVCache, TPDecoder, linear, rms_norm
 from tripod.parallel.arch import ModelArch
 from tripod.parallel.moe_arch import MoEArch
 
@@ -82,7 +82,7 @@ class MoEDecoder(TPDecoder):
     # ---- layers ---------------------------------------------------------------------------------
     def _down(self, x: torch.Tensor, name: str, full: int) -> torch.Tensor:
         """A down projection whose output rows may be split over TP: gather the full output."""
-        y = F.linear(x, self.weights[name])
+        y = linear(x, self.weights[name])
         return y if y.shape[-1] == full else self.all_gather_last_dim(y)
 
     def attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
@@ -96,9 +96,9 @@ class MoEDecoder(TPDecoder):
         if m.q_lora_rank:
             q_lat = rms_norm(self._down(x, p + "linear_q_down_proj.weight", m.q_lora_rank),
                              w[p + "q_layernorm.weight"], eps)
-            q = F.linear(q_lat, w[p + "linear_q_up_proj.weight"])
+            q = linear(q_lat, w[p + "linear_q_up_proj.weight"])
         else:
-            q = F.linear(x, w[p + "linear_q_proj.weight"])
+            q = linear(x, w[p + "linear_q_proj.weight"])
         q_nope, q_rot = q.view(N, S, heads, nope + rope).transpose(1, 2).split([nope, rope], dim=-1)
         latent, k_rot = self._down(x, p + "linear_kv_down_proj.weight", m.kv_lora_rank + rope).split(
             [m.kv_lora_rank, rope], dim=-1)
@@ -107,13 +107,13 @@ class MoEDecoder(TPDecoder):
         start, end = cache.length, cache.length + S
         cache.keys[i][:, 0, start:end] = rms_norm(latent, w[p + "kv_layernorm.weight"], eps)
         cache.values[i][:, 0, start:end] = rope_interleaved(k_rot[:, None], cos, sin)[:, 0]
-        kv = F.linear(cache.keys[i][:, 0, :end], w[p + "linear_kv_up_proj.weight"])
+        kv = linear(cache.keys[i][:, 0, :end], w[p + "linear_kv_up_proj.weight"])
         k_nope, v = kv.view(N, end, heads, nope + vd).transpose(1, 2).split([nope, vd], dim=-1)
         k = torch.cat([k_nope, cache.values[i][:, :, :end].expand(-1, heads, -1, -1)], dim=-1)
         out = F.scaled_dot_product_attention(torch.cat([q_nope, q_rot], dim=-1), k, v, attn_mask=mask,
                                              scale=self.softmax_scale)
         out = out.transpose(1, 2).reshape(N, S, heads * vd)
-        return self.all_reduce(F.linear(out, w[p + "linear_proj.weight"]))
+        return self.all_reduce(linear(out, w[p + "linear_proj.weight"]))
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         p = f"decoder.layers.{i}.mlp."
@@ -122,19 +122,19 @@ class MoEDecoder(TPDecoder):
             return super().mlp(i, x)
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        probs, routing_map = route(F.linear(tokens.float(), w[p + "router.weight"].float()), self.moe,
+        probs, routing_map = route(linear(tokens.float(), w[p + "router.weight"].float()), self.moe,
                                    w.get(p + "router.expert_bias"))
         out = torch.zeros_like(tokens)
         for e in routing_map.any(0).nonzero().flatten().tolist():
             rows = routing_map[:, e].nonzero().flatten()
             q = p + f"experts.local_experts.{e}."
-            gate, up = F.linear(tokens[rows], w[q + "linear_fc1.weight"]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, w[q + "linear_fc2.weight"])
+            gate, up = linear(tokens[rows], w[q + "linear_fc1.weight"]).chunk(2, dim=-1)
+            y = linear(F.silu(gate) * up, w[q + "linear_fc2.weight"])
             out.index_add_(0, rows, y * probs[rows, e, None].to(y.dtype))
         if p + "shared_experts.linear_fc1.weight" in w:
-            gate, up = F.linear(tokens, w[p + "shared_experts.linear_fc1.weight"]).chunk(2, dim=-1)
-            shared = F.linear(F.silu(gate) * up, w[p + "shared_experts.linear_fc2.weight"])
+            gate, up = linear(tokens, w[p + "shared_experts.linear_fc1.weight"]).chunk(2, dim=-1)
+            shared = linear(F.silu(gate) * up, w[p + "shared_experts.linear_fc2.weight"])
             if p + "shared_experts.gate_weight" in w:  # a scalar per token: scaling the TP partial sums is exact
-                shared = shared * torch.sigmoid(F.linear(tokens, w[p + "shared_experts.gate_weight"]))
+                shared = shared * torch.sigmoid(linear(tokens, w[p + "shared_experts.gate_weight"]))
             out = out + shared
         return self.all_reduce(out).view(shape)

@@ -21,7 +21,7 @@ asks for `processed_logprobs`: log_softmax of the logits vLLM samples from, i.e.
 top-p masking. Without top-k / top-p (PPO's usual setting) that is base.py's convention, log_softmax(logits / T);
 with them it is the truncated distribution's log-prob, base.py's value minus log(kept mass) (>= base.py's value).
 Greedy rows: T = 1, the model's own log-prob. Sampling: vLLM's CPU sampler is Gumbel-max with per-token SplitMix64
-noise seeded from the request's seed, the embedded engine draws with torch.multinomial: the same seed gives different
+noise seeded from the request's seed, the embedded engine draws by the inverse CDF (engine/rollout/sampling.py): the same seed gives different
 (equally distributed) samples in the two engines.
 
 Rollout TP > 1 runs vLLM's external launcher: every rank of the world runs its own engine, vLLM takes tripod's world
