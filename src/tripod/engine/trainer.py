@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from tripod.engine.algorithms import apply_kl_penalty, build_kl_controller, compute_advantage
 from tripod.engine.algorithms.dynamic_sampling import DynamicSampler
-from tripod.engine.algorithms.rollout_correction import correct_batch, mismatch_metrics
+from tripod.engine.algorithms.rollout_correction import correct_batch
 from tripod.engine.checkpoints import CheckpointManager
 from tripod.engine.checkpoints.manager import latest_complete
 from tripod.engine.config import TripodConfig, save_resolved_config
@@ -247,13 +247,8 @@ class PPOTrainer:
                     self.kl_ctrl.update(float(kl), n_steps=cfg.data.train_batch_size)
                 batch["token_rewards"] = token_rewards
                 if batch.recomputed_old_log_probs and not bypass and "rollout_log_probs" in batch.tensors:
-                    if shards is None:
-                        metrics.update(correct_batch(batch, algo.rollout_correction))  # may reject whole sequences
-                        mask = batch["response_mask"]
-                    else:  # the mismatch metrics only (row_shards: no IS weights, no rejection)
-                        metrics.update(mismatch_metrics(batch["old_log_probs"].float(),
-                                                        batch["rollout_log_probs"].float(), mask.float(),
-                                                        shards.masked_mean, shards.masked_max))
+                    metrics.update(correct_batch(batch, algo.rollout_correction, shards))  # may reject sequences
+                    mask = batch["response_mask"]
                 grpo = {"norm_by_std": algo.norm_adv_by_std_in_grpo} if algo.adv_estimator == "grpo" else {}
                 if shards is not None and algo.adv_estimator != "gae":  # a group's rows may sit on other ranks
                     adv, ret = shards.outcome_advantages(algo.adv_estimator, all_scores, mask, **grpo)

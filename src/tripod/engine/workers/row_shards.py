@@ -5,15 +5,16 @@ computed from every row's lengths and prompt id (`RowLengths`) before any row mo
 (engine/rollout/exchange.py) delivers each rank only its rows and its `PPOBatch` holds only them (`PPOBatch.shard`:
 their global ids and every row's lengths). The old / reference log-probs and the values are computed on those rows
 and stay there. What reads the whole batch reduces over the actor's DP group (one rank per shard): GAE's advantage
-whitening, the KL-in-reward mean, rollout correction's mismatch metrics and `batch_metrics` (`RowShards`); GRPO's and
-RLOO's group advantages are per-row functions of the scores, which every rank holds (`outcome_advantages`).
+whitening, the KL-in-reward mean, rollout correction's metrics and `batch_metrics` (`RowShards`); GRPO's and RLOO's
+group advantages are per-row functions of the scores, which every rank holds (`outcome_advantages`). Rollout
+correction's IS weights and rejection are per row; a rejection's new counted tokens are shared (`RowShards.recount`).
 
 `plan_row_shards` returns None (the whole batch on every rank) where the assignment is not fixed over the step
-(shuffled mini-batches over several epochs), where actor, critic and reference split the rows differently on a rank,
-where the step reads other ranks' rows (an active rollout correction: IS weights or rejection; KL-in-reward ahead of
-a group estimator; an estimator that whitens over the batch other than GAE: reinforce_plus_plus(_baseline)), or at DP1.
-The trainer also keeps the whole batch with dynamic sampling (the kept rows are known only after scoring) and with a
-reward model (it scores every row on every rank).
+(shuffled mini-batches over several epochs, or a rejection under a DP split that reads the counted tokens), where
+actor, critic and reference split the rows differently on a rank, where the step reads other ranks' rows
+(KL-in-reward ahead of a group estimator; an estimator that whitens over the batch other than GAE:
+reinforce_plus_plus(_baseline)), or at DP1. The trainer also keeps the whole batch with dynamic sampling (the kept
+rows are known only after scoring) and with a reward model (it scores every row on every rank).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from tripod.engine.algorithms import compute_advantage
 from tripod.engine.algorithms.masked import WHITEN_EPS
 from tripod.engine.workers.batch import BatchShard, PPOBatch, RowLengths, build_ppo_batch
 from tripod.engine.workers.megatron_worker import MegatronWorker
-from tripod.engine.workers.ppo_workers import update_rows
+from tripod.engine.workers.ppo_workers import assignment_reads_counted_tokens, update_rows
 
 # estimators whose advantages a sharded batch computes: GAE (whitening reduced over the ranks), and the group ones
 # that are a function of each row's score alone (`outcome_advantages`)
@@ -80,6 +81,20 @@ class RowShards:
         whitened = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
         return whitened if shift_mean else whitened + mean
 
+    def recount(self, response_mask: torch.Tensor) -> int:
+        """Every row's counted response tokens after this rank's rows' `response_mask` changed (rollout correction's
+        rejection zeroes rows): this rank's rows' sums, summed over the DP group (each row is on one rank of it; an
+        int a row), become `lengths.response_lens`, which the update's loss normalisers and token counts and the
+        group estimators read. Returns the count over every row."""
+        counted = torch.zeros(self.n, dtype=torch.int64, device=response_mask.device)
+        counted[torch.tensor(self.rows, dtype=torch.long, device=response_mask.device)] = \
+            response_mask.sum(-1).round().to(torch.int64)
+        if self.dp > 1:
+            dist.all_reduce(counted, group=self.group)
+        every = self.lengths
+        self.lengths = RowLengths(every.prompt_lens, counted.cpu(), every.seq_lens, every.index)
+        return int(self.lengths.response_lens.sum())
+
     def outcome_advantages(self, name: str, scores: list[float], mask: torch.Tensor, **options
                            ) -> tuple[torch.Tensor, torch.Tensor]:
         """(advantages, returns) of this rank's rows (`mask`: their response mask) under a group estimator (grpo,
@@ -97,13 +112,17 @@ class RowShards:
 def plan_row_shards(lengths: RowLengths, algo, bypass: bool, n_samples: int, actor: MegatronWorker, actor_cfg,
                     critic: MegatronWorker | None, critic_cfg, ref: MegatronWorker | None) -> RowShards | None:
     """The step's `RowShards` from every row's `lengths`, or None where some rank cannot keep its rows (decided alike
-    on every rank: one all_reduce over the world). Rows stay apart only where nothing reads other DP ranks' rows: no
-    active rollout correction (its IS weights and rejection are not reduced over ranks; `bypass` needs none), the
+    on every rank: one all_reduce over the world). Rows stay apart only where nothing reads other DP ranks' rows: the
     KL-in-reward penalty (per token) only ahead of GAE, whose whitening reduces over the ranks, a critic only with
-    GAE, and an estimator of SHARDED_ESTIMATORS."""
+    GAE, and an estimator of SHARDED_ESTIMATORS. Rollout correction's IS weights are per row; its rejection changes
+    rows' counted tokens after the rows have moved (`RowShards.recount` shares them), so it keeps the rows apart unless
+    an update's DP split reads those counts (`assignment_reads_counted_tokens`)."""
     gae = algo.adv_estimator == "gae"
-    allowed = ((bypass or not algo.rollout_correction.active) and (gae or not algo.use_kl_in_reward)
-               and (gae or critic is None) and algo.adv_estimator in SHARDED_ESTIMATORS)
+    rejects = not bypass and algo.rollout_correction.rollout_rs is not None
+    split_moves = rejects and any(assignment_reads_counted_tokens(w, c)
+                                  for w, c in ((actor, actor_cfg), (critic, critic_cfg)) if w is not None)
+    allowed = ((gae or not algo.use_kl_in_reward) and (gae or critic is None)
+               and algo.adv_estimator in SHARDED_ESTIMATORS and not split_moves)
     lay = actor.layout
     if lay.dp == 1:  # one DP rank holds every row: nothing to keep apart (and the one-rank path stays as it was)
         return None
