@@ -14,9 +14,13 @@ correction's IS weights and rejection are per row; a rejection's new counted tok
 actor, critic and reference split the rows differently on a rank, where the step reads other ranks' rows
 (KL-in-reward ahead of a group estimator; an estimator that whitens over the batch other than GAE:
 reinforce_plus_plus(_baseline)), or at DP1. The trainer also keeps the whole batch with dynamic sampling (the kept
-rows are known only after scoring) and with a reward model (it scores every row on every rank).
+rows are known only after scoring) and with a reward model (it scores every row on every rank). The trainer's glue:
+`StepRows` runs the plan inside the rollout exchange, `step_batch` builds the rows, `step_advantages` runs the
+estimator on either batch.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -26,6 +30,9 @@ from tripod.engine.algorithms.masked import WHITEN_EPS
 from tripod.engine.workers.batch import BatchShard, PPOBatch, RowLengths, build_ppo_batch
 from tripod.engine.workers.megatron_worker import MegatronWorker
 from tripod.engine.workers.ppo_workers import assignment_reads_counted_tokens, update_rows
+
+if TYPE_CHECKING:
+    from tripod.engine.data import PromptBatch
 
 # estimators whose advantages a sharded batch computes: GAE (whitening reduced over the ranks), and the group ones
 # that are a function of each row's score alone (`outcome_advantages`)
@@ -137,6 +144,42 @@ def plan_row_shards(lengths: RowLengths, algo, bypass: bool, n_samples: int, act
     if dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return RowShards(rows, lengths, lay.dp_group, lay.dp) if int(flag) else None
+
+
+class StepRows:
+    """Where one step's rows live, decided inside the rollout exchange: `needs(prompts)` is the exchange's callback for
+    a generation batch of `prompts` (every row's response length -> the rows this rank's batch holds, or None: every
+    row), which runs `plan_row_shards` (`plan`: its arguments but the lengths) and keeps the result in `shards`.
+    `enabled` False keeps the whole batch (the trainer's: dynamic sampling, a reward model)."""
+
+    def __init__(self, enabled: bool, n_samples: int, **plan) -> None:
+        self.enabled, self.n, self.plan = enabled, n_samples, plan
+        self.shards: RowShards | None = None
+
+    def needs(self, prompts: PromptBatch) -> Callable[[list[int]], list[int] | None] | None:
+        if not self.enabled:
+            return None
+        n = self.n
+
+        def rows(lengths: list[int]) -> list[int] | None:
+            every = RowLengths.of_rollout([len(x) for x in prompts.input_ids for _ in range(n)], lengths,
+                                          [i for i in prompts.indices for _ in range(n)])
+            self.shards = plan_row_shards(every, n_samples=n, **self.plan)
+            return None if self.shards is None else self.shards.rows
+        return rows
+
+
+def step_advantages(algo, token_rewards: torch.Tensor, mask: torch.Tensor, batch: PPOBatch, scores: list[float],
+                    shards: RowShards | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's (advantages, returns) under algorithm.adv_estimator: of every row, or of a sharded batch's rows
+    (GAE whitened over the ranks; a group estimator from every row's score, as a group's rows may sit on other
+    ranks: `RowShards.outcome_advantages`). `scores`: every row's sequence reward."""
+    grpo = {"norm_by_std": algo.norm_adv_by_std_in_grpo} if algo.adv_estimator == "grpo" else {}
+    if shards is not None and algo.adv_estimator != "gae":
+        return shards.outcome_advantages(algo.adv_estimator, scores, mask, **grpo)
+    return compute_advantage(algo.adv_estimator, token_rewards, mask, index=batch["index"],
+                             values=batch.tensors.get("values"), gamma=algo.gamma, lam=algo.lam, **grpo,
+                             **({"whiten": shards.masked_whiten} if shards is not None else {}))
 
 
 def step_batch(input_ids: list[list[int]], indices: list[int], n: int, responses: list, log_probs: list | None,
