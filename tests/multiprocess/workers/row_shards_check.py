@@ -6,8 +6,9 @@ rollout, names a random share of the rows as the ones it needs, and
 2. builds its batch of those rows only (engine/workers/row_shards.py `step_batch`): exactly its rows, laid out as the
    whole batch lays them out;
 3. reduces the statistics the step reads over the whole batch (GAE's whitened advantages, the KL-in-reward mean,
-   rollout correction's mismatch metrics, `batch_metrics`, GRPO's / RLOO's group advantages) over the ranks, and they
-   must equal those of the whole batch on one rank;
+   rollout correction's mismatch metrics, `batch_metrics`, GRPO's / RLOO's group advantages, reinforce_plus_plus's
+   and reinforce_plus_plus_baseline's whitened ones) over the ranks, and they must equal those of the whole batch on
+   one rank;
 4. runs rollout correction (IS weights, rejection) on its rows and on the whole batch: the same weights, mask,
    metrics, every row's counted tokens after the rejection, and advantages.
 Prints ROW_SHARDS_OK."""
@@ -22,7 +23,7 @@ from tripod.engine.algorithms import apply_kl_penalty, compute_advantage
 from tripod.engine.algorithms.rollout_correction import correct_batch, mismatch_metrics
 from tripod.engine.rollout.exchange import exchange_rollout
 from tripod.engine.workers.batch import PPOBatch, RowLengths, batch_metrics
-from tripod.engine.workers.row_shards import RowShards, step_batch
+from tripod.engine.workers.row_shards import RowShards, step_advantages, step_batch
 
 N_SAMPLES = 2
 
@@ -110,6 +111,15 @@ def main() -> None:
         rewards[torch.arange(n), (mask.sum(-1).long() - 1).clamp(min=0)] = torch.tensor(scores)
         want[name] = compute_advantage(name, rewards, mask, index=whole["index"], **opts)[0]
         have[name] = shards.outcome_advantages(name, scores, part["response_mask"], **opts)[0]
+    part_mask = part["response_mask"]
+    part_rewards = torch.zeros_like(part_mask)
+    part_rewards[torch.arange(part.size), (part_mask.sum(-1).long() - 1).clamp(min=0)] = torch.tensor(part_scores)
+    whole_rewards = torch.zeros_like(mask)
+    whole_rewards[torch.arange(n), (mask.sum(-1).long() - 1).clamp(min=0)] = torch.tensor(scores)
+    for name in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):  # the trainer's own dispatch, both ways
+        algo = SimpleNamespace(adv_estimator=name, norm_adv_by_std_in_grpo=True, gamma=0.99, lam=0.95)
+        want[name] = step_advantages(algo, whole_rewards, mask, whole, scores, None)[0]
+        have[name] = step_advantages(algo, part_rewards, part_mask, part, scores, shards)[0]
     assert want.keys() == have.keys(), (sorted(want), sorted(have))
     for key, w in want.items():
         v = have[key]

@@ -4,17 +4,18 @@ One assignment per step (`ppo_workers.update_rows`: every row a DP rank's update
 computed from every row's lengths and prompt id (`RowLengths`) before any row moves, so the rollout exchange
 (engine/rollout/exchange.py) delivers each rank only its rows and its `PPOBatch` holds only them (`PPOBatch.shard`:
 their global ids and every row's lengths). The old / reference log-probs and the values are computed on those rows
-and stay there. What reads the whole batch reduces over the actor's DP group (one rank per shard): GAE's advantage
-whitening, the KL-in-reward mean, rollout correction's metrics and `batch_metrics` (`RowShards`); GRPO's and RLOO's
-group advantages are per-row functions of the scores, which every rank holds (`outcome_advantages`). Rollout
+and stay there. What reads the whole batch reduces over the actor's DP group (one rank per shard): GAE's and
+reinforce_plus_plus's advantage whitening, the KL-in-reward mean, rollout correction's metrics and `batch_metrics`
+(`RowShards`); GRPO's, RLOO's and reinforce_plus_plus_baseline's group advantages are per-row functions of the
+scores, which every rank holds (`outcome_advantages`; the last then whitened over the ranks). Rollout
 correction's IS weights and rejection are per row; a rejection's new counted tokens are shared (`RowShards.recount`).
 
 `plan_row_shards` returns None (the whole batch on every rank) where the assignment is not fixed over the step
 (shuffled mini-batches over several epochs, or a rejection under a DP split that reads the counted tokens), where
 actor, critic and reference split the rows differently on a rank, where the step reads other ranks' rows
-(KL-in-reward ahead of a group estimator; an estimator that whitens over the batch other than GAE:
-reinforce_plus_plus(_baseline)), or at DP1. The trainer also keeps the whole batch with dynamic sampling (the kept
-rows are known only after scoring) and with a reward model (it scores every row on every rank). The trainer's glue:
+(KL-in-reward ahead of a group estimator), or at DP1. The trainer also keeps the whole batch with dynamic sampling
+(the kept rows are known only after scoring) and with a reward model (it scores every row on every rank). The
+trainer's glue:
 `StepRows` runs the plan inside the rollout exchange, `step_batch` builds the rows, `step_advantages` runs the
 estimator on either batch.
 """
@@ -34,9 +35,11 @@ from tripod.engine.workers.ppo_workers import assignment_reads_counted_tokens, u
 if TYPE_CHECKING:
     from tripod.engine.data import PromptBatch
 
-# estimators whose advantages a sharded batch computes: GAE (whitening reduced over the ranks), and the group ones
-# that are a function of each row's score alone (`outcome_advantages`)
-SHARDED_ESTIMATORS = ("gae", "grpo", "rloo")
+# estimators whose advantages a sharded batch computes: per-token ones whose only batch statistic is a whitening
+# (reduced over the ranks), and the group ones, functions of every row's score (`outcome_advantages`)
+TOKEN_ESTIMATORS = ("gae", "reinforce_plus_plus")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+SHARDED_ESTIMATORS = TOKEN_ESTIMATORS + GROUP_ESTIMATORS
 
 
 class RowShards:
@@ -105,10 +108,15 @@ class RowShards:
     def outcome_advantages(self, name: str, scores: list[float], mask: torch.Tensor, **options
                            ) -> tuple[torch.Tensor, torch.Tensor]:
         """(advantages, returns) of this rank's rows (`mask`: their response mask) under a group estimator (grpo,
-        rloo) from every row's score: the estimator run on one token per row (the score where the row has a
-        response), whose per-row result is what the whole batch's broadcasts over each row's tokens."""
-        if name not in SHARDED_ESTIMATORS or name == "gae":
+        rloo, reinforce_plus_plus_baseline) from every row's score: the estimator run on one token per row (the score
+        where the row has a response), whose per-row result is what the whole batch's broadcasts over each row's
+        tokens; reinforce_plus_plus_baseline's (score minus group mean: Dr.GRPO's) then whitened over the ranks."""
+        if name not in GROUP_ESTIMATORS:
             raise ValueError(f"outcome_advantages: {name!r} is not a group estimator a sharded batch computes")
+        if name == "reinforce_plus_plus_baseline":
+            centred, _ = self.outcome_advantages("grpo", scores, mask, norm_by_std=False)
+            adv = self.masked_whiten(centred, mask) * mask.to(centred.dtype)
+            return adv, adv
         has = (self.lengths.response_lens > 0).to(torch.float32)[:, None]
         rewards = torch.tensor(scores, dtype=torch.float32)[:, None] * has
         adv, ret = compute_advantage(name, rewards, has, index=self.lengths.index, **options)
@@ -120,15 +128,16 @@ def plan_row_shards(lengths: RowLengths, algo, bypass: bool, n_samples: int, act
                     critic: MegatronWorker | None, critic_cfg, ref: MegatronWorker | None) -> RowShards | None:
     """The step's `RowShards` from every row's `lengths`, or None where some rank cannot keep its rows (decided alike
     on every rank: one all_reduce over the world). Rows stay apart only where nothing reads other DP ranks' rows: the
-    KL-in-reward penalty (per token) only ahead of GAE, whose whitening reduces over the ranks, a critic only with
-    GAE, and an estimator of SHARDED_ESTIMATORS. Rollout correction's IS weights are per row; its rejection changes
+    KL-in-reward penalty (per token) only ahead of a TOKEN_ESTIMATORS one (their whitening reduces over the ranks;
+    a group estimator would read other rows' penalties), a critic only with GAE, and an estimator of
+    SHARDED_ESTIMATORS. Rollout correction's IS weights are per row; its rejection changes
     rows' counted tokens after the rows have moved (`RowShards.recount` shares them), so it keeps the rows apart unless
     an update's DP split reads those counts (`assignment_reads_counted_tokens`)."""
-    gae = algo.adv_estimator == "gae"
+    gae, token = algo.adv_estimator == "gae", algo.adv_estimator in TOKEN_ESTIMATORS
     rejects = not bypass and algo.rollout_correction.rollout_rs is not None
     split_moves = rejects and any(assignment_reads_counted_tokens(w, c)
                                   for w, c in ((actor, actor_cfg), (critic, critic_cfg)) if w is not None)
-    allowed = ((gae or not algo.use_kl_in_reward) and (gae or critic is None)
+    allowed = ((token or not algo.use_kl_in_reward) and (gae or critic is None)
                and algo.adv_estimator in SHARDED_ESTIMATORS and not split_moves)
     lay = actor.layout
     if lay.dp == 1:  # one DP rank holds every row: nothing to keep apart (and the one-rank path stays as it was)
@@ -172,10 +181,10 @@ class StepRows:
 def step_advantages(algo, token_rewards: torch.Tensor, mask: torch.Tensor, batch: PPOBatch, scores: list[float],
                     shards: RowShards | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's (advantages, returns) under algorithm.adv_estimator: of every row, or of a sharded batch's rows
-    (GAE whitened over the ranks; a group estimator from every row's score, as a group's rows may sit on other
-    ranks: `RowShards.outcome_advantages`). `scores`: every row's sequence reward."""
+    (GAE and reinforce_plus_plus whitened over the ranks; a group estimator from every row's score, as a group's rows
+    may sit on other ranks: `RowShards.outcome_advantages`). `scores`: every row's sequence reward."""
     grpo = {"norm_by_std": algo.norm_adv_by_std_in_grpo} if algo.adv_estimator == "grpo" else {}
-    if shards is not None and algo.adv_estimator != "gae":
+    if shards is not None and algo.adv_estimator in GROUP_ESTIMATORS:
         return shards.outcome_advantages(algo.adv_estimator, scores, mask, **grpo)
     return compute_advantage(algo.adv_estimator, token_rewards, mask, index=batch["index"],
                              values=batch.tensors.get("values"), gamma=algo.gamma, lam=algo.lam, **grpo,
