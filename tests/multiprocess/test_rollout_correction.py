@@ -2,8 +2,9 @@
 rollout mismatch: the embedded rollout engine generates in bf16 (actor_rollout_ref.rollout.dtype=bf16) from the
 fp32 actor, so its log-probs (log_softmax of bf16 logits) differ from the actor's fp32 recompute, as vLLM / SGLang
 bf16 rollouts differ from an fp32 trainer. Two runs side by side: decoupled on 2 gloo ranks (DP2: two rollout
-replicas whose log-probs travel through the gather; token TIS + seq_mean_k1 rejection, rollout_corr/* logged every
-step) and bypass_mode on one rank (old log-probs := the rollout's, the recompute skipped)."""
+replicas whose log-probs travel through the exchange, the batch sharded by DP rank: engine/workers/row_shards.py;
+token TIS + seq_mean_k1 rejection, rollout_corr/* logged every step) and bypass_mode on one rank (old log-probs :=
+the rollout's, the recompute skipped)."""
 import math
 
 import pytest

@@ -79,3 +79,26 @@ def test_a_rank_holding_only_its_rows_updates_like_one_holding_all(dp, dynamic, 
                 assert all(torch.equal(mb_got[k], mb_want[k]) for k in mb_want.tensors)
             assert [float(x) for x in got[1:3]] == [float(x) for x in want[1:3]] and got[3] == want[3]
             assert got[1].dtype == want[1].dtype and got[2].dtype == want[2].dtype
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_rejection_moves_the_assignment_only_where_the_split_reads_counted_tokens(dp, dynamic, pack):
+    """Rollout correction's rejection zeroes rows' counted tokens after the rows have moved (`RowShards.recount`), so
+    the batch stays sharded under it only where the update's DP split does not read them
+    (`assignment_reads_counted_tokens`, which plan_row_shards asks): there every rank's rows stay as they were; where
+    it does read them, some rejection moves rows to another rank (the rule is needed)."""
+    n = 2
+    cfg = _cfg(dynamic, shuffle=False)
+    cfg.ppo_mini_batch_size = 4  # 4 prompt groups a mini-batch: whole groups per rank at DP4 too
+    reads = ppo_workers.assignment_reads_counted_tokens(_worker(dp, 0, pack), cfg)
+    moved = False
+    for seed in range(6):
+        every = RowLengths.of(_batch(seed, prompts=8, n=n))
+        for k in (2, 3):
+            kept = (torch.arange(every.size) + seed) % k != 0
+            rejected = RowLengths(every.prompt_lens, every.response_lens * kept, every.seq_lens, every.index)
+            moved |= any(ppo_workers.update_rows(_worker(dp, r, pack), every, cfg, n)
+                         != ppo_workers.update_rows(_worker(dp, r, pack), rejected, cfg, n) for r in range(dp))
+    assert moved == reads, (moved, reads)

@@ -9,27 +9,26 @@ Every rank runs this same code; each model runs on its own parallel layout (para
 only the rows this rank's DP rank updates where the step allows it (engine/workers/row_shards.py), else every row
 (workers take their DP rows). Critic-free estimators (grpo, rloo, reinforce++) skip the
 critic entirely; the reference model is only built when a KL term needs it, the reward model
-(engine/workers/reward_model.py) only when reward_model.enable.
+(engine/workers/reward_model.py) only when reward_model.enable. The trainer's state across steps (checkpoint,
+resume, the divergence guard's rollback) is engine/trainer_state.py's.
 """
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tripod.engine.algorithms import apply_kl_penalty, build_kl_controller, compute_advantage
+from tripod.engine.algorithms import apply_kl_penalty, build_kl_controller
 from tripod.engine.algorithms.dynamic_sampling import DynamicSampler
-from tripod.engine.algorithms.rollout_correction import correct_batch, mismatch_metrics
+from tripod.engine.algorithms.rollout_correction import correct_batch
 from tripod.engine.checkpoints import CheckpointManager
-from tripod.engine.checkpoints.manager import latest_complete
 from tripod.engine.config import TripodConfig, save_resolved_config
 from tripod.engine.config_loading import config_to_dict
 from tripod.engine.data import PromptBatch, PromptDataLoader, PromptDataset
 from tripod.engine.data.token_cache import resolve_cache_dir
 from tripod.engine.device import DeviceGuard, check_devices_enabled, current_device, freeze_long_lived_objects
-from tripod.engine.divergence_guard import DivergenceGuard, GuardDecision, Remedies
+from tripod.engine.divergence_guard import DivergenceGuard
 from tripod.engine.logging import StepProfiler, Timer, Tracker, validation_samples
 from tripod.engine.offload import flags_of, manager_for
 from tripod.engine.precision import rollout_dtype
@@ -39,16 +38,17 @@ from tripod.engine.rewards.replica_scoring import pool_workers, score_where_gene
 from tripod.engine.rollout import SamplingParams, make_rollout_engine
 from tripod.engine.rollout.weight_sync import WeightSync
 from tripod.engine.throughput import PerfCounter
-from tripod.engine.workers.batch import RowLengths, batch_metrics
+from tripod.engine.trainer_state import TrainerState
+from tripod.engine.workers.batch import batch_metrics
 from tripod.engine.workers.model_options import layout_of, model_options
 from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
 from tripod.engine.workers.reward_model import build_reward_model, combine_rewards
-from tripod.engine.workers.row_shards import plan_row_shards, step_batch
+from tripod.engine.workers.row_shards import StepRows, step_advantages, step_batch
 from tripod.parallel.arch import arch_from_hf
 from tripod.parallel.hybrid_engine.engine import HybridEngine
 
 
-class PPOTrainer:
+class PPOTrainer(TrainerState):
     def __init__(self, cfg: TripodConfig):
         from transformers import AutoTokenizer
 
@@ -187,23 +187,19 @@ class PPOTrainer:
         arc, algo = cfg.actor_rollout_ref, cfg.algorithm
         n, temperature = arc.rollout.n, arc.rollout.temperature
         bypass = algo.rollout_correction.bypass_mode
-        planned: list = []  # the step's RowShards or None (row_shards.py), decided in the exchange from the lengths
-
-        def needs(p: PromptBatch, lengths: list[int]) -> list[int] | None:  # the rows this rank's batch holds
-            planned[:] = [plan_row_shards(RowLengths.of_rollout([len(x) for x in p.input_ids for _ in range(n)],
-                                                                lengths, [i for i in p.indices for _ in range(n)]),
-                                          algo, bypass, n, self.actor, arc.actor, self.critic, cfg.critic, self.ref)]
-            return None if planned[0] is None else planned[0].rows
-        # with dynamic sampling the kept rows are known after scoring, a reward model scores every row: whole batch
-        shardable = not self.sampler.enable and self.reward_model is None
+        # where the rows live, decided in the exchange from their lengths (row_shards.py); dynamic sampling (the kept
+        # rows are known after scoring) and a reward model (it scores every row) keep the whole batch
+        step_rows = StepRows(not self.sampler.enable and self.reward_model is None, n, algo=algo, bypass=bypass,
+                             actor=self.actor, actor_cfg=arc.actor, critic=self.critic, critic_cfg=cfg.critic,
+                             ref=self.ref)
         with timer("step"):
             self.offload.enter("rollout")
             rollout, reward_metrics = self.sampler.collect(  # dynamic sampling may draw further prompt batches
                 prompts, lambda p, k: self.weight_sync.generate_rows(
                     p.input_ids, self.sampling_params(False, self.step, k), timer,
-                    needs=(lambda lengths: needs(p, lengths)) if shardable else None),
+                    needs=step_rows.needs(p)),
                 lambda p, responses: self.score(p, responses, n), timer)
-            shards = planned[0] if planned else None  # model outputs stay on the DP rank that updates their rows
+            shards = step_rows.shards  # model outputs stay on the DP rank that updates their rows
             prompts, all_scores = rollout.prompts, rollout.rewards
             batch, scores = step_batch(prompts.input_ids, prompts.indices, n, rollout.responses,
                                        rollout.rollout_log_probs, rollout.finish_reasons, all_scores,
@@ -247,20 +243,9 @@ class PPOTrainer:
                     self.kl_ctrl.update(float(kl), n_steps=cfg.data.train_batch_size)
                 batch["token_rewards"] = token_rewards
                 if batch.recomputed_old_log_probs and not bypass and "rollout_log_probs" in batch.tensors:
-                    if shards is None:
-                        metrics.update(correct_batch(batch, algo.rollout_correction))  # may reject whole sequences
-                        mask = batch["response_mask"]
-                    else:  # the mismatch metrics only (row_shards: no IS weights, no rejection)
-                        metrics.update(mismatch_metrics(batch["old_log_probs"].float(),
-                                                        batch["rollout_log_probs"].float(), mask.float(),
-                                                        shards.masked_mean, shards.masked_max))
-                grpo = {"norm_by_std": algo.norm_adv_by_std_in_grpo} if algo.adv_estimator == "grpo" else {}
-                if shards is not None and algo.adv_estimator != "gae":  # a group's rows may sit on other ranks
-                    adv, ret = shards.outcome_advantages(algo.adv_estimator, all_scores, mask, **grpo)
-                else:
-                    adv, ret = compute_advantage(algo.adv_estimator, token_rewards, mask, index=batch["index"],
-                                                 values=batch.tensors.get("values"), gamma=algo.gamma, lam=algo.lam,
-                                                 **grpo, **({"whiten": shards.masked_whiten} if shards else {}))
+                    metrics.update(correct_batch(batch, algo.rollout_correction, shards))  # may reject sequences
+                    mask = batch["response_mask"]
+                adv, ret = step_advantages(algo, token_rewards, mask, batch, all_scores, shards)
                 batch["advantages"], batch["returns"] = adv, ret
             if self.critic is not None:
                 with timer("update_critic"):
@@ -323,91 +308,6 @@ class PPOTrainer:
         out = {"val/reward_mean": sum(scores) / len(scores)}
         out.update({f"val/{s}/reward_mean": sum(v) / len(v) for s, v in by_source.items()})
         return out
-
-    # ---- state -------------------------------------------------------------------------------------
-    def trainable_workers(self) -> dict[str, PolicyWorker | CriticWorker]:
-        """{checkpoint name: worker} of the models a checkpoint holds weights and optimizer states of."""
-        return {name: w for name, w in (("actor", self.actor), ("critic", self.critic)) if w is not None}
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything a resume needs besides the models' weights and optimizer states (which the checkpoint manager
-        takes from `trainable_workers()`): step, data position, KL controller, LR schedules, divergence-guard state
-        and this rank's RNG ("rng", the only per-rank entry)."""
-        return {"step": self.step, "kl_ctrl": self.kl_ctrl.state_dict(), "data": self.loader.state_dict(),
-                "world_size": self.world,
-                "lr_scheduler": {name: w.lr_scheduler.state_dict() for name, w in self.trainable_workers().items()},
-                "guard": self.guard.state_dict(), "rng": {"torch": torch.get_rng_state()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a `state_dict()`; without "guard" the divergence guard keeps its own state (a rollback)."""
-        for name, worker in self.trainable_workers().items():
-            worker.lr_scheduler.num_steps = 0  # megatron's load_state_dict adds the saved count to the live one
-            worker.lr_scheduler.load_state_dict(state["lr_scheduler"][name])
-        torch.set_rng_state(state["rng"]["torch"])
-        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        self.loader.load_state_dict(state["data"])
-        self.step = int(state["step"])
-        if "guard" in state:
-            self.guard.load_state_dict(state["guard"])
-            self.apply_remedies(self.guard.remedies())
-
-    def resume(self, mode: str | None) -> None:
-        """Continue from the checkpoint `mode` names (trainer.resume: auto, disable or a path), if there is one."""
-        if mode not in ("disable", "", None) and (mode != "auto" or latest_complete(self.ckpt.root)):
-            self.offload.enter("checkpoint")  # loads in place: params and optimizer states on the device
-        state = self.ckpt.load(mode, self.trainable_workers())
-        if state is not None:
-            self.load_state_dict(state)
-
-    def apply_remedies(self, remedies: Remedies | None) -> None:
-        """Set the actor's clip ratios and KL-loss coefficient and scale the LR schedules (divergence guard)."""
-        if remedies is None:
-            return
-        cfg, a = self.cfg, self.cfg.actor_rollout_ref.actor
-        a.clip_ratio, a.clip_ratio_low, a.clip_ratio_high = remedies.clip_ratios
-        a.kl_loss_coef = remedies.kl_loss_coef
-        scale = remedies.lr_scale
-        for worker, optim in ((self.actor, a.optim), (self.critic, cfg.critic.optim)):
-            if worker is None:
-                continue
-            # the LR scheduler sets every group's lr from the group's max_lr / min_lr at each optimizer step:
-            # scale the schedule, not just this step's lr
-            sched = worker.lr_scheduler
-            sched.max_lr, sched.min_lr = optim.lr * scale, optim.min_lr_ratio * optim.lr * scale
-            for group in worker.optimizer.param_groups:
-                group["max_lr"], group["min_lr"] = sched.max_lr, sched.min_lr
-                group["lr"] = sched.get_lr(group)
-
-    def roll_back(self, step: int, decision: GuardDecision) -> None:
-        """Apply the guard's rollback: reject newer checkpoints, reload the GOOD one, raise the KL coefficient,
-        apply the remedies."""
-        a = self.cfg.actor_rollout_ref.actor
-        actor_lr = lambda: float(self.actor.optimizer.param_groups[0]["lr"])  # noqa: E731
-        self.ckpt.reject_after(decision.checkpoint_step)
-        before = (a.clip_ratio, self.kl_ctrl.value, actor_lr())
-        self.offload.enter("checkpoint")
-        state = self.ckpt.load(decision.checkpoint, self.trainable_workers())
-        state.pop("guard", None)  # the guard's own count and best validation reward go on across a rollback
-        self.load_state_dict(state)
-        self.kl_ctrl.kl_coef += decision.kl_coef_add
-        self.apply_remedies(decision.remedies)
-        if self.rank == 0:
-            print(f"guard: step {step} tripped ({'; '.join(decision.reasons)}); rolled back to "
-                  f"{os.path.basename(decision.checkpoint)} (rollback {decision.remedies.rollbacks}/"
-                  f"{self.cfg.trainer.divergence_guard.max_rollbacks}); clip_ratio {before[0]:g}->{a.clip_ratio:g}, "
-                  f"kl_coef {before[1]:g}->{self.kl_ctrl.value:g}, actor lr {before[2]:g}->{actor_lr():g}", flush=True)
-
-    def judged(self, metrics: dict[str, float]) -> bool:
-        """The guard's decision on `metrics` applied: True to keep the step (guard/* metrics added to a training
-        step's), False when rolled back (self.step is then the GOOD checkpoint's)."""
-        decision = self.guard.judge(self.step, metrics)
-        if not decision.keep:
-            self.roll_back(self.step, decision)
-            return False
-        if decision.metrics:
-            metrics.update(decision.metrics)
-            metrics["guard/kl_coef"] = float(self.kl_ctrl.value)
-        return True
 
     # ---- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:

@@ -6,18 +6,24 @@ rollout, names a random share of the rows as the ones it needs, and
 2. builds its batch of those rows only (engine/workers/row_shards.py `step_batch`): exactly its rows, laid out as the
    whole batch lays them out;
 3. reduces the statistics the step reads over the whole batch (GAE's whitened advantages, the KL-in-reward mean,
-   rollout correction's mismatch metrics, `batch_metrics`, GRPO's / RLOO's group advantages) over the ranks, and they
-   must equal those of the whole batch on one rank.
+   rollout correction's mismatch metrics, `batch_metrics`, GRPO's / RLOO's group advantages, reinforce_plus_plus's
+   and reinforce_plus_plus_baseline's whitened ones) over the ranks, and they must equal those of the whole batch on
+   one rank;
+4. runs rollout correction (IS weights, rejection) on its rows and on the whole batch: the same weights, mask,
+   metrics, every row's counted tokens after the rejection, and advantages.
 Prints ROW_SHARDS_OK."""
+import math
+from types import SimpleNamespace
+
 import torch
 import torch.distributed as dist
 
 from tests.helpers.common import dist_worker
 from tripod.engine.algorithms import apply_kl_penalty, compute_advantage
-from tripod.engine.algorithms.rollout_correction import mismatch_metrics
+from tripod.engine.algorithms.rollout_correction import correct_batch, mismatch_metrics
 from tripod.engine.rollout.exchange import exchange_rollout
 from tripod.engine.workers.batch import PPOBatch, RowLengths, batch_metrics
-from tripod.engine.workers.row_shards import RowShards, step_batch
+from tripod.engine.workers.row_shards import RowShards, step_advantages, step_batch
 
 N_SAMPLES = 2
 
@@ -105,6 +111,15 @@ def main() -> None:
         rewards[torch.arange(n), (mask.sum(-1).long() - 1).clamp(min=0)] = torch.tensor(scores)
         want[name] = compute_advantage(name, rewards, mask, index=whole["index"], **opts)[0]
         have[name] = shards.outcome_advantages(name, scores, part["response_mask"], **opts)[0]
+    part_mask = part["response_mask"]
+    part_rewards = torch.zeros_like(part_mask)
+    part_rewards[torch.arange(part.size), (part_mask.sum(-1).long() - 1).clamp(min=0)] = torch.tensor(part_scores)
+    whole_rewards = torch.zeros_like(mask)
+    whole_rewards[torch.arange(n), (mask.sum(-1).long() - 1).clamp(min=0)] = torch.tensor(scores)
+    for name in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):  # the trainer's own dispatch, both ways
+        algo = SimpleNamespace(adv_estimator=name, norm_adv_by_std_in_grpo=True, gamma=0.99, lam=0.95)
+        want[name] = step_advantages(algo, whole_rewards, mask, whole, scores, None)[0]
+        have[name] = step_advantages(algo, part_rewards, part_mask, part, scores, shards)[0]
     assert want.keys() == have.keys(), (sorted(want), sorted(have))
     for key, w in want.items():
         v = have[key]
@@ -114,7 +129,60 @@ def main() -> None:
                                        msg=lambda m: f"{key}: {m}")
         else:
             assert abs(v - w) <= 1e-5 * max(1.0, abs(w)), (key, v, w)
-    print(f"ROW_SHARDS_OK rank={rank} rows={len(rows)} of {n} metrics={len(want)}", flush=True)
+    corrected = _rollout_correction_both_ways(input_ids, indices, responses, log_probs, finish, scores, outputs,
+                                              lengths, rows, g)
+    print(f"ROW_SHARDS_OK rank={rank} rows={len(rows)} of {n} metrics={len(want)} corrected={corrected}", flush=True)
+
+
+def _rollout_correction_both_ways(input_ids, indices, responses, log_probs, finish, scores, outputs, lengths, rows,
+                                  g: torch.Generator) -> int:
+    """4. rollout correction (IS weights + rejection) on this rank's rows with the statistics reduced, against the
+    whole batch on one rank: the same weights, mask, rollout_corr/* metrics, every row's counted tokens (the update's
+    loss normalisers read them) and the advantages after the rejection. Odd rows' old log-probs sit 0.1 above the
+    rollout's (truncated and rejected), even rows' within 1e-3 (kept). Returns how many configurations ran."""
+    n, resp = len(responses), outputs["values"].shape[1]
+    noise = torch.randn(n, resp, generator=g) * 1e-3 + 0.1 * (torch.arange(n) % 2)[:, None]
+    configs = (SimpleNamespace(rollout_is="token", rollout_is_threshold=1.02, rollout_rs="seq_mean_k1",
+                               rollout_rs_threshold=math.exp(0.02)),
+               SimpleNamespace(rollout_is="sequence", rollout_is_threshold=1.05, rollout_rs="seq_mean_k3",
+                               rollout_rs_threshold=1e-3),
+               SimpleNamespace(rollout_is="token", rollout_is_threshold=1.05, rollout_rs=None, rollout_rs_threshold=None))
+    for cfg in configs:
+        shards = RowShards(rows, lengths, dist.group.WORLD, dist.get_world_size())
+        whole, _ = step_batch(input_ids, indices, N_SAMPLES, responses, log_probs, finish, scores, resp, 0, None)
+        part, _ = step_batch(input_ids, indices, N_SAMPLES, responses, log_probs, finish, scores, resp, 0, shards)
+        out = {}
+        for batch, ids, sh in ((whole, list(range(n)), None), (part, rows, shards)):
+            batch["values"] = outputs["values"][ids]
+            batch["old_log_probs"] = batch["rollout_log_probs"] + noise[ids] * batch["response_mask"]
+            rewards = torch.zeros_like(batch["response_mask"])
+            rewards[torch.arange(batch.size), (batch["response_mask"].sum(-1).long() - 1).clamp(min=0)] = \
+                torch.tensor([scores[i] for i in ids])
+            metrics = correct_batch(batch, cfg, sh)
+            mask = batch["response_mask"]
+            adv = {"gae": compute_advantage("gae", rewards, mask, values=batch["values"], gamma=0.99, lam=0.95,
+                                            **({} if sh is None else {"whiten": sh.masked_whiten}))[0]}
+            for name in ("grpo", "rloo"):
+                adv[name] = compute_advantage(name, rewards, mask, index=batch["index"])[0] if sh is None else \
+                    sh.outcome_advantages(name, scores, mask)[0]
+            out["part" if sh else "whole"] = (batch, metrics, adv)
+        (w, w_metrics, w_adv), (p, p_metrics, p_adv) = out["whole"], out["part"]
+        if cfg.rollout_rs is not None:
+            assert 0 < w_metrics["rollout_corr/rs_rejected_frac"] < 1, w_metrics
+            # the counted tokens every rank holds (the loss normalisers') are the whole batch's after the rejection
+            assert torch.equal(p.shard.lengths.response_lens, RowLengths.of(w).response_lens), cfg
+            assert torch.equal(shards.lengths.response_lens, p.shard.lengths.response_lens)
+        assert 0 < w_metrics["rollout_corr/is_truncated_frac"] < 1, w_metrics
+        assert w_metrics.keys() == p_metrics.keys(), (sorted(w_metrics), sorted(p_metrics))
+        for key, value in w_metrics.items():
+            assert abs(p_metrics[key] - value) <= 1e-5 * max(1.0, abs(value)), (cfg, key, p_metrics[key], value)
+        assert torch.equal(p["response_mask"], w["response_mask"][rows]), cfg
+        torch.testing.assert_close(p["rollout_is_weights"], w["rollout_is_weights"][rows], rtol=1e-6, atol=0)
+        for name, value in w_adv.items():
+            exact = name != "gae"  # a per-row function of the scores and counted tokens: the same numbers
+            torch.testing.assert_close(p_adv[name], value[rows], rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5,
+                                       msg=lambda m: f"{cfg} {name}: {m}")
+    return len(configs)
 
 
 if __name__ == "__main__":

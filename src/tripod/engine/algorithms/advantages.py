@@ -130,21 +130,24 @@ def rloo_advantage(token_rewards, mask, *, values, index, gamma, lam):
 
 
 @register_adv_est("reinforce_plus_plus")
-def reinforce_plus_plus_advantage(token_rewards, mask, *, values, index, gamma, lam, backend: str = "auto"):
-    """Discounted return G_t = r_t + gamma G_{t+1} over counted tokens, whitened over the batch."""
+def reinforce_plus_plus_advantage(token_rewards, mask, *, values, index, gamma, lam, backend: str = "auto",
+                                  whiten=masked_whiten):
+    """Discounted return G_t = r_t + gamma G_{t+1} over counted tokens, whitened over the batch (by `whiten(x, mask)`,
+    as gae's)."""
     # GAE with V = 0 and lam = 1 is exactly the discounted return.
     returns, _ = gae_scan(token_rewards, torch.zeros_like(token_rewards), mask, gamma, 1.0, backend=backend)
     m = mask.to(returns.dtype)
-    return masked_whiten(returns, mask) * m, returns * m
+    return whiten(returns, mask) * m, returns * m
 
 
 @register_adv_est("reinforce_plus_plus_baseline")
-def reinforce_plus_plus_baseline_advantage(token_rewards, mask, *, values, index, gamma, lam):
-    """Score minus its group mean (0 for a group of one), broadcast over tokens, whitened over the batch."""
+def reinforce_plus_plus_baseline_advantage(token_rewards, mask, *, values, index, gamma, lam, whiten=masked_whiten):
+    """Score minus its group mean (0 for a group of one), broadcast over tokens, whitened over the batch (by
+    `whiten(x, mask)`, as gae's)."""
     _require(index, "index", "reinforce_plus_plus_baseline")
     scores = _sequence_scores(token_rewards, mask)
     ids, num_groups = group_ids(index, len(scores), scores.device)
     mean, _, _ = group_mean_std(scores, ids, num_groups)
     m = mask.to(scores.dtype)
-    advantages = masked_whiten(_broadcast(scores - mean, mask), mask) * m
+    advantages = whiten(_broadcast(scores - mean, mask), mask) * m
     return advantages, advantages

@@ -103,53 +103,65 @@ def mismatch_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tenso
 
 def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
                        rollout_is: str | None = None, rollout_is_threshold: float = 2.0, rollout_rs: str | None = None,
-                       rollout_rs_threshold: float | None = None) -> Correction:
-    """IS weights, rejection and metrics of one batch ([N, R] tensors aligned with the response tokens)."""
+                       rollout_rs_threshold: float | None = None, mean: Callable = masked_mean,
+                       max_of: Callable = _masked_max) -> Correction:
+    """IS weights, rejection and metrics of one batch ([N, R] tensors aligned with the response tokens). The weights
+    and the rejection are per row; the metrics reduce by `mean(x, mask)` (tokens, or rows with a [N] mask) and
+    `max_of(x, mask)`: a batch sharded over DP rows passes ones that reduce over the ranks (engine/workers/
+    row_shards.py), so every rank gets the whole batch's metrics."""
     if old_log_probs.shape != rollout_log_probs.shape or old_log_probs.shape != response_mask.shape:
         raise ValueError(f"old_log_probs {tuple(old_log_probs.shape)}, rollout_log_probs "
                          f"{tuple(rollout_log_probs.shape)} and response_mask {tuple(response_mask.shape)} must match")
     log_ratio = (old_log_probs - rollout_log_probs).detach().float()
     mask = response_mask.to(log_ratio.dtype)
     nonempty = mask.sum(-1) > 0
-    metrics = mismatch_metrics(old_log_probs.float(), rollout_log_probs.float(), mask)
+    metrics = mismatch_metrics(old_log_probs.float(), rollout_log_probs.float(), mask, mean, max_of)
     weights = None
     if rollout_is is not None:
         weights, raw = is_weights(log_ratio, mask, rollout_is, rollout_is_threshold)
         clamped = (raw > rollout_is_threshold).float()
         if rollout_is == "token":
-            truncated = masked_mean(clamped, mask)
+            truncated = mean(clamped, mask)
         else:  # one weight per sequence: the share of (non-empty) sequences
-            truncated = clamped.amax(-1)[nonempty].mean() if nonempty.any() else torch.zeros(())
+            truncated = mean(clamped.amax(-1), nonempty)
         metrics["rollout_corr/is_truncated_frac"] = float(truncated)
-        metrics["rollout_corr/rollout_is_mean"] = float(masked_mean(weights, mask))
+        metrics["rollout_corr/rollout_is_mean"] = float(mean(weights, mask))
     new_mask = response_mask
     if rollout_rs is not None:
         if rollout_rs_threshold is None:
             raise ValueError(f"rollout_rs={rollout_rs!r} needs rollout_rs_threshold")
         keep, _ = rejection_keep(log_ratio, mask, rollout_rs, rollout_rs_threshold)
         rejected = ~keep & nonempty
-        metrics["rollout_corr/rs_rejected_frac"] = float(rejected[nonempty].float().mean()) if nonempty.any() else 0.0
-        metrics["rollout_corr/rs_rejected_token_frac"] = float(masked_mean(rejected[:, None].float().expand_as(mask),
-                                                                           mask))
+        metrics["rollout_corr/rs_rejected_frac"] = float(mean(rejected.float(), nonempty))
+        metrics["rollout_corr/rs_rejected_token_frac"] = float(mean(rejected[:, None].float().expand_as(mask), mask))
         new_mask = response_mask * keep[:, None].to(response_mask.dtype)
         if weights is not None:
             weights = weights * keep[:, None].to(weights.dtype)
     return Correction(weights, new_mask, metrics)
 
 
-def correct_batch(batch, cfg) -> dict[str, float]:
+def correct_batch(batch, cfg, shards=None) -> dict[str, float]:
     """Apply `cfg` (algorithm.rollout_correction) to a PPO batch holding "old_log_probs", "rollout_log_probs" and
     "response_mask" (engine/workers/batch.py's PPOBatch): rejected sequences leave "response_mask", the IS weights
-    go to "rollout_is_weights" (the actor's policy loss multiplies by them). Returns the rollout_corr/* metrics."""
+    go to "rollout_is_weights" (the actor's policy loss multiplies by them). Returns the rollout_corr/* metrics.
+    `shards` (engine/workers/row_shards.py's RowShards): the batch holds this DP rank's rows only; the metrics reduce
+    over the ranks and, after a rejection, every row's counted tokens are shared (`RowShards.recount`: the loss
+    normalisers and the group estimators read them)."""
+    reduce = {} if shards is None else {"mean": shards.masked_mean, "max_of": shards.masked_max}
     out = rollout_correction(batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
-                             cfg.rollout_is, cfg.rollout_is_threshold, cfg.rollout_rs, cfg.rollout_rs_threshold)
-    if cfg.rollout_rs is not None and not out.response_mask.any():
-        raise RuntimeError(f"algorithm.rollout_correction.rollout_rs={cfg.rollout_rs} rejected every sequence of this "
-                           f"step (rollout_corr/kl={out.metrics['rollout_corr/kl']:.4g}, abs_diff_max="
-                           f"{out.metrics['rollout_corr/abs_diff_max']:.4g}); raise algorithm.rollout_correction."
-                           f"rollout_rs_threshold={cfg.rollout_rs_threshold} or find why the rollout engine's "
-                           "log-probs differ this much from the actor's")
+                             cfg.rollout_is, cfg.rollout_is_threshold, cfg.rollout_rs, cfg.rollout_rs_threshold,
+                             **reduce)
+    if cfg.rollout_rs is not None:
+        kept = bool(out.response_mask.any()) if shards is None else shards.recount(out.response_mask) > 0
+        if not kept:  # decided alike on every rank (the sharded count is every row's)
+            raise RuntimeError(f"algorithm.rollout_correction.rollout_rs={cfg.rollout_rs} rejected every sequence of "
+                               f"this step (rollout_corr/kl={out.metrics['rollout_corr/kl']:.4g}, abs_diff_max="
+                               f"{out.metrics['rollout_corr/abs_diff_max']:.4g}); raise algorithm.rollout_correction."
+                               f"rollout_rs_threshold={cfg.rollout_rs_threshold} or find why the rollout engine's "
+                               "log-probs differ this much from the actor's")
     batch["response_mask"] = out.response_mask
+    if shards is not None:
+        batch.shard = shards.batch_shard
     if out.is_weights is not None:
         batch["rollout_is_weights"] = out.is_weights
     return out.metrics

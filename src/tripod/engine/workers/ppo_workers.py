@@ -150,8 +150,8 @@ def _split_mini_batch(worker: MegatronWorker, mini: PPOBatch, cfg):
     balanced token sums and cut them under the token budget,
     so ranks may run different numbers of micro-batches: the loss scale uses this rank's count (megatron divides by
     it), and the normaliser is the whole mini-batch's, so the gradient is the same whatever the split. A sharded
-    mini-batch (`_sharded_mini_batch`) takes them from its rows' lengths: its mask's sums (nothing is masked out on
-    that path)."""
+    mini-batch (`_sharded_mini_batch`) takes them from every row's counted tokens (its mask's sums: after rollout
+    correction's rejection, `RowShards.recount`'s)."""
     if mini.shard is None:
         mask = mini["response_mask"]
         mine = mini.select(_dp_choice(worker, mini, cfg))
@@ -179,6 +179,12 @@ def _dp_choice(worker: MegatronWorker, mini: PPOBatch | RowLengths, cfg) -> list
     if len(units) % lay.dp or len({len(u) for u in units}) > 1:  # a prompt's rows would straddle DP ranks
         units, costs = [[i] for i in range(mini.size)], RowLengths.of(mini).seq_lens.tolist()
     return sorted(i for u in balanced_partition(costs, lay.dp)[lay.dp_rank] for i in units[u])
+
+
+def assignment_reads_counted_tokens(worker: MegatronWorker, cfg) -> bool:
+    """Whether `_dp_choice` reads the rows' counted response tokens (a token budget over prompt groups packed behind
+    their shared prompt: `_budget_units`), which rollout correction's rejection changes after the rows have moved."""
+    return bool(cfg.use_dynamic_bsz and worker.share_prompt_prefix and worker.can_pack)
 
 
 def update_rows(worker: MegatronWorker, batch: PPOBatch | RowLengths, cfg, n_samples: int) -> list[int] | None:

@@ -4,18 +4,24 @@ One assignment per step (`ppo_workers.update_rows`: every row a DP rank's update
 computed from every row's lengths and prompt id (`RowLengths`) before any row moves, so the rollout exchange
 (engine/rollout/exchange.py) delivers each rank only its rows and its `PPOBatch` holds only them (`PPOBatch.shard`:
 their global ids and every row's lengths). The old / reference log-probs and the values are computed on those rows
-and stay there. What reads the whole batch reduces over the actor's DP group (one rank per shard): GAE's advantage
-whitening, the KL-in-reward mean, rollout correction's mismatch metrics and `batch_metrics` (`RowShards`); GRPO's and
-RLOO's group advantages are per-row functions of the scores, which every rank holds (`outcome_advantages`).
+and stay there. What reads the whole batch reduces over the actor's DP group (one rank per shard): GAE's and
+reinforce_plus_plus's advantage whitening, the KL-in-reward mean, rollout correction's metrics and `batch_metrics`
+(`RowShards`); GRPO's, RLOO's and reinforce_plus_plus_baseline's group advantages are per-row functions of the
+scores, which every rank holds (`outcome_advantages`; the last then whitened over the ranks). Rollout
+correction's IS weights and rejection are per row; a rejection's new counted tokens are shared (`RowShards.recount`).
 
 `plan_row_shards` returns None (the whole batch on every rank) where the assignment is not fixed over the step
-(shuffled mini-batches over several epochs), where actor, critic and reference split the rows differently on a rank,
-where the step reads other ranks' rows (an active rollout correction: IS weights or rejection; KL-in-reward ahead of
-a group estimator; an estimator that whitens over the batch other than GAE: reinforce_plus_plus(_baseline)), or at DP1.
-The trainer also keeps the whole batch with dynamic sampling (the kept rows are known only after scoring) and with a
-reward model (it scores every row on every rank).
+(shuffled mini-batches over several epochs, or a rejection under a DP split that reads the counted tokens), where
+actor, critic and reference split the rows differently on a rank, where the step reads other ranks' rows
+(KL-in-reward ahead of a group estimator), or at DP1. The trainer also keeps the whole batch with dynamic sampling
+(the kept rows are known only after scoring) and with a reward model (it scores every row on every rank). The
+trainer's glue:
+`StepRows` runs the plan inside the rollout exchange, `step_batch` builds the rows, `step_advantages` runs the
+estimator on either batch.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -24,11 +30,16 @@ from tripod.engine.algorithms import compute_advantage
 from tripod.engine.algorithms.masked import WHITEN_EPS
 from tripod.engine.workers.batch import BatchShard, PPOBatch, RowLengths, build_ppo_batch
 from tripod.engine.workers.megatron_worker import MegatronWorker
-from tripod.engine.workers.ppo_workers import update_rows
+from tripod.engine.workers.ppo_workers import assignment_reads_counted_tokens, update_rows
 
-# estimators whose advantages a sharded batch computes: GAE (whitening reduced over the ranks), and the group ones
-# that are a function of each row's score alone (`outcome_advantages`)
-SHARDED_ESTIMATORS = ("gae", "grpo", "rloo")
+if TYPE_CHECKING:
+    from tripod.engine.data import PromptBatch
+
+# estimators whose advantages a sharded batch computes: per-token ones whose only batch statistic is a whitening
+# (reduced over the ranks), and the group ones, functions of every row's score (`outcome_advantages`)
+TOKEN_ESTIMATORS = ("gae", "reinforce_plus_plus")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+SHARDED_ESTIMATORS = TOKEN_ESTIMATORS + GROUP_ESTIMATORS
 
 
 class RowShards:
@@ -80,13 +91,32 @@ class RowShards:
         whitened = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
         return whitened if shift_mean else whitened + mean
 
+    def recount(self, response_mask: torch.Tensor) -> int:
+        """Every row's counted response tokens after this rank's rows' `response_mask` changed (rollout correction's
+        rejection zeroes rows): this rank's rows' sums, summed over the DP group (each row is on one rank of it; an
+        int a row), become `lengths.response_lens`, which the update's loss normalisers and token counts and the
+        group estimators read. Returns the count over every row."""
+        counted = torch.zeros(self.n, dtype=torch.int64, device=response_mask.device)
+        counted[torch.tensor(self.rows, dtype=torch.long, device=response_mask.device)] = \
+            response_mask.sum(-1).round().to(torch.int64)
+        if self.dp > 1:
+            dist.all_reduce(counted, group=self.group)
+        every = self.lengths
+        self.lengths = RowLengths(every.prompt_lens, counted.cpu(), every.seq_lens, every.index)
+        return int(self.lengths.response_lens.sum())
+
     def outcome_advantages(self, name: str, scores: list[float], mask: torch.Tensor, **options
                            ) -> tuple[torch.Tensor, torch.Tensor]:
         """(advantages, returns) of this rank's rows (`mask`: their response mask) under a group estimator (grpo,
-        rloo) from every row's score: the estimator run on one token per row (the score where the row has a
-        response), whose per-row result is what the whole batch's broadcasts over each row's tokens."""
-        if name not in SHARDED_ESTIMATORS or name == "gae":
+        rloo, reinforce_plus_plus_baseline) from every row's score: the estimator run on one token per row (the score
+        where the row has a response), whose per-row result is what the whole batch's broadcasts over each row's
+        tokens; reinforce_plus_plus_baseline's (score minus group mean: Dr.GRPO's) then whitened over the ranks."""
+        if name not in GROUP_ESTIMATORS:
             raise ValueError(f"outcome_advantages: {name!r} is not a group estimator a sharded batch computes")
+        if name == "reinforce_plus_plus_baseline":
+            centred, _ = self.outcome_advantages("grpo", scores, mask, norm_by_std=False)
+            adv = self.masked_whiten(centred, mask) * mask.to(centred.dtype)
+            return adv, adv
         has = (self.lengths.response_lens > 0).to(torch.float32)[:, None]
         rewards = torch.tensor(scores, dtype=torch.float32)[:, None] * has
         adv, ret = compute_advantage(name, rewards, has, index=self.lengths.index, **options)
@@ -97,13 +127,18 @@ class RowShards:
 def plan_row_shards(lengths: RowLengths, algo, bypass: bool, n_samples: int, actor: MegatronWorker, actor_cfg,
                     critic: MegatronWorker | None, critic_cfg, ref: MegatronWorker | None) -> RowShards | None:
     """The step's `RowShards` from every row's `lengths`, or None where some rank cannot keep its rows (decided alike
-    on every rank: one all_reduce over the world). Rows stay apart only where nothing reads other DP ranks' rows: no
-    active rollout correction (its IS weights and rejection are not reduced over ranks; `bypass` needs none), the
-    KL-in-reward penalty (per token) only ahead of GAE, whose whitening reduces over the ranks, a critic only with
-    GAE, and an estimator of SHARDED_ESTIMATORS."""
-    gae = algo.adv_estimator == "gae"
-    allowed = ((bypass or not algo.rollout_correction.active) and (gae or not algo.use_kl_in_reward)
-               and (gae or critic is None) and algo.adv_estimator in SHARDED_ESTIMATORS)
+    on every rank: one all_reduce over the world). Rows stay apart only where nothing reads other DP ranks' rows: the
+    KL-in-reward penalty (per token) only ahead of a TOKEN_ESTIMATORS one (their whitening reduces over the ranks;
+    a group estimator would read other rows' penalties), a critic only with GAE, and an estimator of
+    SHARDED_ESTIMATORS. Rollout correction's IS weights are per row; its rejection changes
+    rows' counted tokens after the rows have moved (`RowShards.recount` shares them), so it keeps the rows apart unless
+    an update's DP split reads those counts (`assignment_reads_counted_tokens`)."""
+    gae, token = algo.adv_estimator == "gae", algo.adv_estimator in TOKEN_ESTIMATORS
+    rejects = not bypass and algo.rollout_correction.rollout_rs is not None
+    split_moves = rejects and any(assignment_reads_counted_tokens(w, c)
+                                  for w, c in ((actor, actor_cfg), (critic, critic_cfg)) if w is not None)
+    allowed = ((token or not algo.use_kl_in_reward) and (gae or critic is None)
+               and algo.adv_estimator in SHARDED_ESTIMATORS and not split_moves)
     lay = actor.layout
     if lay.dp == 1:  # one DP rank holds every row: nothing to keep apart (and the one-rank path stays as it was)
         return None
@@ -118,6 +153,42 @@ def plan_row_shards(lengths: RowLengths, algo, bypass: bool, n_samples: int, act
     if dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return RowShards(rows, lengths, lay.dp_group, lay.dp) if int(flag) else None
+
+
+class StepRows:
+    """Where one step's rows live, decided inside the rollout exchange: `needs(prompts)` is the exchange's callback for
+    a generation batch of `prompts` (every row's response length -> the rows this rank's batch holds, or None: every
+    row), which runs `plan_row_shards` (`plan`: its arguments but the lengths) and keeps the result in `shards`.
+    `enabled` False keeps the whole batch (the trainer's: dynamic sampling, a reward model)."""
+
+    def __init__(self, enabled: bool, n_samples: int, **plan) -> None:
+        self.enabled, self.n, self.plan = enabled, n_samples, plan
+        self.shards: RowShards | None = None
+
+    def needs(self, prompts: PromptBatch) -> Callable[[list[int]], list[int] | None] | None:
+        if not self.enabled:
+            return None
+        n = self.n
+
+        def rows(lengths: list[int]) -> list[int] | None:
+            every = RowLengths.of_rollout([len(x) for x in prompts.input_ids for _ in range(n)], lengths,
+                                          [i for i in prompts.indices for _ in range(n)])
+            self.shards = plan_row_shards(every, n_samples=n, **self.plan)
+            return None if self.shards is None else self.shards.rows
+        return rows
+
+
+def step_advantages(algo, token_rewards: torch.Tensor, mask: torch.Tensor, batch: PPOBatch, scores: list[float],
+                    shards: RowShards | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's (advantages, returns) under algorithm.adv_estimator: of every row, or of a sharded batch's rows
+    (GAE and reinforce_plus_plus whitened over the ranks; a group estimator from every row's score, as a group's rows
+    may sit on other ranks: `RowShards.outcome_advantages`). `scores`: every row's sequence reward."""
+    grpo = {"norm_by_std": algo.norm_adv_by_std_in_grpo} if algo.adv_estimator == "grpo" else {}
+    if shards is not None and algo.adv_estimator in GROUP_ESTIMATORS:
+        return shards.outcome_advantages(algo.adv_estimator, scores, mask, **grpo)
+    return compute_advantage(algo.adv_estimator, token_rewards, mask, index=batch["index"],
+                             values=batch.tensors.get("values"), gamma=algo.gamma, lam=algo.lam, **grpo,
+                             **({"whiten": shards.masked_whiten} if shards is not None else {}))
 
 
 def step_batch(input_ids: list[list[int]], indices: list[int], n: int, responses: list, log_probs: list | None,
