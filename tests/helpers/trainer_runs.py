@@ -97,18 +97,16 @@ def world_size_of(args: list[str]) -> int:
     return sizes["trainer.nnodes"] * sizes["trainer.n_gpus_per_node"]
 
 
-def train_together(runs: dict[str, list[str]], log_dir: str, timeout: float = 900, hooks: bool = False,
+def train_together(runs: dict[str, list[str]], log_dir: str, timeout: float = 900,
                    run_envs: dict[str, dict] | None = None) -> None:
     """Make every {name: overrides of `tripod train recipes/defaults.yaml`} at once, each in its own test world of
     the size its overrides ask for (`train_in_world`'s forked ranks: no CLI process, no interpreter start per rank),
     and wait for all; output goes to `log_dir/<name>.log`, whose tail a failure shows. For independent runs: with a
     fixed thread count per rank (`env`) a run's arithmetic does not depend on what runs beside it, only its wall time
     does. `run_envs[name]` is added to that run's ranks' environment (TRIPOD_TEST_PLANT=<bug> plants a bug of
-    tests/multiprocess/workers/train_with_hooks.py there, as `hooks` did for the CLI; the worker imports that module
-    in every rank, so `hooks` needs nothing more)."""
+    tests/multiprocess/workers/train_with_hooks.py there: the worker imports that module in every rank)."""
     from tests.helpers.common import launch_world, torchrun_failure
 
-    del hooks  # the in-process worker applies the hooks' environment in every rank
     procs = {}
     for name, args in runs.items():
         extra = {k: v for k, v in ((run_envs or {}).get(name) or {}).items() if os.environ.get(k) != v}

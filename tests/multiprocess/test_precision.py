@@ -176,7 +176,7 @@ def test_distributed_optimizer_equals_plain_optimizer_across_layouts(tmp_path):
     # difference of a near-zero gradient up to an lr-sized step); metrics then agree within trainer_runs' bound
     linear_adam = ["actor_rollout_ref.actor.optim.eps=1.0", "critic.optim.eps=1.0"]
     train_together({"base": tiny_overrides(setup, base_dir, world=1, steps=2) + GREEDY + linear_adam,
-                    "dp2": _dp2_args(tmp_path, setup, linear_adam)}, str(tmp_path), hooks=True,
+                    "dp2": _dp2_args(tmp_path, setup, linear_adam)}, str(tmp_path),
                    run_envs={"dp2": env(**_DEVICE_ENV)})
     _check_device_guard(tmp_path)
     base, dp2 = _metrics(base_dir), _metrics(str(tmp_path / "dp2"))
