@@ -121,6 +121,11 @@ def main() -> None:
         want[name] = step_advantages(algo, whole_rewards, mask, whole, scores, None)[0]
         have[name] = step_advantages(algo, part_rewards, part_mask, part, scores, shards)[0]
     assert want.keys() == have.keys(), (sorted(want), sorted(have))
+    # The bound 1e-5: the whole batch's statistics are fp32 sums of <= 24 x 9 = 216 terms of magnitude <= 3, the
+    # sharded ones float64 sums of the ranks' fp32 partial sums. torch's CPU sum is a cascade (pairwise, blocked by
+    # vector lanes: aten SumKernel.cpp), whose error is O(log2 N) u of the summed magnitudes, ~1e-6 here on any CPU's
+    # vector width; whitening divides by a std ~1 and the mean / variance each add one such error. A reduction that
+    # is missing or over-counted moves these values by O(0.1-1) (the planted bugs).
     for key, w in want.items():
         v = have[key]
         if isinstance(w, torch.Tensor):
