@@ -1,8 +1,11 @@
 """Throughput, MFU and peak memory of a PPO step (perf/* metrics; memory read by engine/memory.py).
 
-FLOPs follow the usual dense-transformer count: 2 * params * tokens for a forward, 6 * params * tokens for a
-forward + backward, plus attention (4 * layers * hidden * seq per token forward); the LM head only counts at response
-positions, where tripod computes it. MFU divides the actor's
+FLOPs follow the usual transformer count: 2 * params * tokens for a forward, 6 * params * tokens for a forward +
+backward, where params are the matmul weights one token runs through (`active_matmul_params`: with MoE the router,
+the top-k routed experts and the shared expert, not every expert; with MLA its low-rank projections), plus the
+attention scores (2 * seq * heads * (qk head dim + v head dim) per layer and token forward: 4 * hidden * seq when
+heads * head_dim = hidden); the LM head only counts at response positions, where tripod computes it. The count is
+held to torch's FlopCounterMode over Hugging Face's own models in tests/unit/test_flop_count.py. MFU divides the actor's
 achieved FLOP/s per device by the device peak: on CUDA a table of bf16 dense peaks, on CPU the fp32 matmul
 throughput measured once at start-up (so CPU "MFU" reads as the fraction of what this machine's BLAS reaches).
 Peak memory is gathered from every rank (one small all-gather per step): `perf/peak_memory_gb/rank{r}` for worlds
@@ -41,11 +44,45 @@ def peak_memory_per_rank(mine: float) -> dict[str, float]:
     return out
 
 
-def count_params(arch: ModelArch) -> int:
-    """Parameters that do matmul work for every token: the transformer layers (not embedding or LM head)."""
-    h, f, hd = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim
-    attn = h * (arch.num_heads + 2 * arch.num_kv_heads) * hd + arch.num_heads * hd * h
-    return arch.num_layers * (attn + 3 * h * f + 2 * h) + h
+def _attention_params(arch: ModelArch) -> int:
+    h, heads = arch.hidden_size, arch.num_heads
+    if arch.mla is None:
+        hd = arch.head_dim
+        return h * (heads + 2 * arch.num_kv_heads) * hd + heads * hd * h
+    m = arch.mla
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    q = h * m.q_lora_rank + m.q_lora_rank * heads * qk if m.q_lora_rank else h * heads * qk
+    kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+    return q + kv + heads * m.v_head_dim * h
+
+
+def _mlp_params(arch: ModelArch, layer: int) -> int:
+    """Matmul weights one token runs through in `layer`'s MLP: a dense SwiGLU, or an MoE layer's router, its top-k
+    routed experts and its shared expert (with its gate)."""
+    h, moe = arch.hidden_size, arch.moe
+    if moe is None or not moe.layer_is_moe[layer]:
+        return 3 * h * arch.ffn_hidden_size
+    shared = 3 * h * moe.shared_expert_ffn_hidden_size if moe.shared_expert_ffn_hidden_size else 0
+    return h * moe.num_experts + moe.topk * 3 * h * moe.expert_ffn_hidden_size + shared + \
+        (h if moe.shared_expert_gate else 0)
+
+
+def active_matmul_params(arch: ModelArch) -> int:
+    """Matmul weights every token runs through in the transformer layers (not the embedding or LM head): with MoE the
+    router, the top-k routed experts and the shared expert of each MoE layer (so an MoE model counts its active
+    parameters, not its total)."""
+    return sum(_attention_params(arch) + _mlp_params(arch, i) for i in range(arch.num_layers))
+
+
+def attention_width(arch: ModelArch) -> int:
+    """heads * (qk head dim + v head dim), summed over the layers: the attention scores and the weighted sum cost
+    2 * seq * attention_width FLOPs per token forward."""
+    if arch.mla is None:
+        per_layer = arch.num_heads * 2 * arch.head_dim
+    else:
+        m = arch.mla
+        per_layer = arch.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+    return arch.num_layers * per_layer
 
 
 def measure_peak_flops() -> float:
@@ -68,11 +105,12 @@ def measure_peak_flops() -> float:
 class PerfCounter:
     def __init__(self, arch: ModelArch, world_size: int):
         self.arch, self.world = arch, world_size
-        self.params = count_params(arch)
+        self.params = active_matmul_params(arch)
+        self.attention_width = attention_width(arch)
         self.peak = measure_peak_flops()
 
     def flops_per_token(self, seq: float, backward: bool) -> float:
-        attn = 4 * self.arch.num_layers * self.arch.hidden_size * seq
+        attn = 2 * self.attention_width * seq
         return (6 if backward else 2) * self.params + (3 if backward else 1) * attn
 
     def head_flops(self, response_tokens: float, backward: bool) -> float:

@@ -2,7 +2,7 @@
 it (no checkpoints, no validation), one raw record per step written by rank 0 for `tripod.engine.bench.summary`.
 
 A record holds the step's wall time, the trainer's own stage timers (`timing_s/*`), the tokens it processed and
-the matmul FLOPs of each stage by the dense-transformer count of `tripod.engine.throughput.PerfCounter`, so MFU and tokens/s
+the matmul FLOPs of each stage by the transformer count of `tripod.engine.throughput.PerfCounter`, so MFU and tokens/s
 are computed afterwards from numbers that are all in the file.
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ def bench_on_rank(config_yaml: str, steps: int, warmup: int, raw_path: str) -> N
 
     from tripod.engine.config import TripodConfig
     from tripod.engine.memory import peak_memory_gb
-    from tripod.engine.throughput import count_params
+    from tripod.engine.throughput import active_matmul_params
     from tripod.engine.trainer import PPOTrainer
 
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TripodConfig), OmegaConf.create(config_yaml)))
@@ -94,7 +94,7 @@ def bench_on_rank(config_yaml: str, steps: int, warmup: int, raw_path: str) -> N
         raw = {"records": records, "ranks": ranks, "world_size": trainer.world, "setup_s": setup_s,
                "on_policy_old_log_probs_skipped": all("old_log_prob" not in r["stages_s"] for r in records),
                "model": {"path": cfg.actor_rollout_ref.model.path, "family": arch.family,
-                         "layer_params": count_params(arch), "num_layers": arch.num_layers,
+                         "layer_params": active_matmul_params(arch), "num_layers": arch.num_layers,
                          "hidden_size": arch.hidden_size, "vocab_size": arch.vocab_size}}
         os.makedirs(os.path.dirname(os.path.abspath(raw_path)), exist_ok=True)
         with open(raw_path, "w") as f:
