@@ -128,6 +128,8 @@ class MegatronWorker:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        from tripod.parallel.megatron_patches.cpu_adam import fuse_cpu_adam
+
         prec = self.precision
         if prec.use_distributed_optimizer:
             from tripod.parallel.megatron_patches.gloo_collectives import install_inplace_gloo_collectives
@@ -143,6 +145,7 @@ class MegatronWorker:
                 weight_decay=optim.weight_decay, adam_beta1=optim.betas[0], adam_beta2=optim.betas[1],
                 adam_eps=optim.eps, clip_grad=grad_clip, **prec.optimizer_overrides()), ddp,
                 use_gloo_process_groups=False, pg_collection=self.layout.pg_collection)
+            fuse_cpu_adam(opt)  # megatron builds torch's per-tensor loop on CPU: 7x slower (megatron_patches)
             for chunk in chunks:
                 chunk.config.finalize_model_grads_func = finalize_model_grads
         return ddp, opt
