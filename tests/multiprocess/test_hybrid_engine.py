@@ -7,8 +7,9 @@ from tests.helpers.common import make_tiny_hf_model, run_torchrun
 
 
 def _parse(out):
-    """One row per (case, rank); `recv` is what the transport counted from the tensors its collectives delivered."""
-    pattern = (r"\[(.+?)\] rank (\d+) recv=(\d+) plan=(\d+) peak_extra=(\d+) limit=(\d+) gen_shard=\d+ "
+    """One row per (case, rank); `recv` is what the transport counted from the tensors its collectives delivered.
+    The ranks share one output: a report may follow another's text on its line (a tag never spans a bracket)."""
+    pattern = (r"\[([^\[\]\n]+)\] rank (\d+) recv=(\d+) plan=(\d+) peak_extra=(\d+) limit=(\d+) gen_shard=\d+ "
                r"mean_recv=([\d.e+]+) hybridflow=([\d.e+]+)")
     return [dict(tag=m[0], rank=int(m[1]), recv=int(m[2]), plan=int(m[3]), peak=int(m[4]), limit=int(m[5]),
                  mean=float(m[6]), hybridflow=float(m[7])) for m in re.findall(pattern, out)]
@@ -73,7 +74,7 @@ def test_tripod_plan_prints_groups_and_bytes(tmp_path, capsys):
 # ---- rollout TP that training TP does not divide: point-to-point regrouping (parallel/hybrid_engine/regroup.py) ---
 def _groups(out):
     return {(m[0], int(m[1])): (int(m[2]), m[3]) for m in
-            re.findall(r"\[(.+?)\] rank (\d+) rollout_tp_rank=(\d+) group=(\[[\d, ]+\])", out)}
+            re.findall(r"\[([^\[\]\n]+)\] rank (\d+) rollout_tp_rank=(\d+) group=(\[[\d, ]+\])", out)}
 
 
 @pytest.mark.dist
