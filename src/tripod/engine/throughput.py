@@ -6,8 +6,9 @@ the top-k routed experts and the shared expert, not every expert; with MLA its l
 attention scores (2 * seq * heads * (qk head dim + v head dim) per layer and token forward: 4 * hidden * seq when
 heads * head_dim = hidden); the LM head only counts at response positions, where tripod computes it. The count is
 held to torch's FlopCounterMode over Hugging Face's own models in tests/unit/test_flop_count.py. MFU divides the actor's
-achieved FLOP/s per device by the device peak: on CUDA a table of bf16 dense peaks, on CPU the fp32 matmul
-throughput measured once at start-up (so CPU "MFU" reads as the fraction of what this machine's BLAS reaches).
+achieved FLOP/s per device by the device peak: on CUDA a table of bf16 dense peaks, on CPU the best fp32 matmul
+rate over a quarter second at start-up (so CPU "MFU" reads as the fraction of what this machine's BLAS reaches at its
+best; `tripod bench` measures it again after its steps and keeps the higher).
 Peak memory is gathered from every rank (one small all-gather per step): `perf/peak_memory_gb/rank{r}` for worlds
 of up to PER_RANK_MEMORY_KEYS ranks, and the largest and smallest over all ranks always.
 """
@@ -85,8 +86,10 @@ def attention_width(arch: ModelArch) -> int:
     return arch.num_layers * per_layer
 
 
-def measure_peak_flops() -> float:
-    """Device peak FLOP/s: a table for known GPUs, a short fp32 matmul measurement on CPU."""
+def measure_peak_flops(min_seconds: float = 0.25) -> float:
+    """Device peak FLOP/s: a table for known GPUs; on CPU the best rate of a 1024^3 fp32 matmul repeated for at least
+    `min_seconds` (the analogue of a spec-sheet peak: the best moment, so a start-up neighbour that takes the core for
+    a few milliseconds does not lower it)."""
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         for key, tflops in CUDA_BF16_PEAK_TFLOPS.items():
@@ -94,11 +97,12 @@ def measure_peak_flops() -> float:
                 return tflops * 1e12
     n = 1024
     a, b = torch.randn(n, n), torch.randn(n, n)
-    best = float("inf")
-    for _ in range(5):  # best of 5: start-up contention must not lower the ceiling
+    best, start, runs = float("inf"), time.perf_counter(), 0
+    while runs < 5 or time.perf_counter() - start < min_seconds:
         t0 = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - t0)
+        runs += 1
     return 2 * n ** 3 / best
 
 

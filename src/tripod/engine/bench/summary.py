@@ -7,7 +7,8 @@ Every system (tripod, TRL, the plain HF loop) hands in the same raw form: `recor
 - tokens/s = (prompt + response tokens of the measured steps) / (their summed step time); per device: / world.
 - a stage's share = its summed time / the summed step time, with "other" = step minus the timed stages, so the
   shares of a run sum to 1 exactly.
-- MFU of a stage = its FLOPs / its time / world / the per-device ceiling measured in the same run.
+- MFU of a stage = its FLOPs / its time / world / the per-device ceiling measured in the same run (the highest any
+  rank measured).
 - median and spread (min, max) of each stage over the measured (non-warmup) steps.
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
               for k, vals in per_stage.items()}
     ranks = raw.get("ranks") or []
     ceilings = [r["peak_flops"] for r in ranks if r.get("peak_flops")]
-    ceiling = min(ceilings) if ceilings else None
+    ceiling = max(ceilings) if ceilings else None  # the best any rank saw: MFU is never flattered by a slow reading
     mfu = {}
     for k in names:
         flops = sum(r.get("flops", {}).get(k, 0.0) for r in recs)
