@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--layers", type=int, default=2, help="layers of a scaled model (default 2)")
     parser.add_argument("--memory-gb", type=float, default=14.0, help="host memory for a scaled run's models")
-    parser.add_argument("--tokens", type=int, default=1024, help="about this many tokens per scaled step")
+    parser.add_argument("--tokens", type=int, default=1024,
+                        help="about this many model tokens per scaled step (a prompt shared by its n samples once)")
     parser.add_argument("--response-length", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=150, help="a GSM8K prompt's tokens, for --tokens")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "bench_recipes"))
