@@ -33,6 +33,7 @@ def fuse_cpu_adam(optimizer) -> int:
     many param groups were switched. Call it before the first step (the state it makes is then the fused kernel's)."""
     switched = 0
     for adam in torch_adams(optimizer):
+        mine = 0
         for group in adam.param_groups:
             params = group["params"]
             if group.get("fused") or group.get("differentiable") or not params:
@@ -40,7 +41,8 @@ def fuse_cpu_adam(optimizer) -> int:
             if all(p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
                    for p in params):
                 group.update(fused=True, foreach=False)
-                switched += 1
-        if switched:
+                mine += 1
+        if mine:
             adam.defaults.update(fused=True, foreach=False)
+        switched += mine
     return switched
