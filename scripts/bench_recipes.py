@@ -61,9 +61,8 @@ def scaled_run(recipe: str, cfg, args) -> tuple[list[str], list[str]]:
     from tripod.engine.bench.scaled_model import fit_scaled_model, write_scaled_model
     from tripod.engine.cli.plan import plan_model_config
 
-    mcfg = cfg.actor_rollout_ref.actor.megatron
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
-    dp = world // (mcfg.tensor_model_parallel_size * mcfg.pipeline_model_parallel_size * mcfg.context_parallel_size)
+    dp = cfg.actor_rollout_ref.actor.megatron.data_parallel_size(world)
     with open(plan_model_config(cfg.actor_rollout_ref.model.path)) as f:
         hf = json.load(f)
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
