@@ -158,10 +158,19 @@ def _backward_torch(h2d, weight, labels1d, lse, entropy, grad_logp, grad_ent, in
                                    local_labels[t0:t1] - v0)
             g = g.mul_(inv_temp).to(h2d.dtype)
             if need_h:
-                grad_h[t0:t1].add_(g @ w_c)
+                _add_matmul(grad_h[t0:t1], g, w_c)
             if need_w:
-                grad_w[v0:v1].add_(g.T @ h_c)
+                _add_matmul(grad_w[v0:v1], g.T, h_c)
     return grad_h, grad_w
+
+
+def _add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out += a @ b: in place (addmm_, no [rows, cols] temporary) where out has the operands' dtype; a bf16 / fp16
+    product is formed first and accumulated into the float32 buffer (addmm_ takes one dtype)."""
+    if out.dtype == a.dtype:
+        out.addmm_(a, b)
+    else:
+        out.add_(a @ b)
 
 
 class _LogprobsFromHidden(torch.autograd.Function):
