@@ -118,7 +118,8 @@ class PerfCounter:
         return (6 if backward else 2) * self.params + (3 if backward else 1) * attn
 
     def head_flops(self, response_tokens: float, backward: bool) -> float:
-        """The LM head runs on response positions only (kernels.logprobs_from_hidden)."""
+        """The LM head runs on the real response tokens only (response_mask: MegatronWorker.token_logprobs,
+        kernels.logprobs_from_hidden), the count `RowLengths.response_lens` holds."""
         return (6 if backward else 2) * self.arch.vocab_size * self.arch.hidden_size * response_tokens
 
     @staticmethod

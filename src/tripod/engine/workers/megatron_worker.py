@@ -275,44 +275,56 @@ class MegatronWorker:
         return float(self.optimizer.param_groups[0]["lr"])
 
     # ---- heads ---------------------------------------------------------------------------------
-    def response_outputs(self, output: torch.Tensor, mb: PPOBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """([N, R, ...] rows of the model output [b, s, ...] that predict each response token (packed or not), None).
-        With context parallelism the output holds this CP rank's slots only: ([K, ...] rows of the K response
-        tokens this rank holds, their [N, R] mask); `_per_token` makes full [N, R] tensors of what is computed
-        from them."""
+    def response_outputs(self, output: torch.Tensor, mb: PPOBatch,
+                         only: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows of the model output [b, s, ...] that predict the response tokens (packed or not), and which
+        [N, R] positions they are: ([N, R, ...] every position, None), or with `only` (an [N, R] bool mask) or context
+        parallelism ([K, ...], their [N, R] mask): the K positions of `only` (all without it) that this CP rank holds
+        (its output has its own slots only). `_per_token` makes full [N, R] tensors of what is computed from them."""
         seq = (mb.packed.input_ids if mb.packed is not None else mb["input_ids"]).shape[1]
         flat = output.reshape(output.shape[0] * output.shape[1], *output.shape[2:])
         if mb.packed is not None:
-            index = mb.packed.gather
+            index = mb.packed.gather.to(output.device)
         else:
-            index = torch.arange(mb.size, device=output.device)[:, None] * seq + mb.response_positions()
-        if self.layout.cp == 1:
+            rows = torch.arange(mb.size, device=output.device)[:, None]
+            index = rows * seq + mb.response_positions().to(output.device)
+        picked = None if only is None else only.to(output.device)
+        if self.layout.cp > 1:
+            held, index = held_positions(index, seq, self.layout.cp, self.layout.cp_rank)
+            picked = held if picked is None else held & picked
+        if picked is None:
             return flat[index], None
-        held, local = held_positions(index.to(output.device), seq, self.layout.cp, self.layout.cp_rank)
-        return flat[local[held]], held
+        return flat[index[picked]], picked
 
-    def _per_token(self, values: torch.Tensor, held: torch.Tensor | None) -> torch.Tensor:
-        """[N, R] per-token results: as they are without CP, else this rank's [K] scattered into zeros and summed over
-        the CP group (context_parallel.sum_over_cp: the gradient reaches each rank's own tokens)."""
-        if held is None:
+    def _per_token(self, values: torch.Tensor, picked: torch.Tensor | None) -> torch.Tensor:
+        """[N, R] per-token results: as they are when computed at every position, else the [K] results scattered
+        into zeros at `picked`; with CP summed over the CP group (context_parallel.sum_over_cp: the gradient
+        reaches each rank's own tokens)."""
+        if picked is None:
             return values
-        full = values.new_zeros(held.shape).index_put((held,), values)
-        return sum_over_cp(full, self.layout.cp_group)
+        full = values.new_zeros(picked.shape).index_put((picked,), values)
+        return sum_over_cp(full, self.layout.cp_group) if self.layout.cp > 1 else full
 
     def token_logprobs(self, output: torch.Tensor, mb: PPOBatch, temperature: float,
                        with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (and entropy) of the response tokens from the last stage's hidden states [b, s, h]."""
+        """Log-probs (and entropy) [N, R] of the response tokens from the last stage's hidden states [b, s, h].
+
+        The LM head runs at the real response tokens only (`response_mask` > 0; every position of a batch without
+        one): log-prob and entropy are 0 at padding, which every consumer masks out anyway. Every TP rank picks
+        the same positions (one mask), as the vocab-parallel head's collectives need."""
         from tripod.kernels import logprobs_from_hidden
 
-        hidden, held = self.response_outputs(output, mb)
-        labels = mb["responses"] if held is None else mb["responses"][held.to(mb["responses"].device)]
+        real = mb.tensors.get("response_mask")
+        hidden, picked = self.response_outputs(output, mb, None if real is None else real > 0)
+        responses = mb["responses"]
+        labels = responses if picked is None else responses[picked.to(responses.device)].to(hidden.device)
         m = self.module  # the weight GPTModel's output layer would use (tied: the embedding, or its last-stage copy)
         weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else m.output_layer.weight
         logp, ent = logprobs_from_hidden(hidden, weight, labels, temperature=temperature,
                                          tp_group=self.layout.tp_group if self.layout.tp > 1 else None,
                                          with_entropy=with_entropy, vocab_size=self.arch.vocab_size,
                                          reduce_hidden_grad=not m.config.sequence_parallel)
-        return self._per_token(logp, held), None if ent is None else self._per_token(ent, held)
+        return self._per_token(logp, picked), None if ent is None else self._per_token(ent, picked)
 
     def token_values(self, output: torch.Tensor, mb: PPOBatch) -> torch.Tensor:
         """Critic values [b, R] at the positions that predict each response token."""
