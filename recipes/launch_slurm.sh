@@ -22,6 +22,7 @@ HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 PORT=${MASTER_PORT:-$((29500 + SLURM_JOB_ID % 1000))}
 LOGS=${LOG_ROOT:-logs}/$SLURM_JOB_ID
 mkdir -p "$LOGS"
+export THP_MEM_ALLOC_ENABLE=${THP_MEM_ALLOC_ENABLE:-1}  # torch's CPU tensors on huge pages (engine/launch.py)
 echo "tripod job $SLURM_JOB_ID: $NNODES node(s) x $NPROC processes, rendezvous $HEAD:$PORT, logs $LOGS"
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 --nodes="$NNODES" \
   "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$NPROC" \

@@ -19,6 +19,7 @@ from tripod.engine.config import load_config
 t = load_config(sys.argv[1], sys.argv[2:]).trainer
 print(t.nnodes, t.n_gpus_per_node)" "$RECIPE" "$@")
 NNODES=${NNODES:-$CFG_NNODES}
+export THP_MEM_ALLOC_ENABLE=${THP_MEM_ALLOC_ENABLE:-1}  # torch's CPU tensors on huge pages (engine/launch.py)
 NPROC=${NPROC:-$CFG_NPROC}
 ARGS=(--nnodes="$NNODES" --nproc-per-node="$NPROC" --max-restarts="${MAX_RESTARTS:-0}")
 if [[ "$NNODES" == 1 && -z "${MASTER_ADDR:-}" ]]; then

@@ -30,7 +30,14 @@ from tripod.engine.cli.plan import add_plan_command
 from tripod.engine.cli.report import add_report_command
 from tripod.engine.cli.train import add_train_command
 from tripod.engine.cli.train_rm import add_train_rm_command
-from tripod.engine.launch import USER_ERRORS, CommandFailed, detect_launch, error_line, is_rank_zero
+from tripod.engine.launch import (
+    USER_ERRORS,
+    CommandFailed,
+    default_huge_page_allocations,
+    detect_launch,
+    error_line,
+    is_rank_zero,
+)
 
 NONZERO_RANK_EXIT_GRACE_S = 30.0
 
@@ -49,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    default_huge_page_allocations()  # for the ranks and peers this command spawns (engine/launch.py)
     try:
         return args.func(args)
     except (CommandFailed, *USER_ERRORS) as e:

@@ -45,6 +45,9 @@ def machine_info() -> dict:
             info["avx512f"], info["avx2"] = info.pop("Flags")
     except (OSError, subprocess.SubprocessError):
         pass
+    from tripod.engine.launch import HUGE_PAGES_ENV
+
+    info[HUGE_PAGES_ENV] = os.environ.get(HUGE_PAGES_ENV)  # tripod's ranks and the peers alike (they inherit it)
     try:
         info["load_average"] = os.getloadavg()
     except OSError:
