@@ -70,10 +70,14 @@ def scaled_run(recipe: str, cfg, args) -> tuple[list[str], list[str]]:
                               critic=cfg.uses_critic, reference=cfg.uses_reference)
     model_dir = write_scaled_model(scaled, tokenizer, os.path.join(args.out, "models", Path(recipe).stem))
     n = cfg.actor_rollout_ref.rollout.n
-    prompts = max(1, round(args.tokens / (n * args.response_length + args.prompt_tokens)))
+    tokens = args.tokens or min(cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu, args.max_tokens)
+    prompts = max(1, round(tokens / (n * args.response_length + args.prompt_tokens)))
     changes = [f"{cfg.actor_rollout_ref.model.path} shapes: " + ", ".join(scaled.changes),
                f"{scaled.params / 1e6:.0f}M parameters, random", f"layout TP1 PP1 EP1 fp32 on 1 rank (was DP{dp} of "
                f"{world})", f"{prompts} prompts x {n}, responses {args.response_length} tokens, one mini-batch"]
+    budget = cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
+    if not args.tokens and budget > tokens:
+        changes.append(f"~{tokens} tokens a step of the recipe's {budget}-token micro-batch budget")
     over = [f"actor_rollout_ref.model.path={model_dir}", f"data.train_files=[{GSM8K / 'train.parquet'}]",
             f"data.train_batch_size={prompts}", f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
             f"critic.ppo_mini_batch_size={prompts}", f"data.max_response_length={args.response_length}",
@@ -107,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=2, help="layers of a scaled model (default 2)")
     parser.add_argument("--memory-gb", type=float, default=14.0, help="host memory for a scaled run's models")
     parser.add_argument("--tokens", type=int, default=1024,
-                        help="about this many model tokens per scaled step (a prompt shared by its n samples once)")
+                        help="about this many model tokens per scaled step (a prompt shared by its n samples once); "
+                             "0: the recipe's own micro-batch budget (actor.ppo_max_token_len_per_gpu), at most "
+                             "--max-tokens")
+    parser.add_argument("--max-tokens", type=int, default=8192, help="the cap of --tokens 0")
     parser.add_argument("--response-length", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=150, help="a GSM8K prompt's tokens, for --tokens")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "bench_recipes"))
