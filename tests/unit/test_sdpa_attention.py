@@ -8,7 +8,10 @@ no [b, heads, s, s] activations, with the memory plan counting what it keeps.
 * The bytes autograd saves for one SDPA core attention on CPU (torch's fused CPU kernel, like CUDA's memory-efficient
   one) equal memory_plan.fused_attention_saved_bytes exactly, in fp32 and bf16.
 * `tripod plan` of the Qwen3-30B-A3B recipe (trainer.device=cuda) counts the fused attention: less than half the
-  activations of the materialising one at its 1.5k-token sequences.
+  activations of the materialising one at its 1.5k-token sequences. On CPU (tripod's defaults) the plan counts the
+  fused attention too for a non-MLA model (Qwen2.5-0.5B), and megatron's materialising one for an MLA model
+  (DeepSeek-V3), which keeps megatron's core attention: what build_gpt_model runs on either device
+  (tests/unit/test_sdpa_model.py).
 """
 import subprocess
 import sys
@@ -99,9 +102,10 @@ def test_plan_counts_the_attention_that_runs():
 
     with open(f"{REPO_ROOT}/recipes/model_configs/Qwen--Qwen3-30B-A3B.json") as f:
         arch = arch_from_hf(json.load(f))
-    eager = activation_bytes(arch, 4, 2, 4, 1536, torch.bfloat16)
+    eager = activation_bytes(arch, 4, 2, 4, 1536, torch.bfloat16, fused_attention=False)
     fused = activation_bytes(arch, 4, 2, 4, 1536, torch.bfloat16, fused_attention=True)
     assert fused < eager / 2
+    assert activation_bytes(arch, 4, 2, 4, 1536, torch.bfloat16) == fused  # the default: what runs
     import contextlib
     import io
 
@@ -112,3 +116,29 @@ def test_plan_counts_the_attention_that_runs():
         assert main(["plan", "recipes/qwen3/30b-a3b-gsm8k.yaml"]) == 0
     actor = float(buf.getvalue().split("(longest sequences): actor ")[1].split(" MiB")[0])
     assert actor == pytest.approx(fused / 2 ** 20, abs=0.1)  # the recipe runs on CUDA: the fused attention
+
+
+@pytest.mark.parametrize("model, mla", [("Qwen--Qwen2.5-0.5B-Instruct.json", False),
+                                        ("deepseek-ai--DeepSeek-V3.json", True)])
+def test_cpu_plan_counts_the_attention_that_runs(model, mla):
+    import json
+
+    from tripod.engine.config import load_config
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.memory_plan import activation_bytes, plan_from_config
+
+    path = f"{REPO_ROOT}/recipes/model_configs/{model}"
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={path}"])
+    assert cfg.trainer.device == "cpu" and not cfg.actor_rollout_ref.actor.use_dynamic_bsz  # tripod's defaults
+    with open(path) as f:
+        arch = arch_from_hf(json.load(f))
+    assert (arch.mla is not None) == mla
+    rows = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+    seq = cfg.data.max_prompt_length + cfg.actor_rollout_ref.rollout.response_length
+    m = cfg.actor_rollout_ref.actor.megatron
+    plan = plan_from_config(cfg, m.tensor_model_parallel_size * m.pipeline_model_parallel_size, arch)
+    a = plan.models[0]
+    fused, eager = (activation_bytes(arch, a.tp, a.pp, rows, seq, a.param_dtype, recompute=a.recompute,
+                                     fused_attention=f) for f in (True, False))
+    assert fused < eager
+    assert plan.activations["actor"] == (eager if mla else fused)
