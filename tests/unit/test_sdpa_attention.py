@@ -3,7 +3,8 @@ no [b, heads, s, s] activations, with the memory plan counting what it keeps.
 
 * `SDPADotProductAttention` against megatron-core 0.16.1's DotProductAttention (the module the local spec had), fp32,
   grouped-query heads, a causal + left-padding mask: forward and the gradients of q, k, v on every query row that
-  sees at least one key (a fully masked padding row is finite in both, and never read). Bound 1e-5: fp32 (eps 1.2e-7)
+  sees at least one key (a fully masked padding row is finite in both, and never read), and the same for a
+  context-parallel rank's part (its 6 query rows of 12, every key). Bound 1e-5: fp32 (eps 1.2e-7)
   softmax and two matmuls over <= 16-element reductions differ by reduction order only, a few ulps at these scales.
 * The bytes autograd saves for one SDPA core attention on CPU (torch's fused CPU kernel, like CUDA's memory-efficient
   one) equal memory_plan.fused_attention_saved_bytes exactly, in fp32 and bf16.
@@ -59,6 +60,17 @@ SCRIPT = textwrap.dedent("""
         (out[seen] * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
         outs.append((out.detach()[seen], q.grad, k.grad, v.grad))
     for name, a, c in zip(("out", "dq", "dk", "dv"), *outs):
+        torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-5, msg=name)
+    # what a context-parallel rank computes (parallel/context_parallel.py): its query rows, every key
+    from tripod.parallel.context_parallel import local_slots
+    slots = local_slots(s, 2, 1)
+    outs = []
+    for module in (ref, sdpa):
+        q, k, v = (t.clone().requires_grad_() for t in (q0[slots], k0, v0))
+        out = module(q, k, v, mask[:, :, slots])
+        (out[seen[slots]] * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        outs.append((out.detach()[seen[slots]], q.grad, k.grad, v.grad))
+    for name, a, c in zip(("cp out", "cp dq", "cp dk", "cp dv"), *outs):
         torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-5, msg=name)
     print("SDPA_MATCHES_MEGATRON")
 """)
