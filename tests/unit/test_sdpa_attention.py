@@ -3,12 +3,16 @@ no [b, heads, s, s] activations, with the memory plan counting what it keeps.
 
 * `SDPADotProductAttention` against megatron-core 0.16.1's DotProductAttention (the module the local spec had), fp32,
   grouped-query heads, a causal + left-padding mask: forward and the gradients of q, k, v on every query row that
-  sees at least one key (a fully masked padding row is finite in both, and never read). Bound 1e-5: fp32 (eps 1.2e-7)
+  sees at least one key (a fully masked padding row is finite in both, and never read), and the same for a
+  context-parallel rank's part (its 6 query rows of 12, every key). Bound 1e-5: fp32 (eps 1.2e-7)
   softmax and two matmuls over <= 16-element reductions differ by reduction order only, a few ulps at these scales.
 * The bytes autograd saves for one SDPA core attention on CPU (torch's fused CPU kernel, like CUDA's memory-efficient
   one) equal memory_plan.fused_attention_saved_bytes exactly, in fp32 and bf16.
 * `tripod plan` of the Qwen3-30B-A3B recipe (trainer.device=cuda) counts the fused attention: less than half the
-  activations of the materialising one at its 1.5k-token sequences.
+  activations of the materialising one at its 1.5k-token sequences. On CPU (tripod's defaults) the plan counts the
+  fused attention too for a non-MLA model (Qwen2.5-0.5B), and megatron's materialising one for an MLA model
+  (DeepSeek-V3), which keeps megatron's core attention: what build_gpt_model runs on either device
+  (tests/unit/test_sdpa_model.py).
 """
 import subprocess
 import sys
@@ -57,6 +61,17 @@ SCRIPT = textwrap.dedent("""
         outs.append((out.detach()[seen], q.grad, k.grad, v.grad))
     for name, a, c in zip(("out", "dq", "dk", "dv"), *outs):
         torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-5, msg=name)
+    # what a context-parallel rank computes (parallel/context_parallel.py): its query rows, every key
+    from tripod.parallel.context_parallel import local_slots
+    slots = local_slots(s, 2, 1)
+    outs = []
+    for module in (ref, sdpa):
+        q, k, v = (t.clone().requires_grad_() for t in (q0[slots], k0, v0))
+        out = module(q, k, v, mask[:, :, slots])
+        (out[seen[slots]] * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        outs.append((out.detach()[seen[slots]], q.grad, k.grad, v.grad))
+    for name, a, c in zip(("cp out", "cp dq", "cp dk", "cp dv"), *outs):
+        torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-5, msg=name)
     print("SDPA_MATCHES_MEGATRON")
 """)
 
@@ -99,9 +114,10 @@ def test_plan_counts_the_attention_that_runs():
 
     with open(f"{REPO_ROOT}/recipes/model_configs/Qwen--Qwen3-30B-A3B.json") as f:
         arch = arch_from_hf(json.load(f))
-    eager = activation_bytes(arch, 4, 2, 4, 1536, torch.bfloat16)
+    eager = activation_bytes(arch, 4, 2, 4, 1536, torch.bfloat16, fused_attention=False)
     fused = activation_bytes(arch, 4, 2, 4, 1536, torch.bfloat16, fused_attention=True)
     assert fused < eager / 2
+    assert activation_bytes(arch, 4, 2, 4, 1536, torch.bfloat16) == fused  # the default: what runs
     import contextlib
     import io
 
@@ -112,3 +128,29 @@ def test_plan_counts_the_attention_that_runs():
         assert main(["plan", "recipes/qwen3/30b-a3b-gsm8k.yaml"]) == 0
     actor = float(buf.getvalue().split("(longest sequences): actor ")[1].split(" MiB")[0])
     assert actor == pytest.approx(fused / 2 ** 20, abs=0.1)  # the recipe runs on CUDA: the fused attention
+
+
+@pytest.mark.parametrize("model, mla", [("Qwen--Qwen2.5-0.5B-Instruct.json", False),
+                                        ("deepseek-ai--DeepSeek-V3.json", True)])
+def test_cpu_plan_counts_the_attention_that_runs(model, mla):
+    import json
+
+    from tripod.engine.config import load_config
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.memory_plan import activation_bytes, plan_from_config
+
+    path = f"{REPO_ROOT}/recipes/model_configs/{model}"
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={path}"])
+    assert cfg.trainer.device == "cpu" and not cfg.actor_rollout_ref.actor.use_dynamic_bsz  # tripod's defaults
+    with open(path) as f:
+        arch = arch_from_hf(json.load(f))
+    assert (arch.mla is not None) == mla
+    rows = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+    seq = cfg.data.max_prompt_length + cfg.actor_rollout_ref.rollout.response_length
+    m = cfg.actor_rollout_ref.actor.megatron
+    plan = plan_from_config(cfg, m.tensor_model_parallel_size * m.pipeline_model_parallel_size, arch)
+    a = plan.models[0]
+    fused, eager = (activation_bytes(arch, a.tp, a.pp, rows, seq, a.param_dtype, recompute=a.recompute,
+                                     fused_attention=f) for f in (True, False))
+    assert fused < eager
+    assert plan.activations["actor"] == (eager if mla else fused)

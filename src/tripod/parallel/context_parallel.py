@@ -9,8 +9,8 @@ cheap, as late, expensive causal rows). `local_slots` gives those slot indices; 
 input_ids[:, local_slots] with the RoPE positions of those slots (parallel/megatron_patches/gpt_model.py's
 `rope_with_slot_positions`) and the rows `local_slots` of the [.., S, S] attention mask (queries local, keys global).
 
-Attention: `ContextParallelAttention` (a subclass of whichever core attention the local spec uses: megatron's
-DotProductAttention on CPU, tripod's SDPA one on CUDA) all-gathers K and V over the CP group and reorders them into
+Attention: `ContextParallelAttention` (a subclass of whichever core attention the local spec uses: tripod's SDPA one,
+parallel/sdpa_attention.py, on every device) all-gathers K and V over the CP group and reorders them into
 global slot order: megatron's cp_comm_type="all_gather" semantics. The gather's backward all-reduces the K / V
 gradient over the CP group and keeps this rank's slice (gloo has no reduce-scatter). Transformer Engine's CP
 attention (ring / all-to-all, cuDNN) is not used: CP models are built with the local spec on CPU and GPU alike,

@@ -72,7 +72,7 @@ def stage_numel_split(arch: ModelArch, tp: int, pp: int, *, value_head: bool = F
 
 
 def activation_bytes(arch: ModelArch, tp: int, pp: int, micro_batch: int, seq: int, dtype: torch.dtype, *,
-                     recompute: str | None = None, value_head: bool = False, fused_attention: bool = False,
+                     recompute: str | None = None, value_head: bool = False, fused_attention: bool | None = None,
                      first: int | None = None, last: int | None = None, cp: int = 1) -> int:
     """Bytes autograd saves for the backward of one micro-batch (`micro_batch` rows x `seq` tokens) on one rank of
     the largest pipeline stage: megatron's local (non-TE) layer spec, no dropout, as scripts/bench_memory.py counts
@@ -80,7 +80,8 @@ def activation_bytes(arch: ModelArch, tp: int, pp: int, micro_batch: int, seq: i
     d = head_dim, f = ffn / tp, e = bytes of the activation dtype:
         each RMSNorm (torch's, computed in fp32): its input and x * rstd in fp32 2*T*h*4, rstd T*4, its output (the
         next linear's input) T*h*e;
-        attention: q, k and v expanded to a heads 3*T*a*d*e, the softmax output in fp32 P*4 (P = micro_batch*a*seq^2;
+        attention (megatron's DotProductAttention, `fused_attention` False): q, k and v expanded to a heads 3*T*a*d*e,
+        the softmax output in fp32 P*4 (P = micro_batch*a*seq^2;
         megatron's attention_softmax_in_fp32) plus its cast P*e for a 16-bit matmul, the context (the out-projection's
         input) T*a*d*e; RoPE's cos/sin for q and k 4*seq*d*e and the causal mask seq^2 (bool);
         SwiGLU: fc1's output (gate|up) 2*T*f*e, silu(gate), the product and fc2's input 3*T*f*e.
@@ -88,12 +89,16 @@ def activation_bytes(arch: ModelArch, tp: int, pp: int, micro_batch: int, seq: i
     core attention, which then keeps only its q, k, v inputs (T*a*d + 2*T*kv*d) instead of the expanded q, k, v
     and the probabilities. Plus the token ids (int64), the final norm, and the head's input T*h*e (tripod's chunked
     log-prob kernel never materialises the full logits).
-    `fused_attention` (the attention that runs on CUDA: SDPA in the local spec, parallel/sdpa_attention.py, or TE's
-    fused attention): no [b, a, s, s] probabilities (`fused_attention_saved_bytes`). The stage with the most layers
+    `fused_attention`: SDPA's fused kernels (the local spec's core attention of non-MLA layers on every device,
+    parallel/sdpa_attention.py, or TE's fused attention): no [b, a, s, s] probabilities
+    (`fused_attention_saved_bytes`); False: megatron's materialising attention (above); None (default): what
+    build_gpt_model runs, fused unless the model uses MLA (megatron's attention). The stage with the most layers
     counts (`first` / `last`: uneven stages).
     `cp` (context_parallel_size): a rank runs seq / cp of each row's slots (parallel/context_parallel.py), so every
     per-token term divides by cp; its queries meet all seq keys (K and V all-gathered: the expanded k and v are
     seq long, the probabilities and the mask seq / cp x seq)."""
+    if fused_attention is None:
+        fused_attention = arch.mla is None
     e = torch.empty((), dtype=dtype).element_size()
     sq = -(-seq // cp)  # this rank's slots of a row
     t, h, a, d, f = micro_batch * sq, arch.hidden_size, arch.num_heads // tp, arch.head_dim, arch.ffn_hidden_size // tp
@@ -287,8 +292,7 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
         (actor.expert_numel == 0 or (actor.ep == 1 and actor.etp in (None, actor.tp)))
     activations = {m.name: activation_bytes(critic_arch if m.value_head and critic_arch else arch, m.tp, m.pp,
                                             micro_rows(c), seq, m.param_dtype, recompute=m.recompute,
-                                            value_head=m.value_head, first=m.first, last=m.last, cp=m.cp,
-                                            fused_attention=device == "cuda" and arch.mla is None)  # MLA: eager
+                                            value_head=m.value_head, first=m.first, last=m.last, cp=m.cp)
                    for m, c in zip(models, (arc.actor, cfg.critic)) if m.trainable}
     return MemoryPlan(models, 0 if aliased else generation_shard_bytes(arch, r.tensor_model_parallel_size, gdt),
                       kv_cache_bytes(arch, r.tensor_model_parallel_size, sequences,

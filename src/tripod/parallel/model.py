@@ -148,13 +148,14 @@ class ValueHead(torch.nn.Module):
         return F.linear(hidden, self.weight, self.bias), None
 
 
-def model_layer_spec(arch: ModelArch, use_te: bool, config, vp_stage: int | None = None, sdpa: bool = False,
+def model_layer_spec(arch: ModelArch, use_te: bool, config, vp_stage: int | None = None, sdpa: bool = True,
                      cp: int = 1):
     """The family's layer spec (or decoder block spec) for `config`. The local spec first gets parallel/megatron_patches/cpu_compat.py's
     no-TE fixes, on CPU and GPU alike: its norm (WrappedTorchNorm) refuses sequence parallelism otherwise, and every
-    MoE model at TP > 1 runs with it. `sdpa`: the local spec's core attention runs PyTorch SDPA
-    (parallel/sdpa_attention.py; build_gpt_model asks for it on CUDA). `cp` > 1: that core attention is wrapped in
-    context parallelism's K / V all-gather (parallel/context_parallel.py)."""
+    MoE model at TP > 1 runs with it. `sdpa` (default, every device): the local spec's core attention of non-MLA
+    layers runs PyTorch SDPA (parallel/sdpa_attention.py); False keeps megatron's DotProductAttention (tests compare
+    against it); MLA layers keep megatron's either way. `cp` > 1: that core attention is wrapped in context
+    parallelism's K / V all-gather (parallel/context_parallel.py)."""
     family = get_family(arch.family)
     if not use_te:
         from tripod.parallel.megatron_patches.cpu_compat import apply_no_te_fixes
@@ -189,13 +190,15 @@ def build_model_chunks(arch: ModelArch, layout: ParallelLayout, *, virtual_pipel
 def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool = False,
                     params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
                     seed: int = 1234, vp_stage: int | None = None, virtual_pipeline_size: int | None = None,
-                    use_te: str | bool = "auto", **config_overrides: Any):
+                    use_te: str | bool = "auto", sdpa: bool = True, **config_overrides: Any):
     """A megatron GPTModel (this rank's TP shard of its PP stage, or of virtual stage `vp_stage`).
 
     Weights are megatron's random init; load real ones with parallel.convert.load_hf_weights.
     `value_head=True` builds the critic (last stage outputs [b, s] values, untied output). A reward model's arch
     (`arch.score_head`, HF *ForSequenceClassification) always gets the scalar head, without a bias like HF's `score`.
     `use_te`: `megatron.use_te` (auto | true | false, `resolve_use_te`); `model.tripod_use_te` records the outcome.
+    `sdpa`: the local spec's core attention of non-MLA layers is PyTorch SDPA on every device (`model_layer_spec`);
+    False builds megatron's own DotProductAttention instead (what tests compare it against; not a config key).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -219,8 +222,7 @@ def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool
     first = layout.is_first_stage and (vp_stage or 0) == 0
     last = layout.is_last_stage and (vp_stage or 0) == vpp - 1
     with layout.activate():
-        layer_spec = model_layer_spec(arch, use_te, config, vp_stage, sdpa=_init_device(config).type == "cuda",
-                                      cp=layout.cp)
+        layer_spec = model_layer_spec(arch, use_te, config, vp_stage, sdpa=sdpa, cp=layout.cp)
         model_parallel_cuda_manual_seed(seed, tp_rank=layout.tp_rank, ep_rank=layout.ep_rank,
                                         etp_rank=layout.etp_rank)
         model = GPTModel(

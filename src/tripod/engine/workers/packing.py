@@ -22,12 +22,12 @@ each response exactly as long as it is, at the positions of its own unpacked row
 several units share a model row, first-fit by decreasing length into rows as long as the longest unit: a
 block-diagonal mask keeps the units apart. Rows only pad at their tails. The positions are then per row, [G, S].
 
-Works with megatron's local (non-Transformer-Engine) attention, which applies an arbitrary mask; the worker turns
-it off elsewhere (see MegatronWorker.can_pack). Transformer Engine takes no mask but sequences packed in THD format:
-`pack_thd` lays every row out without padding in one model row and gives the `cu_seqlens` that megatron's
-`PackedSeqParams` carries (parallel/model.py's `packed_seq_params`); a THD sequence sees only itself, so there the
-prompts are not shared. That path is built and unit-tested on CPU only (tests/unit/test_thd_packing.py): the TE
-forward itself has not run.
+Works with the local (non-Transformer-Engine) spec's core attention (tripod's SDPA one, parallel/sdpa_attention.py,
+or megatron's for MLA), which applies an arbitrary mask; the worker turns it off elsewhere (see
+MegatronWorker.can_pack). Transformer Engine takes no mask but sequences packed in THD format: `pack_thd` lays
+every row out without padding in one model row and gives the `cu_seqlens` that megatron's `PackedSeqParams` carries
+(parallel/model.py's `packed_seq_params`); a THD sequence sees only itself, so there the prompts are not shared.
+That path is built and unit-tested on CPU only (tests/unit/test_thd_packing.py): the TE forward itself has not run.
 """
 from __future__ import annotations
 
