@@ -3,6 +3,8 @@ and runs Triton in its interpreter on CPU."""
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# the worker processes tests start allocate as `tripod`'s own ranks do (engine/launch.py: default_huge_page_allocations)
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
 def _cuda_available() -> bool:
