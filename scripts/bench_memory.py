@@ -284,6 +284,7 @@ def main() -> int:
     p.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"), help="--tiny: only these parameter dtypes")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "0")  # RSS against the plan's bytes: no rounding to 2 MB pages
     results = []
     with tempfile.TemporaryDirectory(prefix="tripod-bench-memory-data-") as tmp:
         if args.tiny:

@@ -44,7 +44,7 @@ def parse_args() -> argparse.Namespace:
 
 def launch_self(args: argparse.Namespace) -> int:
     n = args.tp * args.pp * args.dp
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", THP_MEM_ALLOC_ENABLE="0")  # RSS against the plan: no 2 MB pages
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *sys.argv]
     return subprocess.call(cmd, env=env)
 
