@@ -3,8 +3,10 @@ and runs Triton in its interpreter on CPU."""
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# the worker processes tests start allocate as `tripod`'s own ranks do (engine/launch.py: default_huge_page_allocations)
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+# No huge pages in the processes tests start (tripod's own ranks get them: engine/launch.py), whatever the caller's
+# environment: tests hold RSS growth against a plan's bytes, which 2 MB pages would round up. Forced, because the
+# forked worlds' preloaded server (tests/helpers/forked_worlds.py) fixes its allocator for every world it forks.
+os.environ["THP_MEM_ALLOC_ENABLE"] = "0"
 
 
 def _cuda_available() -> bool:

@@ -62,6 +62,8 @@ def test_bf16_and_distributed_optimizer_against_fp32(tmp_path):
     found = [json.JSONDecoder().raw_decode(out, m.end())[0] for m in re.finditer(r"PREC rank=\d+ ", out)]
     assert len(found) == 2, out[-3000:]
     allocated = [{name: rank.pop("allocated") for name, rank in r.items() if isinstance(rank, dict)} for r in found]
+    # activations are each rank's own: the LM head runs at its rows' real response tokens only
+    saved = [{name: rank.pop("saved_bytes") for name, rank in r.items() if isinstance(rank, dict)} for r in found]
     runs = found[0]
     assert found[1] == runs  # both DP ranks see the same gathered results (each holds its own optimizer shard)
     fp32, distopt, bf16 = runs["fp32"], runs["fp32_distopt"], runs["bf16"]
@@ -106,9 +108,11 @@ def test_bf16_and_distributed_optimizer_against_fp32(tmp_path):
     from tripod.parallel.memory_plan import activation_bytes
 
     arch = arch_from_hf(hf_dir)
-    for run, dtype in ((fp32, torch.float32), (bf16, torch.bfloat16)):
-        planned = activation_bytes(arch, 1, 1, 2, run["seq"], dtype)
-        assert planned == pytest.approx(run["saved_bytes"], rel=0.05), (str(dtype), planned, run["saved_bytes"])
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        planned = activation_bytes(arch, 1, 1, 2, runs[name]["seq"], dtype)
+        for rank_saved in saved:  # the plan is the upper bound: its head input is every token's hidden state, the
+            # run's the rows of its real response tokens (fewer on a rank whose responses are shorter)
+            assert rank_saved[name] <= planned <= 1.06 * rank_saved[name], (str(dtype), planned, rank_saved[name])
 
 
 def _check_memory_plan_against_megatron(hf_dir, allocated) -> None:
