@@ -125,12 +125,12 @@ def check_layout(hf_dir, arch, layout, name, batch):
         if layout.cp > 1:
             hidden = hidden[:, local_slots(seq, layout.cp, layout.cp_rank)]
         ran.clear()
-        kernels.logprobs_from_hidden = counting_head
+        setattr(kernels, "logprobs_from_hidden", counting_head)  # the lazy package: patched by name
         try:
             new = run_head(lambda out, m: worker.token_logprobs(out, m, temperature, True), worker, mb, hidden,
                            weight, coef, mask)
         finally:
-            kernels.logprobs_from_hidden = real_head
+            setattr(kernels, "logprobs_from_hidden", real_head)
         old = run_head(lambda out, m: full_grid(worker, out, m, temperature), worker, mb, hidden, weight, coef, mask)
         worst = 0.0
         for key in ("logp", "entropy"):
