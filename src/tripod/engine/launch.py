@@ -200,7 +200,13 @@ def default_huge_page_allocations(env: MutableMapping[str, str] = os.environ) ->
     torch reads the variable once, at a process's first allocation, so it has to be in the environment when the
     process starts: `tripod` sets it before spawning its ranks and the bench's peers; recipes/launch_torchrun.sh and
     recipes/launch_slurm.sh export it. THP_MEM_ALLOC_ENABLE=0 turns it off."""
-    return env.setdefault(HUGE_PAGES_ENV, "1").strip() not in ("", "0")
+    env.setdefault(HUGE_PAGES_ENV, "1")
+    return huge_pages_on(env)
+
+
+def huge_pages_on(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether the processes started from `env` allocate on huge pages (default_huge_page_allocations)."""
+    return env.get(HUGE_PAGES_ENV, "0").strip() not in ("", "0")
 
 
 def _run_in_world(fn: Callable[..., Any], args: tuple) -> None:

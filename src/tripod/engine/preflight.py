@@ -38,9 +38,9 @@ def resolve_threads(cfg, ranks_per_node: int, announce: bool = False) -> None:
     t.threads_per_rank, source = threads_per_rank(ranks_per_node, t.threads_per_rank)
     if announce and t.device == "cpu":
         decode = cfg.actor_rollout_ref.rollout.decode_threads or t.threads_per_rank
-        from tripod.engine.launch import HUGE_PAGES_ENV
+        from tripod.engine.launch import HUGE_PAGES_ENV, huge_pages_on
 
-        huge = "on" if os.environ.get(HUGE_PAGES_ENV, "0").strip() not in ("", "0") else "off"
+        huge = "on" if huge_pages_on() else "off"
         print(f"threads: {t.threads_per_rank} per rank ({source}), {ranks_per_node} rank(s) on this node; "
               f"decode steps {decode}; huge-page allocations {huge} ({HUGE_PAGES_ENV})", flush=True)
 
