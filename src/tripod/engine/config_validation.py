@@ -86,6 +86,32 @@ def _dapo_problems(cfg: TripodConfig) -> list[str]:
     return e
 
 
+def _async_problems(cfg: TripodConfig) -> list[str]:
+    """The rollout's own ranks (`rollout.*`) and the staleness keys (`async_training.*`) against the rest; refused
+    combinations each name the key to change (docs/async.md says why)."""
+    r, a, rollout = cfg.rollout, cfg.async_training, cfg.actor_rollout_ref.rollout
+    e = r.check()
+    if not cfg.separate_rollout or e:
+        return e
+    e += a.check()
+    rtp, mini = rollout.tensor_model_parallel_size, cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+    if rtp >= 1 and r.ranks % rtp:
+        e.append(f"rollout.nnodes x rollout.n_gpus_per_node = {r.ranks} rollout ranks do not split into TP groups of "
+                 f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp}; use a multiple of {rtp} rollout ranks")
+    if a.require_batches * mini != cfg.data.train_batch_size:
+        e.append(f"async_training.require_batches x actor.ppo_mini_batch_size = {a.require_batches}x{mini} must equal "
+                 f"data.train_batch_size={cfg.data.train_batch_size} (one trainer step); set async_training."
+                 f"require_batches={max(cfg.data.train_batch_size // max(mini, 1), 1)}")
+    refused = [("reward_model.enable=true", cfg.reward_model.enable,
+                "the reward model scores on the trainer's ranks; use a rule reward or colocate the rollout"),
+               ("trainer.divergence_guard.enabled=true", cfg.trainer.divergence_guard.enabled,
+                "a rollback would leave stale batches queued on the rollout ranks; turn the guard off or colocate"),
+               (f"actor_rollout_ref.rollout.name={rollout.name}", rollout.name not in ("embedded", "vllm", "sglang"),
+                "use embedded, vllm or sglang")]
+    e += [f"{key} with rollout on its own ranks (rollout.nnodes): {why}" for key, on, why in refused if on]
+    return e
+
+
 def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
     """Check `cfg` for a run on `world_size` ranks; raise one ConfigError listing every problem."""
     if isinstance(cfg, DictConfig):
@@ -114,6 +140,7 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
                  f"actor_rollout_ref.rollout.n >= 2 (it is {rollout.n})")
 
     e += _dapo_problems(cfg)
+    e += _async_problems(cfg)
 
     # models and layouts
     _check_model(e, "actor_rollout_ref.model.path", arr.model.path)

@@ -85,13 +85,23 @@ def detect_launch(env: Mapping[str, str] = os.environ) -> Launch:
 
 
 def check_world(cfg, launch: Launch) -> int:
-    """The world size, after checking that the recipe and the launch agree; one line naming the keys if not."""
-    t = cfg.trainer
+    """The world size (the trainer's ranks plus the rollout's own, `rollout.nnodes` x `rollout.n_gpus_per_node`, when
+    it has them: they come after the trainer's), after checking that the recipe and the launch agree; one line naming
+    the keys if not."""
+    t, r = cfg.trainer, cfg.rollout
     want = t.nnodes * t.n_gpus_per_node
     if want < 1:
         raise ValueError(f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node} must be >= 1")
+    total = want + r.nnodes * r.n_gpus_per_node
     if launch.kind == "local":
-        return want
+        return total
+    if r.nnodes * r.n_gpus_per_node:
+        if launch.world_size != total or launch.nproc_per_node not in (t.n_gpus_per_node, r.n_gpus_per_node):
+            raise ValueError(
+                f"launched as {launch.describe()} ({launch.world_size} processes) but the recipe says trainer "
+                f"{t.nnodes}x{t.n_gpus_per_node} + rollout {r.nnodes}x{r.n_gpus_per_node} = {total} ranks; launch "
+                f"{total} processes (the trainer's first) or change trainer.* / rollout.nnodes, n_gpus_per_node")
+        return total
     if (launch.nnodes, launch.nproc_per_node) != (t.nnodes, t.n_gpus_per_node) or launch.world_size != want:
         raise ValueError(
             f"launched as {launch.describe()} ({launch.world_size} processes) but the recipe says trainer.nnodes="

@@ -22,9 +22,9 @@ def prepare_train(recipe: str, overrides: list[str], launch: Launch):
     from tripod.engine.config_validation import validate_config
 
     cfg = load_config(recipe, overrides)
-    world = check_world(cfg, launch)
-    validate_config(cfg, world)
-    preflight(cfg, world)
+    world = check_world(cfg, launch)  # the trainer's ranks and the rollout's own (engine/async_rollout/)
+    validate_config(cfg, world - cfg.rollout.ranks)
+    preflight(cfg, world - cfg.rollout.ranks)
     resolve_threads(cfg, launch.nproc_per_node if launch.kind != "local" else world, announce=launch.rank == 0)
     return cfg, world
 

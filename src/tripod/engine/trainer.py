@@ -22,6 +22,8 @@ import torch.distributed as dist
 from tripod.engine.algorithms import apply_kl_penalty, build_kl_controller
 from tripod.engine.algorithms.dynamic_sampling import DynamicSampler
 from tripod.engine.algorithms.rollout_correction import correct_batch
+from tripod.engine.async_rollout.schedule import StalenessSchedule
+from tripod.engine.async_rollout.source import ColocatedRollout, QueuedRollout
 from tripod.engine.checkpoints import CheckpointManager
 from tripod.engine.config import TripodConfig, save_resolved_config
 from tripod.engine.config_loading import config_to_dict
@@ -36,6 +38,7 @@ from tripod.engine.rewards import RewardPool, registered_data_sources
 from tripod.engine.rewards.overlong import OverlongShaper
 from tripod.engine.rewards.replica_scoring import pool_workers, score_where_generated
 from tripod.engine.rollout import SamplingParams, make_rollout_engine
+from tripod.engine.rollout.factory import engine_kwargs, step_sampling_params
 from tripod.engine.rollout.weight_sync import WeightSync
 from tripod.engine.throughput import PerfCounter
 from tripod.engine.trainer_state import TrainerState
@@ -49,7 +52,9 @@ from tripod.parallel.hybrid_engine.engine import HybridEngine
 
 
 class PPOTrainer(TrainerState):
-    def __init__(self, cfg: TripodConfig):
+    def __init__(self, cfg: TripodConfig, placement=None):
+        """`placement` (engine/async_rollout/bridge.py): this trainer rank's side of a world split with the rollout's
+        own ranks; None: the rollout is colocated."""
         from transformers import AutoTokenizer
 
         self.cfg, self.rank, self.world = cfg, dist.get_rank(), dist.get_world_size()
@@ -129,16 +134,20 @@ class PPOTrainer(TrainerState):
         self.hybrid = HybridEngine(self.arch, actor_layout, rollout.tensor_model_parallel_size, dtype=gen_dtype,
                                    vpp=actor_cfg.megatron.virtual_pipeline_model_parallel_size,
                                    local_order=rollout.name == "embedded")
-        kwargs = dict(pad_token_id=self.pad_id, dtype=gen_dtype, device=self.device,
-                      tp_order=self.hybrid.rollout_tp_order) if rollout.name == "embedded" \
-            else dict(model_path=path, mem_fraction_static=rollout.mem_fraction_static,
-                      dtype=str(gen_dtype).removeprefix("torch."), **rollout.engine_kwargs)
-        if rollout.name == "vllm":  # its KV cache sized for the longest sequence of this run, not the model's context
-            kwargs.setdefault("max_model_len", cfg.data.max_prompt_length + rollout.response_length)
-        engine = make_rollout_engine(rollout.name, self.arch, self.hybrid.rollout_tp_group, **kwargs)
+        # with the rollout on its own ranks this engine only validates
+        engine = make_rollout_engine(rollout.name, self.arch, self.hybrid.rollout_tp_group,
+                                     **engine_kwargs(cfg, self.pad_id, gen_dtype, self.device,
+                                                     self.hybrid.rollout_tp_order))
         if rollout.name == "embedded":
             engine.decode_threads = rollout.decode_threads
         self.weight_sync = WeightSync(self.hybrid, engine, self.actor.model)  # owns resume/load/generate/release
+        # where each step's scored batch comes from: this engine now, or the rollout ranks' queue
+        self.source = ColocatedRollout(self) if placement is None else \
+            QueuedRollout(self, placement, StalenessSchedule(cfg.async_training.staleness_threshold,
+                                                             cfg.async_training.trigger_parameter_sync_step,
+                                                             self.total_steps))
+        if placement is not None and self.rank == 0:
+            print(self.source.schedule.describe(), flush=True)
 
         self.run_dir = cfg.trainer.default_local_dir
         self.ckpt = CheckpointManager(os.path.join(self.run_dir, "checkpoints"), self.arch, path)
@@ -152,14 +161,8 @@ class PPOTrainer(TrainerState):
     # ---- rollout -----------------------------------------------------------------------------
     def sampling_params(self, validate: bool, step: int, gen_batch: int = 0) -> SamplingParams:
         """The rollout's `SamplingParams` for a training step's `gen_batch`-th generation batch (`validate=False`;
-        engine/algorithms/dynamic_sampling.py) or for validation."""
-        r = self.cfg.actor_rollout_ref.rollout
-        kw = r.val_kwargs if validate else r
-        greedy = not kw.do_sample or kw.temperature == 0
-        return SamplingParams(max_new_tokens=r.response_length, temperature=0.0 if greedy else kw.temperature,
-                              top_p=kw.top_p, top_k=kw.top_k, n=kw.n, greedy=greedy,
-                              seed=self.cfg.trainer.seed * 1_000_003 + step * 7919 + gen_batch * 104_729
-                              + self.hybrid.rollout_dp_rank)
+        engine/algorithms/dynamic_sampling.py) or for validation, on this rank's rollout replica."""
+        return step_sampling_params(self.cfg, validate, step, gen_batch, self.hybrid.rollout_dp_rank)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, timer: Timer | None = None) -> list[list[int]]:
         """Every prompt's responses on every rank (the rollout replicas split the prompts: WeightSync.generate_all)."""
@@ -182,23 +185,20 @@ class PPOTrainer(TrainerState):
         return scores, {**payload[1], **metrics}
 
     # ---- one PPO step ----------------------------------------------------------------------------
-    def train_step(self, prompts: PromptBatch) -> dict[str, float]:
+    def train_step(self, prompts: PromptBatch | None = None) -> dict[str, float]:
+        """One PPO step on the next scored batch of `self.source` (`prompts`: the colocated rollout's prompts instead
+        of the loader's next batch)."""
         cfg, timer = self.cfg, Timer(self.profiler.range)
         arc, algo = cfg.actor_rollout_ref, cfg.algorithm
         n, temperature = arc.rollout.n, arc.rollout.temperature
         bypass = algo.rollout_correction.bypass_mode
         # where the rows live, decided in the exchange from their lengths (row_shards.py); dynamic sampling (the kept
         # rows are known after scoring) and a reward model (it scores every row) keep the whole batch
-        step_rows = StepRows(not self.sampler.enable and self.reward_model is None, n, algo=algo, bypass=bypass,
+        step_rows = StepRows(self.source.shards_rows and not self.sampler.enable and self.reward_model is None, n, algo=algo, bypass=bypass,
                              actor=self.actor, actor_cfg=arc.actor, critic=self.critic, critic_cfg=cfg.critic,
                              ref=self.ref)
         with timer("step"):
-            self.offload.enter("rollout")
-            rollout, reward_metrics = self.sampler.collect(  # dynamic sampling may draw further prompt batches
-                prompts, lambda p, k: self.weight_sync.generate_rows(
-                    p.input_ids, self.sampling_params(False, self.step, k), timer,
-                    needs=step_rows.needs(p)),
-                lambda p, responses: self.score(p, responses, n), timer)
+            rollout, reward_metrics = self.source.next_batch(self.step, step_rows, timer, prompts)
             shards = step_rows.shards  # model outputs stay on the DP rank that updates their rows
             prompts, all_scores = rollout.prompts, rollout.rewards
             batch, scores = step_batch(prompts.input_ids, prompts.indices, n, rollout.responses,
@@ -255,6 +255,7 @@ class PPOTrainer(TrainerState):
                 with timer("update_actor"):
                     self.offload.enter("update_actor")
                     metrics.update(self.actor.update(batch, arc.actor, temperature, n))
+            metrics.update(self.source.updated(self.step + 1, timer))  # weights to the rollout's own ranks
         timings = timer.metrics()
         metrics.update(batch_metrics(batch, all_scores, shards))
         metrics.update(timings)
@@ -263,12 +264,12 @@ class PPOTrainer(TrainerState):
                                          shared_prompts=self.actor.share_prompt_prefix and self.actor.can_pack))
         return metrics
 
-    def checked_train_step(self, prompts: PromptBatch) -> dict[str, float]:
+    def checked_train_step(self) -> dict[str, float]:
         """`train_step`, under engine.device.DeviceGuard when TRIPOD_CHECK_DEVICES=1 (fails on a stray tensor)."""
         if not check_devices_enabled():
-            return self.train_step(prompts)
+            return self.train_step()
         with DeviceGuard(self.device) as guard:
-            metrics = self.train_step(prompts)
+            metrics = self.train_step()
         if guard.violations:
             raise RuntimeError(f"step {self.step}: tensors off the chosen device {self.device}: {guard.report()}")
         if self.rank == 0:
@@ -314,6 +315,7 @@ class PPOTrainer(TrainerState):
         cfg = self.cfg
         self.resume(cfg.trainer.resume)
         start_step = self.step
+        self.source.start(self.step)
         if self.rank == 0:
             save_resolved_config(cfg, self.run_dir)
         tracker = Tracker(self.run_dir, cfg.trainer.logger, resume_step=self.step if self.step else None,
@@ -328,8 +330,7 @@ class PPOTrainer(TrainerState):
                 tracker.log_samples(self.val_samples, 0)
         while self.step < self.total_steps:
             self.profiler.begin_step(self.step + 1)  # traces of trainer.profile_steps (logging/profiler.py)
-            batch = next(iter(self.loader))
-            metrics = self.guard.run_step(self.checked_train_step, batch)
+            metrics = self.guard.run_step(self.checked_train_step)
             self.step += 1
             done = self.step >= self.total_steps
             if not self.judged(metrics):  # rolled back: self.step is the last good checkpoint's
@@ -353,6 +354,7 @@ class PPOTrainer(TrainerState):
                 if self.rank == 0:
                     self.guard.mark_good(saved)
         self.profiler.end_step()
+        self.source.close()
         if tracker:
             tracker.close()
         if self.rewards is not None:

@@ -33,7 +33,9 @@ class TrainerState:
         return {"step": self.step, "kl_ctrl": self.kl_ctrl.state_dict(), "data": self.loader.state_dict(),
                 "world_size": self.world,
                 "lr_scheduler": {name: w.lr_scheduler.state_dict() for name, w in self.trainable_workers().items()},
-                "guard": self.guard.state_dict(), "rng": {"torch": torch.get_rng_state()}}
+                "guard": self.guard.state_dict(), "rng": {"torch": torch.get_rng_state()},
+                # the rollout ranks' queue and loader position (engine/async_rollout/source.py) override "data"
+                **self.source.state_dict(self.step)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict()`; without "guard" the divergence guard keeps its own state (a rollback)."""
@@ -43,6 +45,7 @@ class TrainerState:
         torch.set_rng_state(state["rng"]["torch"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.loader.load_state_dict(state["data"])
+        self.source.load_state_dict(state)
         self.step = int(state["step"])
         if "guard" in state:
             self.guard.load_state_dict(state["guard"])

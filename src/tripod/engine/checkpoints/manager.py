@@ -7,6 +7,8 @@
         rng/rank_<r>.pt   every rank's RNG state (the trainer state's "rng")
         trainer_state.json  the rest of the trainer's state object (PPOTrainer.state_dict: step, KL controller,
                           data loader position, LR schedulers, divergence-guard state)
+        async_queue.pt    with the rollout on its own ranks: the batches it made with weights older than step k
+                          (engine/async_rollout/source.py), when there are any
         COMPLETE          written last
 
 A save goes to `tmp_global_step_<k>` and is renamed when complete, so a run killed mid-save leaves only a
@@ -26,6 +28,7 @@ import torch.distributed as dist
 COMPLETE = "COMPLETE"
 REJECTED = "REJECTED"  # written by the divergence guard (engine/divergence_guard.py) on checkpoints it rolled back past
 STATE_FILE = "trainer_state.json"
+QUEUE_FILE = "async_queue.pt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
@@ -164,8 +167,10 @@ class CheckpointManager:
             _save_optimizer(worker, os.path.join(tmp, f"{name}_optim"))
         torch.save(state["rng"], os.path.join(tmp, "rng", f"rank_{rank}.pt"))
         if rank == 0:
+            if state.get("async_queue"):  # batches the rollout ranks made with older weights (async_rollout/source.py)
+                torch.save(state["async_queue"], os.path.join(tmp, QUEUE_FILE))
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
-                json.dump({k: v for k, v in state.items() if k != "rng"}, f, indent=2)
+                json.dump({k: v for k, v in state.items() if k not in ("rng", "async_queue")}, f, indent=2)
         dist.barrier()
         if rank == 0:
             with open(os.path.join(tmp, COMPLETE), "w") as f:
@@ -202,6 +207,8 @@ class CheckpointManager:
             load_model_checkpoint(worker.model, os.path.join(path, name), worker.layout)
             _load_optimizer(worker, os.path.join(path, f"{name}_optim"))
         state["rng"] = torch.load(os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt"))
+        queue = os.path.join(path, QUEUE_FILE)
+        state["async_queue"] = torch.load(queue) if dist.get_rank() == 0 and os.path.exists(queue) else []
         if dist.get_rank() == 0:
             print(f"tripod: resumed from {path} at step {int(state['step'])}", flush=True)
         return state

@@ -21,7 +21,17 @@ def _train_on_rank(config_yaml: str) -> None:
     from tripod.engine.trainer import PPOTrainer
 
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TripodConfig), OmegaConf.create(config_yaml)))
-    val = PPOTrainer(cfg).fit()
+    if cfg.separate_rollout:  # the trainer's ranks first, then the rollout's own (engine/async_rollout/)
+        from tripod.engine.async_rollout.bridge import split_world
+        from tripod.engine.async_rollout.server import RolloutServer
+
+        with split_world(cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node) as placement:
+            if not placement.is_trainer:
+                RolloutServer(cfg, placement).serve()
+                return
+            val = PPOTrainer(cfg, placement).fit()
+    else:
+        val = PPOTrainer(cfg).fit()
     if dist.get_rank() == 0 and val:
         print("final validation: " + "  ".join(f"{k}={v:.4f}" for k, v in sorted(val.items())), flush=True)
 

@@ -81,14 +81,23 @@ class WeightSync:
         (`replica_bounds`), and every rank gets every prompt's responses with their rollout log-probs and finish
         reasons, in prompt order (n per prompt); or, where `needs(every row's response length)` names this rank's
         rows (exchange.exchange_rollout), those and its replica's own. Collective over the world."""
-        replicas, mine = self.hybrid.rollout_dp_size, self.hybrid.rollout_dp_rank
-        bounds = replica_bounds(len(prompts), replicas)
-        out = self.generate(prompts[bounds[mine]:bounds[mine + 1]], params, timer)
-        responses = out.responses()
-        # one float32 CPU tensor per row, as long as its response (RolloutOutput pads with 0 past each length)
-        log_probs = [out.log_probs[i, : len(r)].detach().float().cpu().clone() for i, r in enumerate(responses)]
-        return GatheredRollout(*exchange_rollout(self.hybrid.plan.rollout_tp_groups, mine, responses, log_probs,
-                                                 list(out.finish_reasons), needs))
+        return generate_rows(lambda share: self.generate(share, params, timer), prompts,
+                             self.hybrid.plan.rollout_tp_groups, self.hybrid.rollout_dp_rank, needs)
+
+
+def generate_rows(generate: Callable[[list[list[int]]], RolloutOutput], prompts: list[list[int]],
+                  replica_ranks: list[list[int]], mine: int,
+                  needs: Callable[[list[int]], list[int] | None] | None = None) -> GatheredRollout:
+    """`WeightSync.generate_rows` for any set of rollout replicas (`replica_ranks[i]`: replica i's ranks in this
+    world; `mine`: this rank's replica): `generate(share)` runs this replica's contiguous share of `prompts`, then
+    the rows move to the ranks that need them (exchange.exchange_rollout). Collective over the world."""
+    bounds = replica_bounds(len(prompts), len(replica_ranks))
+    out = generate(prompts[bounds[mine]:bounds[mine + 1]])
+    responses = out.responses()
+    # one float32 CPU tensor per row, as long as its response (RolloutOutput pads with 0 past each length)
+    log_probs = [out.log_probs[i, : len(r)].detach().float().cpu().clone() for i, r in enumerate(responses)]
+    return GatheredRollout(*exchange_rollout(replica_ranks, mine, responses, log_probs, list(out.finish_reasons),
+                                             needs))
 
 
 @dataclass

@@ -1,0 +1,75 @@
+"""A scored batch on the wire: what the rollout ranks send the trainer for one step.
+
+One uint8 buffer: an 8-byte length, a JSON head (everything but the tokens and log-probs: the batch number, the
+weight version of every row's tokens, the prompts' dataset rows, response lengths, finish reasons, scores, the
+reward and dynamic-sampling metrics, the rollout loader's position after the batch's prompts, the rollout's timings),
+then the tokens (int32) and the rollout log-probs (float32). JSON keeps floats exactly (Python writes the shortest
+repr that reads back to the same double) and nothing is pickled. `send_batch` / `recv_batch` move it over the data
+bridge (size first, then the buffer).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from tripod.engine.async_rollout.bridge import recv, send
+
+
+@dataclass
+class ScoredBatch:
+    """The rollout of trainer step `batch`: n responses per prompt, prompt-major, with their scores."""
+    batch: int
+    versions: list[int]            # per row: the weight version every token of it was generated with
+    prompt_indices: list[int]      # per prompt: its row in the training set (PromptDataset.batch)
+    responses: list[list[int]]
+    log_probs: list[torch.Tensor]  # float32 per row, as long as its response
+    finish_reasons: list[str]
+    scores: list[float]
+    rewards: list[float]
+    penalties: list[float]
+    metrics: dict[str, float] = field(default_factory=dict)
+    loader_state: dict = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_bytes(self) -> torch.Tensor:
+        head = {k: v for k, v in asdict(self).items() if k not in ("responses", "log_probs")}
+        head["lengths"] = [len(r) for r in self.responses]
+        raw = json.dumps(head).encode()
+        tokens = torch.tensor([t for r in self.responses for t in r], dtype=torch.int32)
+        logp = torch.cat([lp.detach().float().reshape(-1) for lp in self.log_probs]) if self.log_probs \
+            else torch.zeros(0)
+        if logp.numel() != tokens.numel():
+            raise ValueError(f"batch {self.batch}: {tokens.numel()} tokens but {logp.numel()} rollout log-probs")
+        size = torch.tensor([len(raw)], dtype=torch.int64)
+        return torch.cat([size.view(torch.uint8), torch.frombuffer(bytearray(raw), dtype=torch.uint8),
+                          tokens.view(torch.uint8), logp.view(torch.uint8)])
+
+    @staticmethod
+    def from_bytes(buf: torch.Tensor) -> "ScoredBatch":
+        n = int(buf[:8].clone().view(torch.int64))
+        head = json.loads(bytes(buf[8: 8 + n].tolist()).decode())
+        lengths = head.pop("lengths")
+        total = sum(lengths)
+        body = buf[8 + n:].clone()
+        tokens = body[: 4 * total].view(torch.int32).tolist()
+        logp = body[4 * total:].view(torch.float32)
+        responses, log_probs, start = [], [], 0
+        for k in lengths:
+            responses.append(tokens[start: start + k])
+            log_probs.append(logp[start: start + k])
+            start += k
+        return ScoredBatch(responses=responses, log_probs=log_probs, **head)
+
+
+def send_batch(group, buf: torch.Tensor, dst: int) -> tuple[list, torch.Tensor]:
+    """Post the sends of a `to_bytes()` buffer; returns (the works, the size tensor): keep both and `buf` alive
+    until the works are done."""
+    size = torch.tensor([buf.numel()], dtype=torch.int64)
+    return [send(group, size, dst, wait=False), send(group, buf, dst, wait=False)], size
+
+
+def recv_batch(group, src: int) -> torch.Tensor:
+    size = recv(group, torch.zeros(1, dtype=torch.int64), src)
+    return recv(group, torch.empty(int(size), dtype=torch.uint8), src)

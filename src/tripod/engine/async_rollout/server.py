@@ -1,0 +1,142 @@
+"""The rollout ranks' loop: for each batch the staleness schedule admits, take the weights it needs, generate, score,
+send it to the trainer's queue.
+
+    start message (trainer rank 0): the resumed step, the first batch to generate, the loader's position
+    for i in first .. total - 1:
+        receive weight versions until the one schedule.version_for(i) names is loaded  (rollout idle, weight sync)
+        draw the batch's prompts (dynamic sampling: as many generation batches as it takes), generate them over the
+        rollout replicas (TP groups of actor_rollout_ref.rollout.tensor_model_parallel_size), score them with the
+        rule rewards, rollout rank 0 posts the scored batch to trainer rank 0
+
+The rollout world is its own torch.distributed world (engine/async_rollout/bridge.py), so the rows move between its
+replicas and the scores are shared exactly as in a colocated rollout (engine/rollout/weight_sync.generate_rows,
+engine/rewards/replica_scoring.py). The engine keeps its weights and KV cache between batches: nothing here trains.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from tripod.engine.algorithms.dynamic_sampling import DynamicSampler
+from tripod.engine.async_rollout.bridge import Placement, recv
+from tripod.engine.async_rollout.messages import ScoredBatch, send_batch
+from tripod.engine.async_rollout.schedule import StalenessSchedule
+from tripod.engine.async_rollout.weights import WeightReceiver
+
+
+class RolloutServer:
+    """One rollout rank of a run whose rollout has ranks of its own (see the module docstring)."""
+
+    def __init__(self, cfg, placement: Placement):
+        from transformers import AutoTokenizer
+
+        from tripod.engine.data import PromptDataLoader, PromptDataset
+        from tripod.engine.data.token_cache import resolve_cache_dir
+        from tripod.engine.device import current_device
+        from tripod.engine.precision import rollout_dtype
+        from tripod.engine.rewards import RewardPool
+        from tripod.engine.rewards.overlong import OverlongShaper
+        from tripod.engine.rewards.replica_scoring import pool_workers
+        from tripod.engine.rollout import make_rollout_engine
+        from tripod.engine.rollout.factory import engine_kwargs
+        from tripod.parallel.arch import arch_from_hf
+        from tripod.parallel.hybrid_engine.plan import reshard_plan_from_config
+
+        self.cfg, self.placement = cfg, placement
+        if cfg.trainer.threads_per_rank > 0:
+            torch.set_num_threads(cfg.trainer.threads_per_rank)
+        self.rank, self.world, self.device = dist.get_rank(), dist.get_world_size(), current_device()
+        arc = cfg.actor_rollout_ref
+        path = arc.model.path
+        self.arch = arch_from_hf(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or path)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        d = cfg.data
+        self.train_set = PromptDataset(d.train_files, tokenizer=self.tokenizer, prompt_key=d.prompt_key,
+                                       max_prompt_length=d.max_prompt_length,
+                                       filter_overlong_prompts=d.filter_overlong_prompts,
+                                       apply_chat_template=d.apply_chat_template, reward_fn_key=d.reward_fn_key,
+                                       token_cache_dir=resolve_cache_dir(d.token_cache_dir))
+        self.loader = PromptDataLoader(self.train_set, d.gen_batch_size, d.shuffle, d.seed)
+        tp = arc.rollout.tensor_model_parallel_size
+        self.replicas = [list(range(g * tp, (g + 1) * tp)) for g in range(self.world // tp)]
+        groups = [dist.new_group(ranks) for ranks in self.replicas]  # every rank makes every group, in order
+        self.mine = self.rank // tp
+        self.rewards = RewardPool(pool_workers(cfg.reward_model.num_workers, cfg.rollout.n_gpus_per_node, tp),
+                                  cfg.reward_model.timeout_s, cfg.reward_model.use_ray,
+                                  data_sources=self.train_set.data_sources)
+        self.sampler = DynamicSampler(cfg.algorithm.filter_groups, d.train_batch_size, arc.rollout.n,
+                                      draw=lambda: next(iter(self.loader)),
+                                      shaper=OverlongShaper(cfg.reward_model.overlong_buffer,
+                                                            arc.rollout.response_length))
+        gen_dtype = rollout_dtype(arc.rollout.dtype, self.device)
+        self.engine = make_rollout_engine(arc.rollout.name, self.arch, groups[self.mine] if tp > 1 else None,
+                                          **engine_kwargs(cfg, pad, gen_dtype, self.device, None))
+        if arc.rollout.name == "embedded":
+            self.engine.decode_threads = arc.rollout.decode_threads
+        trainer_ranks = placement.trainer_ranks
+        plan = reshard_plan_from_config(cfg, trainer_ranks, self.arch)
+        self.weights = WeightReceiver(placement, plan, self.rank % tp, self.device)
+        total = cfg.trainer.total_training_steps or len(self.loader) * cfg.trainer.total_epochs
+        a = cfg.async_training
+        self.schedule = StalenessSchedule(a.staleness_threshold, a.trigger_parameter_sync_step, total)
+        self.version: int | None = None
+
+    def _timer(self, spent: dict[str, float]):
+        import contextlib
+
+        @contextlib.contextmanager
+        def timed(name: str):
+            start = time.perf_counter()
+            yield
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+        return timed
+
+    def serve(self) -> None:
+        from tripod.engine.rewards.replica_scoring import score_where_generated
+        from tripod.engine.rollout.factory import step_sampling_params
+        from tripod.engine.rollout.weight_sync import generate_rows
+
+        start = recv(self.placement.data, torch.zeros(4, dtype=torch.int64), 0).tolist()
+        first = int(start[1])  # start[0]: the trainer's step, whose weights come first
+        state = self.loader.state_dict()
+        state.update(epoch=int(start[2]), offset=int(start[3]))
+        self.loader.load_state_dict(state)
+        self.engine.resume_memory()
+        n = self.cfg.actor_rollout_ref.rollout.n
+        outbox: list = []
+        for i in range(first, self.schedule.total_batches):
+            spent: dict[str, float] = {}
+            want = self.schedule.version_for(i)
+            while self.version is None or self.version < want:
+                self.version, idle, sync = self.weights.receive(self.engine)
+                spent["rollout_idle_s"] = spent.get("rollout_idle_s", 0.0) + idle
+                spent["weight_sync_s"] = spent.get("weight_sync_s", 0.0) + sync
+            if self.version != want:
+                raise RuntimeError(f"batch {i} needs weight version {want}, the trainer sent {self.version}")
+            timer = self._timer(spent)
+            with timer("rollout_gen_s"):
+                rollout, metrics = self.sampler.collect(
+                    next(iter(self.loader)),
+                    lambda p, k: generate_rows(
+                        lambda share: self.engine.generate(share, step_sampling_params(self.cfg, False, i, k,
+                                                                                       self.mine)),
+                        p.input_ids, self.replicas, self.mine),
+                    lambda p, responses: score_where_generated(self.rewards, self.tokenizer, p, responses, n,
+                                                               self.replicas, self.mine, where_defined=False), timer)
+            if self.rank == 0:
+                batch = ScoredBatch(i, [self.version] * len(rollout.responses), list(rollout.prompts.indices),
+                                    rollout.responses, rollout.rollout_log_probs, rollout.finish_reasons,
+                                    rollout.scores, rollout.rewards, rollout.penalties, metrics,
+                                    self.loader.state_dict(),
+                                    {("rollout_reward_s" if k == "reward" else k): v for k, v in spent.items()})
+                buf = batch.to_bytes()
+                works, size = send_batch(self.placement.data, buf, 0)
+                outbox.append((works, buf, size))
+                outbox = [o for o in outbox if not all(w.is_completed() for w in o[0])]
+        for works, _, _ in outbox:
+            for w in works:
+                w.wait()
+        self.rewards.close()

@@ -1,0 +1,184 @@
+"""Where the trainer's step gets its scored batch: rollout -> queue -> train, in two schedules.
+
+    ColocatedRollout   the synchronous schedule: the step's prompts are generated on the trainer's own ranks with the
+                       current weights (hybrid engine), scored, and trained at once (tripod's default)
+    QueuedRollout      the rollout's own ranks fill a queue (engine/async_rollout/server.py); the step takes batch
+                       `step` from it and, after the steps the staleness schedule names, pushes its weights back
+
+Both hand `PPOTrainer.train_step` the same `Rollout` (engine/algorithms/dynamic_sampling.py) and reward metrics, so the
+step after the rollout is one code path. At staleness 0 the queued schedule generates every batch with the weights
+the colocated one would (schedule.py), which tests/multiprocess/test_async.py holds bit for bit.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tripod.engine.algorithms.dynamic_sampling import Rollout
+from tripod.engine.async_rollout.bridge import Placement, send
+from tripod.engine.async_rollout.messages import ScoredBatch, recv_batch
+from tripod.engine.async_rollout.schedule import StalenessSchedule
+from tripod.engine.async_rollout.weights import WeightPusher
+
+
+class ColocatedRollout:
+    """The synchronous schedule on the trainer's ranks (see the module docstring)."""
+    shards_rows = True  # the exchange may leave each DP rank only the rows it updates (engine/workers/row_shards.py)
+
+    def __init__(self, trainer):
+        self.t = trainer
+
+    def next_batch(self, step: int, step_rows, timer, prompts=None) -> tuple[Rollout, dict[str, float]]:
+        t = self.t
+        prompts = prompts if prompts is not None else next(iter(t.loader))
+        t.offload.enter("rollout")
+        return t.sampler.collect(  # dynamic sampling may draw further prompt batches
+            prompts, lambda p, k: t.weight_sync.generate_rows(p.input_ids, t.sampling_params(False, step, k), timer,
+                                                              needs=step_rows.needs(p)),
+            lambda p, responses: t.score(p, responses, t.cfg.actor_rollout_ref.rollout.n), timer)
+
+    def updated(self, step: int, timer) -> dict[str, float]:
+        return {}
+
+    def start(self, step: int) -> None:
+        pass
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class QueuedRollout:
+    """Batches from the rollout ranks' queue; weights back to them (see the module docstring). Trainer rank 0 receives
+    (a thread: the queue fills while the trainer trains) and broadcasts each batch to the trainer's other ranks."""
+    shards_rows = False
+
+    def __init__(self, trainer, placement: Placement, schedule: StalenessSchedule):
+        self.t, self.placement, self.schedule = trainer, placement, schedule
+        self.pusher = WeightPusher(placement, trainer.hybrid)
+        self.ready: deque[torch.Tensor] = deque()  # batches taken off the bridge (or out of a checkpoint), in order
+        self.inbox: queue.Queue = queue.Queue()
+        self.loader_state: dict = trainer.loader.state_dict()  # the rollout loader's position after the last batch
+        self._thread: threading.Thread | None = None
+
+    # ---- start / stop -------------------------------------------------------------------------------
+    def start(self, step: int) -> None:
+        """Tell the rollout ranks where to begin (the first batch they generate, the loader's position before it) and
+        give them the weights of `step`; start receiving."""
+        first = self.schedule.first_to_generate(step)
+        if dist.get_rank() == 0:
+            state = self.loader_state
+            msg = torch.tensor([step, first, state["epoch"], state["offset"]], dtype=torch.int64)
+            for r in range(self.placement.rollout_ranks):
+                send(self.placement.data, msg, self.placement.rollout_bridge_rank(r))
+            expected = self.schedule.total_batches - first
+            self._thread = threading.Thread(target=self._receive, args=(expected,), daemon=True)
+            self._thread.start()
+        self.pusher.push(self.t.actor.model, step)
+
+    def _receive(self, count: int) -> None:
+        src = self.placement.rollout_bridge_rank(0)
+        try:
+            for _ in range(count):
+                self.inbox.put(recv_batch(self.placement.data, src))
+        except Exception as e:  # a rollout rank died: the step waiting on the queue raises it
+            self.inbox.put(e)
+
+    def close(self) -> None:
+        self.pusher.wait()
+
+    # ---- the step -----------------------------------------------------------------------------------
+    def _take(self) -> tuple[torch.Tensor | None, float, int]:
+        """(rank 0: the next batch's bytes; the seconds the trainer waited for it; batches queued when it asked)."""
+        if dist.get_rank() != 0:
+            return None, 0.0, 0
+        queued = len(self.ready) + self.inbox.qsize()
+        start = time.perf_counter()
+        if not self.ready:
+            item = self.inbox.get()
+            if isinstance(item, Exception):
+                raise RuntimeError(f"the rollout ranks stopped sending batches ({item}); the run stops here, its last "
+                                   "checkpoint is intact (trainer.resume=auto continues from it)") from item
+            self.ready.append(item)
+        return self.ready.popleft(), time.perf_counter() - start, queued
+
+    def next_batch(self, step: int, step_rows, timer, prompts=None) -> tuple[Rollout, dict[str, float]]:
+        if prompts is not None:
+            raise ValueError("the rollout runs on its own ranks (rollout.nnodes): the trainer does not pick prompts")
+        with timer("wait_rollout"):
+            buf, idle, queued = self._take()
+            buf = _broadcast_bytes(buf)
+        b = ScoredBatch.from_bytes(buf)
+        want = self.schedule.version_for(step)
+        if b.batch != step or any(v != want for v in b.versions):
+            raise RuntimeError(f"step {step} got batch {b.batch} generated by weight versions {sorted(set(b.versions))}"
+                               f", the schedule says version {want}: trainer and rollout ranks are out of step")
+        self.loader_state = b.loader_state
+        prompts = self.t.train_set.batch(b.prompt_indices)
+        rollout = Rollout(prompts, b.responses, b.scores, b.rewards, b.penalties, dict(b.metrics), b.log_probs,
+                          b.finish_reasons)
+        ages = [step - v for v in b.versions]
+        stats = torch.tensor([idle, float(queued)], dtype=torch.float64)
+        dist.broadcast(stats, 0)
+        metrics = {**b.metrics, "async/staleness_mean": sum(ages) / len(ages), "async/staleness_max": float(max(ages)),
+                   "async/queue_size": float(stats[1]), "async/trainer_idle_s": float(stats[0]),
+                   **{f"async/{k}": v for k, v in b.timings.items()}}
+        return rollout, metrics
+
+    def updated(self, step: int, timer) -> dict[str, float]:
+        """After the update that made version `step`: push it when the schedule syncs there."""
+        if not self.schedule.syncs(step):
+            return {}
+        with timer("weight_push"):
+            return self.pusher.push(self.t.actor.model, step)
+
+    # ---- checkpoint ---------------------------------------------------------------------------------
+    def state_dict(self, step: int) -> dict[str, Any]:
+        """At a checkpoint after `step` steps: the batches generated with weights older than `step` (a resume cannot
+        regenerate them: those weights are gone) move into the checkpoint, with the loader position after them; the
+        later batches a resumed run regenerates exactly (same weights, same seeds). Every rank gets the same state;
+        rank 0 holds the batches."""
+        need = self.schedule.first_to_generate(step) - step
+        state = self.loader_state
+        queued: list[torch.Tensor] = []
+        if dist.get_rank() == 0:
+            while len(self.ready) < need:
+                item = self.inbox.get()
+                if isinstance(item, Exception):
+                    raise RuntimeError(f"the rollout ranks stopped sending batches ({item})") from item
+                self.ready.append(item)
+            queued = list(self.ready)[:need]
+            if queued:
+                state = ScoredBatch.from_bytes(queued[-1]).loader_state
+        box = [state]
+        dist.broadcast_object_list(box, 0)
+        return {"data": box[0], "async_queue": queued}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ready = deque(state.get("async_queue") or [])
+        self.loader_state = state["data"]
+
+
+def _broadcast_bytes(buf: torch.Tensor | None) -> torch.Tensor:
+    """Rank 0's buffer on every trainer rank (size first, then the bytes, on the trainer's default group)."""
+    if dist.get_world_size() == 1:
+        return buf
+    from tripod.engine.device import current_device
+
+    dev = current_device()
+    size = torch.tensor([0 if buf is None else buf.numel()], dtype=torch.int64, device=dev)
+    dist.broadcast(size, 0)
+    out = buf.to(dev) if buf is not None else torch.empty(int(size), dtype=torch.uint8, device=dev)
+    dist.broadcast(out, 0)
+    return out.cpu()

@@ -1,0 +1,142 @@
+"""The actor's weights to the rollout's own ranks: the hybrid engine's generation shards, in planned buckets, tagged
+with a version.
+
+The trainer gathers the generation shards exactly as the colocated hybrid engine does (parallel/hybrid_engine: every
+trainer rank takes part, each ends with the shard of its rollout TP slice); the ranks of the first rollout TP group
+then send slice j to rank j of every rollout replica. Both sides derive the same bucket layout from the reshard plan
+(`bucket_layout`: the shard's tensors by name, one dtype per bucket, at most `bucket_bytes` each), so a message is
+the version header and raw bucket bytes, nothing else: each rollout rank receives exactly its shard
+(`plan.generation_shard_bytes()` bytes, counted), through one reused bucket buffer, straight into the engine's
+weight buffers where it has them.
+
+The trainer posts its sends and goes on training (the rollout takes a version when the schedule says it needs it,
+engine/async_rollout/schedule.py); the staged buckets live until the next push waits for them, so a sending trainer
+rank holds one extra copy of its generation shard between two pushes.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from tripod.engine.async_rollout.bridge import Placement, recv, send
+
+
+def bucket_layout(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype], bucket_bytes: int
+                  ) -> list[list[str]]:
+    """The shard's tensor names in buckets: sorted by (dtype, name), a bucket is one dtype and at most `bucket_bytes`
+    (a tensor larger than that travels alone)."""
+    buckets: list[list[str]] = []
+    size, dtype = 0, None
+    for name in sorted(shapes, key=lambda n: (str(dtypes[n]), n)):
+        nbytes = _numel(shapes[name]) * torch.empty((), dtype=dtypes[name]).element_size()
+        if not buckets or dtypes[name] != dtype or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size, dtype = 0, dtypes[name]
+        buckets[-1].append(name)
+        size += nbytes
+    return buckets
+
+
+def _numel(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= int(s)
+    return out
+
+
+def _header(version: int, nbytes: int) -> torch.Tensor:
+    return torch.tensor([version, nbytes], dtype=torch.int64)
+
+
+class WeightPusher:
+    """Trainer side: `push(actor_model, version)` after the steps the schedule syncs (every trainer rank calls it)."""
+
+    def __init__(self, placement: Placement, hybrid, bucket_bytes: int = 64 << 20):
+        import torch.distributed as dist
+
+        self.placement, self.hybrid, self.plan = placement, hybrid, hybrid.plan
+        order = self.plan.rollout_tp_group_of(self.plan.rollout_tp_groups[0][0])
+        me, tp = dist.get_rank(), self.plan.rollout_tp
+        self.slice = order.index(me) if me in order else None  # this rank sends slice j, or nothing
+        replicas = placement.rollout_ranks // tp
+        self.targets = [] if self.slice is None else \
+            [placement.rollout_bridge_rank(r * tp + self.slice) for r in range(replicas)]
+        self.layout = bucket_layout(self.plan.generation_shapes(), self.plan.generation_dtypes(), bucket_bytes)
+        self._inflight: list[Any] = []
+        self._staged: list[torch.Tensor] = []
+
+    def wait(self) -> None:
+        """Block until the previous push has left (its staged buckets are then freed)."""
+        for work in self._inflight:
+            work.wait()
+        self._inflight, self._staged = [], []
+
+    def push(self, actor_model, version: int) -> dict[str, float]:
+        """Gather the generation shards (collective over the trainer's ranks) and post this rank's sends; returns
+        async/weight_push_s (gather + staging + posting, not the transfer, which overlaps training) and the bytes
+        this rank sends per rollout replica."""
+        start = time.perf_counter()
+        self.wait()
+        shard = self.hybrid.to_rollout(actor_model)
+        sent = 0
+        if self.slice is not None:
+            with torch.no_grad():
+                self._staged = [torch.cat([shard[n].detach().reshape(-1) for n in names]).contiguous()
+                                for names in self.layout]
+            del shard
+            nbytes = sum(b.numel() * b.element_size() for b in self._staged)
+            device = self._staged[0].device if self._staged else torch.device("cpu")
+            header = _header(version, nbytes).to(device)
+            self._staged.insert(0, header)
+            for dst in self.targets:
+                self._inflight += [send(self.placement.weights, t, dst, wait=False) for t in self._staged]
+            sent = nbytes
+        return {"async/weight_push_s": time.perf_counter() - start, "async/weight_bytes_per_replica": float(sent)}
+
+
+class WeightReceiver:
+    """Rollout side: `receive(engine)` takes the next pushed version into the rollout engine."""
+
+    def __init__(self, placement: Placement, plan, tp_rank: int, device: torch.device, bucket_bytes: int = 64 << 20):
+        self.placement, self.plan, self.device = placement, plan, device
+        order = plan.rollout_tp_group_of(plan.rollout_tp_groups[0][0])
+        self.src = order[tp_rank]  # the trainer rank (= bridge rank) that holds our slice
+        self.shapes, self.dtypes = plan.generation_shapes(), plan.generation_dtypes()
+        self.layout = bucket_layout(self.shapes, self.dtypes, bucket_bytes)
+        self.expected = plan.generation_shard_bytes()
+        self.bytes_received = 0  # of the last receive, counted from the buffers that arrived
+        self._staging: dict[torch.dtype, torch.Tensor] = {}
+
+    def _bucket_buffer(self, names: list[str]) -> torch.Tensor:
+        dtype, numel = self.dtypes[names[0]], sum(_numel(self.shapes[n]) for n in names)
+        buf = self._staging.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = self._staging[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buf[:numel]
+
+    def receive(self, engine) -> tuple[int, float, float]:
+        """Block until the next version arrives and load it; returns (version, seconds waiting for the trainer to
+        send, seconds receiving and loading)."""
+        start = time.perf_counter()
+        header = recv(self.placement.weights, _header(0, 0).to(self.device), self.src).cpu()
+        arrived = time.perf_counter()
+        version, nbytes = int(header[0]), int(header[1])
+        if nbytes != self.expected:
+            raise RuntimeError(f"weight version {version}: the trainer sends {nbytes} bytes, this rollout rank's "
+                               f"generation shard is {self.expected}; trainer and rollout disagree on the plan")
+        buffers = engine.weight_buffers() or {n: torch.empty(s, dtype=self.dtypes[n], device=self.device)
+                                              for n, s in self.shapes.items()}
+        got = 0
+        for names in self.layout:
+            flat = recv(self.placement.weights, self._bucket_buffer(names), self.src)
+            got += flat.numel() * flat.element_size()
+            offset = 0
+            for n in names:
+                k = _numel(self.shapes[n])
+                buffers[n].copy_(flat[offset: offset + k].view(self.shapes[n]))
+                offset += k
+        engine.load_weights(buffers)
+        self.bytes_received = got
+        return version, arrived - start, time.perf_counter() - arrived
