@@ -88,13 +88,15 @@ def train(args: list[str], timeout: float = 900, hooks: bool = False, run_env: d
 
 
 def world_size_of(args: list[str]) -> int:
-    """The world a `tripod train` with these overrides spawns: trainer.nnodes x trainer.n_gpus_per_node (defaults 1)."""
-    sizes = {"trainer.nnodes": 1, "trainer.n_gpus_per_node": 1}
+    """The world a `tripod train` with these overrides spawns: trainer.nnodes x trainer.n_gpus_per_node (defaults 1),
+    plus rollout.nnodes x rollout.n_gpus_per_node (defaults 0) for a rollout on its own ranks."""
+    sizes = {"trainer.nnodes": 1, "trainer.n_gpus_per_node": 1, "rollout.nnodes": 0, "rollout.n_gpus_per_node": 0}
     for arg in args:
         key, _, value = arg.partition("=")
         if key in sizes:
             sizes[key] = int(value)
-    return sizes["trainer.nnodes"] * sizes["trainer.n_gpus_per_node"]
+    return sizes["trainer.nnodes"] * sizes["trainer.n_gpus_per_node"] + \
+        sizes["rollout.nnodes"] * sizes["rollout.n_gpus_per_node"]
 
 
 def train_together(runs: dict[str, list[str]], log_dir: str, timeout: float = 900,

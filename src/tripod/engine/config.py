@@ -817,6 +817,10 @@ class TrainerConfig:
     """Metric sinks (engine.logging BACKENDS): console, jsonl, tensorboard, wandb (project_name / experiment_name;
     WANDB_MODE=offline works), mlflow (experiment project_name, run experiment_name; MLFLOW_TRACKING_URI, else a
     file store under default_local_dir/mlruns). verl: trainer.logger."""
+    rollout_data_dir: Optional[str] = None
+    """Write every step's rollout to <dir>/<step>.jsonl (rank 0): per response the prompt and response token ids,
+    the rollout log-probs, the score and the weight version that generated it; null: off. verl:
+    trainer.rollout_data_dir."""
     log_val_generations: int = 0
     """Validation samples (prompt, response, score, reference answer) logged each validation to TensorBoard text,
     default_local_dir/val_generations.jsonl and wandb / MLflow tables; 0: none. verl: trainer.log_val_generations."""

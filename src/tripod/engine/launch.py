@@ -96,7 +96,7 @@ def check_world(cfg, launch: Launch) -> int:
     if launch.kind == "local":
         return total
     if r.nnodes * r.n_gpus_per_node:
-        if launch.world_size != total or launch.nproc_per_node not in (t.n_gpus_per_node, r.n_gpus_per_node):
+        if launch.world_size != total:
             raise ValueError(
                 f"launched as {launch.describe()} ({launch.world_size} processes) but the recipe says trainer "
                 f"{t.nnodes}x{t.n_gpus_per_node} + rollout {r.nnodes}x{r.n_gpus_per_node} = {total} ranks; launch "

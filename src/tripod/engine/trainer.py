@@ -23,7 +23,7 @@ from tripod.engine.algorithms import apply_kl_penalty, build_kl_controller
 from tripod.engine.algorithms.dynamic_sampling import DynamicSampler
 from tripod.engine.algorithms.rollout_correction import correct_batch
 from tripod.engine.async_rollout.schedule import StalenessSchedule
-from tripod.engine.async_rollout.source import ColocatedRollout, QueuedRollout
+from tripod.engine.async_rollout.source import ColocatedRollout, QueuedRollout, dump_rollout
 from tripod.engine.checkpoints import CheckpointManager
 from tripod.engine.config import TripodConfig, save_resolved_config
 from tripod.engine.config_loading import config_to_dict
@@ -199,6 +199,8 @@ class PPOTrainer(TrainerState):
                              ref=self.ref)
         with timer("step"):
             rollout, reward_metrics = self.source.next_batch(self.step, step_rows, timer, prompts)
+            if cfg.trainer.rollout_data_dir and self.rank == 0:
+                dump_rollout(cfg.trainer.rollout_data_dir, self.step + 1, rollout, self.source.version_of(self.step))
             shards = step_rows.shards  # model outputs stay on the DP rank that updates their rows
             prompts, all_scores = rollout.prompts, rollout.rewards
             batch, scores = step_batch(prompts.input_ids, prompts.indices, n, rollout.responses,

@@ -179,7 +179,29 @@ def _sum_cp_grad() -> None:
     _patch(worker, "sum_over_cp", lambda x, group: SumBoth.apply(x, group))
 
 
-PLANTS = {"lm_head_tp_split": _flip_lm_head_split, "pp_stage_grads": _drop_first_stage_grads,
+def _version_off_by_one() -> None:
+    """The staleness schedule hands every batch after the first the weights one step older than it says."""
+    from tripod.engine.async_rollout.schedule import StalenessSchedule
+
+    original = StalenessSchedule.version_for
+    _patch(StalenessSchedule, "version_for", lambda self, batch: max(0, original(self, batch) - 1))
+
+
+def _rollout_dies() -> None:
+    """The first rollout rank's process dies while generating batch 2 (after batches 0 and 1 were sent)."""
+    import tripod.engine.async_rollout.server as server
+
+    original = server.ScoredBatch.to_bytes
+
+    def to_bytes(self):
+        if self.batch == 2:
+            os._exit(17)
+        return original(self)
+    _patch(server.ScoredBatch, "to_bytes", to_bytes)
+
+
+PLANTS = {"async_version_off_by_one": _version_off_by_one, "rollout_rank_dies": _rollout_dies,
+          "lm_head_tp_split": _flip_lm_head_split, "pp_stage_grads": _drop_first_stage_grads,
           "expert_dp_grads": _sum_expert_dp_grads, "adam_step_shared": _share_adam_step,
           "adam_exp_avg_sq_on_load": _zero_exp_avg_sq_on_load, "expert_bias_frozen": _freeze_expert_bias,
           "sp_value_grad": _sum_sp_value_grad, "vpp_drop_chunk_grad": _drop_first_chunk_grads,

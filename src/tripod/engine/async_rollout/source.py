@@ -46,6 +46,10 @@ class ColocatedRollout:
     def updated(self, step: int, timer) -> dict[str, float]:
         return {}
 
+    def version_of(self, step: int) -> int:
+        """The weight version that generates step `step`'s batch: the current one."""
+        return step
+
     def start(self, step: int) -> None:
         pass
 
@@ -136,6 +140,9 @@ class QueuedRollout:
                    **{f"async/{k}": v for k, v in b.timings.items()}}
         return rollout, metrics
 
+    def version_of(self, step: int) -> int:
+        return self.schedule.version_for(step)
+
     def updated(self, step: int, timer) -> dict[str, float]:
         """After the update that made version `step`: push it when the schedule syncs there."""
         if not self.schedule.syncs(step):
@@ -168,6 +175,24 @@ class QueuedRollout:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ready = deque(state.get("async_queue") or [])
         self.loader_state = state["data"]
+
+
+def dump_rollout(directory: str, step: int, rollout: Rollout, version: int) -> None:
+    """trainer.rollout_data_dir: the step's rows as JSON lines (`directory/<step>.jsonl`), rows this rank holds."""
+    import json
+    import os
+
+    os.makedirs(directory, exist_ok=True)
+    n = len(rollout.responses) // max(len(rollout.prompts.input_ids), 1)
+    with open(os.path.join(directory, f"{step}.jsonl"), "w") as f:
+        for i, response in enumerate(rollout.responses):
+            if response is None:
+                continue
+            logp = rollout.rollout_log_probs[i] if rollout.rollout_log_probs else None
+            f.write(json.dumps({"step": step, "row": i, "index": rollout.prompts.indices[i // n],
+                                "prompt_ids": rollout.prompts.input_ids[i // n], "response_ids": list(response),
+                                "rollout_log_probs": None if logp is None else logp.tolist(),
+                                "score": rollout.scores[i], "weight_version": version}) + "\n")
 
 
 def _broadcast_bytes(buf: torch.Tensor | None) -> torch.Tensor:
