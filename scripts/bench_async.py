@@ -73,7 +73,7 @@ def run(name: str, work: dict, root: str, steps: int, extra: list[str]) -> dict:
 
     run_dir = os.path.join(root, name)
     args = ["train", os.path.join(REPO, "recipes", "defaults.yaml"), f"data.train_files={work['train']}",
-            f"data.val_files={work['val']}", "data.max_prompt_length=64", "data.train_batch_size=8",
+            f"data.val_files={work['val']}", "data.max_prompt_length=160", "data.train_batch_size=8",
             "data.shuffle=true", f"actor_rollout_ref.model.path={work['model']}",
             "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
             "actor_rollout_ref.actor.optim.lr=1e-4", "actor_rollout_ref.rollout.n=4",

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tests.helpers.common import run_torchrun
-from tripod.engine.checkpoints.manager import latest_complete
 from tests.helpers.ppo_setup import make_ppo_setup
 from tests.helpers.trainer_runs import final_actor_weights_of, metrics, train_in_world, train_together
+from tripod.engine.checkpoints.manager import latest_complete
 
 pytestmark = pytest.mark.timeout(1200)
 OWN_RANKS = ["rollout.nnodes=1", "rollout.n_gpus_per_node=1"]
