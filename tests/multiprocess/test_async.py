@@ -68,17 +68,18 @@ def test_one_step_behind_is_generated_by_the_weights_before_the_last_step(tmp_pa
     setup = make_ppo_setup(tmp_path, max_digits=2)
     async1 = OWN_RANKS + ["async_training.staleness_threshold=1", "trainer.save_freq=1"]
     runs = {name: _overrides(setup, str(tmp_path / name), 3, *async1) for name in ("one_behind", "planted")}
-    train_together(runs, str(tmp_path), run_envs={"planted": {"TRIPOD_TEST_PLANT": "async_version_off_by_one"}})
+    train_together(runs, str(tmp_path), run_envs={"planted": {"TRIPOD_TEST_PLANT": "rollout_weights_stale"}})
     assert [r["async/staleness_max"] for r in metrics(str(tmp_path / "one_behind"))] == [0.0, 1.0, 1.0]
-    for name in ("one_behind", "planted"):
+    for name in ("one_behind", "planted"):  # the versions the runs recorded, regenerated from their checkpoints
         run_dir = str(tmp_path / name)
         out = run_torchrun("async_reference.py", 1, json.dumps(
-            {"overrides": runs[name], "run_dir": run_dir, "dump_dir": run_dir + "/rollouts", "steps": [2, 3],
-             "age": 1}), timeout=600).stdout
+            {"overrides": runs[name], "run_dir": run_dir, "dump_dir": run_dir + "/rollouts", "steps": [2, 3]}),
+            timeout=600).stdout
         equal = [f"ASYNC_REFERENCE {k} equal=True" in out for k in (2, 3)]
-        # the plant gives batch 3 the weights after step 1 - 1 = 0 (batch 2 gets version 0 either way)
+        # the plant leaves the initial weights in the engine: batch 3, labelled version 1, is version 0's
         assert equal == ([True, True] if name == "one_behind" else [True, False]), (name, out[-3000:])
-    assert [rows[0]["weight_version"] for rows in _dumps(str(tmp_path / "one_behind"), (1, 2, 3))] == [0, 0, 1]
+    assert [rows[0]["weight_versions"] for rows in _dumps(str(tmp_path / "one_behind"), (1, 2, 3))] == \
+        [[[0, 0]], [[0, 0]], [[0, 1]]]
 
 
 def test_dead_rollout_rank_stops_in_one_line_and_resumes_exactly(tmp_path):
@@ -103,3 +104,26 @@ def test_dead_rollout_rank_stops_in_one_line_and_resumes_exactly(tmp_path):
     assert _dumps(killed, later) == _dumps(whole, later)
     wa, wb = final_actor_weights_of({whole: 4, killed: 4}).values()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_partial_rollout_records_the_version_of_every_token(tmp_path):
+    """Weights land while batches are generated (a 0.25 s decode step: not a bug, the timing that makes it happen);
+    every token's recorded version is the one that generated it: each segment of each row is regenerated greedily
+    from its checkpoint, prompt + the tokens before it. The dead-weights plant breaks that."""
+    setup = make_ppo_setup(tmp_path, max_digits=2)
+    partial = OWN_RANKS + ["async_training.staleness_threshold=1", "async_training.partial_rollout=true",
+                           "trainer.save_freq=1", "actor_rollout_ref.rollout.do_sample=false",
+                           "actor_rollout_ref.rollout.response_length=12"]
+    runs = {name: _overrides(setup, str(tmp_path / name), 4, *partial) for name in ("partial", "planted")}
+    train_together(runs, str(tmp_path), run_envs={"partial": {"TRIPOD_TEST_PLANT": "slow_decode"},
+                                                  "planted": {"TRIPOD_TEST_PLANT": "rollout_weights_stale"}})
+    rows = metrics(str(tmp_path / "partial"))
+    assert sum(r["async/partial_switches"] for r in rows) > 0, "no weight version landed mid-batch: nothing checked"
+    assert max(r["async/staleness_max"] for r in rows) <= 1.0  # fresher mid-batch, never older than the bound
+    for name in ("partial", "planted"):
+        run_dir = str(tmp_path / name)
+        out = run_torchrun("async_reference.py", 1, json.dumps(
+            {"overrides": runs[name], "run_dir": run_dir, "dump_dir": run_dir + "/rollouts", "steps": [2, 3, 4]}),
+            timeout=600).stdout
+        equal = [f"ASYNC_REFERENCE {k} equal=True" in out for k in (2, 3, 4)]
+        assert all(equal) == (name == "partial"), (name, out[-3000:])

@@ -33,9 +33,11 @@ NOT_EXERCISED = {
     "reward_model.megatron.recompute_*": "the frozen reward model has no backward: refused when set (engine/precision.py)",
     "reward_model.megatron.[og]*_offload": "optimizer_offload, optimizer_cpu_offload, grad_offload: the reward model "
                                            "has no optimizer or gradients: refused when set",
+    "async_training.*": "read by a rollout on its own ranks (engine/async_rollout/: tests/multiprocess/test_async.py); "
+                        "require_batches and partial_rollout are checked against the rest, not read (docs/async.md)",
     "trainer.divergence_guard.max_rollbacks": "read once the guard is on and trips (tests/multiprocess/test_guard.py)",
-    "trainer.divergence_guard.remedy_clip_ratio": "read once the guard is on and trips (tests/multiprocess/test_guard.py)",
-    "trainer.divergence_guard.remedy_kl_coef_add": "read once the guard is on and trips (tests/multiprocess/test_guard.py)",
+    "trainer.divergence_guard.remedy_[ck]*": "remedy_clip_ratio, remedy_kl_coef_add: read once the guard is on and trips "
+                                             "(tests/multiprocess/test_guard.py)",
 }
 
 CRITIC_RUN = ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=k3",
@@ -174,7 +176,7 @@ def test_the_walk_sees_an_unread_key():
     assert "data.val_batch_size" in unread and "actor_rollout_ref.actor.optim.min_lr_ratio" in unread
     # a read key pulls in what it interpolates: critic.ppo_epochs follows actor.ppo_epochs
     assert "actor_rollout_ref.actor.ppo_epochs" in honoured({"critic.ppo_epochs"})
-    assert len(NOT_EXERCISED) <= 8  # SGLang-only, the frozen models' (reference, reward model) refusals, guard remedies
+    assert len(NOT_EXERCISED) <= 8  # SGLang-only, the frozen models' refusals, guard remedies, async-only keys
 
 
 def test_reads_in_preflight_do_not_count():
@@ -198,7 +200,8 @@ def test_reads_in_preflight_do_not_count():
         check_resume(cfg, None, 1)  # preflight: reads trainer.resume ("auto": nothing to check)
         assert reads == set(), f"reads by preflight counted: {sorted(reads)}"
         assert check_world(cfg, Launch("local", 0)) == 1
-        assert reads == {"trainer", "trainer.nnodes", "trainer.n_gpus_per_node"}, sorted(reads)  # + the section
+        assert reads == {"trainer", "trainer.nnodes", "trainer.n_gpus_per_node", "rollout", "rollout.nnodes",
+                         "rollout.n_gpus_per_node"}, sorted(reads)  # + the sections
     finally:
         for cls in classes:
             if "__getattribute__" in vars(cls):

@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tripod.engine.algorithms import build_kl_controller
+from tripod.engine.async_rollout.source import ColocatedRollout
 from tripod.engine.checkpoints import CheckpointManager
 from tripod.engine.config import TripodConfig
 from tripod.engine.data import PromptDataLoader
@@ -60,6 +61,7 @@ def _trainer(root: str, guard_enabled: bool = True) -> PPOTrainer:
     t.guard = DivergenceGuard(cfg.trainer.divergence_guard, a, cfg.algorithm.kl_ctrl.target_kl, root)
     t.ckpt = CheckpointManager(root, arch=None, tokenizer_dir="")
     t.offload = OffloadManager({}, {}, execute=False)  # nothing offloaded: resume's phase change moves nothing
+    t.source = ColocatedRollout(t)  # the synchronous schedule: nothing of its own in the state
     return t
 
 

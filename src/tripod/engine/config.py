@@ -920,8 +920,10 @@ class AsyncTrainingConfig:
     """Mini-batches one trainer step consumes: require_batches x actor.ppo_mini_batch_size must equal
     data.train_batch_size (tripod's step). verl: async_training.require_batches."""
     partial_rollout: bool = False
-    """Let a weight sync land while responses are still being generated. Not built yet: true is refused.
-    verl: async_training.partial_rollout."""
+    """Let a weight sync land while responses are still being generated: the rollout takes every version as soon as
+    it arrives (at a batch's start and between two tokens), the live sequences' KV cache is recomputed under the new
+    weights, and each row records the token where its version changed. Runs then depend on timing. Embedded engine,
+    without dynamic sampling. verl: async_training.partial_rollout."""
 
     def check(self, key: str = "async_training") -> list[str]:
         e = []
@@ -929,9 +931,6 @@ class AsyncTrainingConfig:
             e.append(f"{key}.staleness_threshold={self.staleness_threshold} must be >= 0 (0: synchronous streaming)")
         e += _positive({f"{key}.trigger_parameter_sync_step": self.trigger_parameter_sync_step,
                         f"{key}.require_batches": self.require_batches})
-        if self.partial_rollout:
-            e.append(f"{key}.partial_rollout=true: weight syncs during generation are not built yet (issue 32); "
-                     "set it to false (a sync lands between generation batches)")
         return e
 
 

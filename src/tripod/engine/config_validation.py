@@ -109,6 +109,12 @@ def _async_problems(cfg: TripodConfig) -> list[str]:
                (f"actor_rollout_ref.rollout.name={rollout.name}", rollout.name not in ("embedded", "vllm", "sglang"),
                 "use embedded, vllm or sglang")]
     e += [f"{key} with rollout on its own ranks (rollout.nnodes): {why}" for key, on, why in refused if on]
+    partial_refused = [(f"actor_rollout_ref.rollout.name={rollout.name}", rollout.name != "embedded",
+                        "only the embedded engine switches weights between two tokens; use embedded"),
+                       ("algorithm.filter_groups.enable=true", cfg.algorithm.filter_groups.enable,
+                        "a step's rows would come from several generation batches with their own switches")]
+    e += [f"async_training.partial_rollout=true with {key}: {why}; or set async_training.partial_rollout=false"
+          for key, on, why in partial_refused if a.partial_rollout and on]
     return e
 
 

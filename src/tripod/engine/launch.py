@@ -88,14 +88,15 @@ def check_world(cfg, launch: Launch) -> int:
     """The world size (the trainer's ranks plus the rollout's own, `rollout.nnodes` x `rollout.n_gpus_per_node`, when
     it has them: they come after the trainer's), after checking that the recipe and the launch agree; one line naming
     the keys if not."""
-    t, r = cfg.trainer, cfg.rollout
+    t, r = cfg.trainer, getattr(cfg, "rollout", None)  # `tripod train-rm` has no rollout
     want = t.nnodes * t.n_gpus_per_node
     if want < 1:
         raise ValueError(f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node} must be >= 1")
-    total = want + r.nnodes * r.n_gpus_per_node
+    own = r.nnodes * r.n_gpus_per_node if r is not None else 0
+    total = want + own
     if launch.kind == "local":
         return total
-    if r.nnodes * r.n_gpus_per_node:
+    if own:
         if launch.world_size != total:
             raise ValueError(
                 f"launched as {launch.describe()} ({launch.world_size} processes) but the recipe says trainer "

@@ -200,7 +200,8 @@ class PPOTrainer(TrainerState):
         with timer("step"):
             rollout, reward_metrics = self.source.next_batch(self.step, step_rows, timer, prompts)
             if cfg.trainer.rollout_data_dir and self.rank == 0:
-                dump_rollout(cfg.trainer.rollout_data_dir, self.step + 1, rollout, self.source.version_of(self.step))
+                dump_rollout(cfg.trainer.rollout_data_dir, self.step + 1, rollout,
+                             self.source.versions_of(self.step, len(rollout.responses)))
             shards = step_rows.shards  # model outputs stay on the DP rank that updates their rows
             prompts, all_scores = rollout.prompts, rollout.rewards
             batch, scores = step_batch(prompts.input_ids, prompts.indices, n, rollout.responses,

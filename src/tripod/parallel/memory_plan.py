@@ -298,3 +298,40 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
                       kv_cache_bytes(arch, r.tensor_model_parallel_size, sequences,
                                      cfg.data.max_prompt_length + r.response_length, gdt), aliased,
                       activations=activations, runtime=runtime_rss() if device == "cpu" else 0)
+
+
+@dataclass
+class RolloutRankMemory:
+    """A rollout rank of its own (rollout.nnodes, engine/async_rollout/): its generation shard (kept between batches),
+    the KV cache of one generate call, the reused bucket buffer of the weight receive, the process."""
+    ranks: int
+    generation_shard: int
+    kv_cache: int
+    bucket: int
+    runtime: int = 0
+
+    def total(self) -> int:
+        return self.generation_shard + self.kv_cache + self.bucket + self.runtime
+
+    def describe(self, staged: int) -> str:
+        mib = 1 << 20
+        return (f"rollout ranks ({self.ranks}, rollout.nnodes x rollout.n_gpus_per_node): generation shard "
+                f"{self.generation_shard / mib:.1f} MiB + KV cache {self.kv_cache / mib:.1f} MiB + weight-receive "
+                f"bucket {self.bucket / mib:.1f} MiB" + (f" + process {self.runtime / mib:.0f} MiB" if self.runtime
+                                                         else "") + f" = {self.total() / mib:.1f} MiB per rank\n"
+                f"trainer ranks: the plan above (its rollout engine only validates), plus {staged / mib:.1f} MiB of "
+                "staged weights on the ranks that send them (the first rollout-TP group) between two pushes")
+
+
+def rollout_ranks_plan(cfg, arch: ModelArch, bucket_bytes: int = 64 << 20) -> RolloutRankMemory:
+    """The memory of each of a config's own rollout ranks (`cfg.rollout`), see RolloutRankMemory."""
+    from tripod.engine.precision import rollout_dtype
+
+    r, device = cfg.actor_rollout_ref.rollout, "cuda" if cfg.trainer.device == "cuda" else "cpu"
+    gdt = rollout_dtype(r.dtype, device)
+    ranks = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
+    sequences = -(-cfg.data.gen_batch_size * r.n // max(ranks // r.tensor_model_parallel_size, 1))
+    shard = generation_shard_bytes(arch, r.tensor_model_parallel_size, gdt)
+    return RolloutRankMemory(ranks, shard, kv_cache_bytes(arch, r.tensor_model_parallel_size, sequences,
+                                                          cfg.data.max_prompt_length + r.response_length, gdt),
+                             min(bucket_bytes, shard), runtime_rss() if device == "cpu" else 0)

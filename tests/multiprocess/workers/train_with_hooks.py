@@ -200,7 +200,43 @@ def _rollout_dies() -> None:
     _patch(server.ScoredBatch, "to_bytes", to_bytes)
 
 
-PLANTS = {"async_version_off_by_one": _version_off_by_one, "rollout_rank_dies": _rollout_dies,
+def _stale_rollout_weights() -> None:
+    """The rollout ranks receive every weight version after the first but never load it (the engine keeps generating
+    with the initial weights while the batches say otherwise)."""
+    from tripod.engine.async_rollout.weights import WeightReceiver
+
+    original = WeightReceiver.receive
+
+    class Nowhere:
+        def weight_buffers(self):
+            return None
+
+        def load_weights(self, shard):
+            pass
+
+    def receive(self, engine):
+        first = not getattr(self, "_planted_loaded", False)
+        self._planted_loaded = True
+        return original(self, engine if first else Nowhere())
+    _patch(WeightReceiver, "receive", receive)
+
+
+def _slow_decode() -> None:
+    """Not a bug: every decode step of the embedded engine sleeps 0.25 s, so a partial rollout's weight version lands
+    while a batch is still being generated (tests/multiprocess/test_async.py)."""
+    import time
+
+    import tripod.engine.rollout.embedded as embedded
+
+    original = embedded.sample_next_token
+
+    def slow(*args, **kwargs):
+        time.sleep(0.25)
+        return original(*args, **kwargs)
+    _patch(embedded, "sample_next_token", slow)
+
+
+PLANTS = {"slow_decode": _slow_decode, "rollout_weights_stale": _stale_rollout_weights, "async_version_off_by_one": _version_off_by_one, "rollout_rank_dies": _rollout_dies,
           "lm_head_tp_split": _flip_lm_head_split, "pp_stage_grads": _drop_first_stage_grads,
           "expert_dp_grads": _sum_expert_dp_grads, "adam_step_shared": _share_adam_step,
           "adam_exp_avg_sq_on_load": _zero_exp_avg_sq_on_load, "expert_bias_frozen": _freeze_expert_bias,

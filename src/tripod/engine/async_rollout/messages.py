@@ -21,7 +21,7 @@ from tripod.engine.async_rollout.bridge import recv, send
 class ScoredBatch:
     """The rollout of trainer step `batch`: n responses per prompt, prompt-major, with their scores."""
     batch: int
-    versions: list[int]            # per row: the weight version every token of it was generated with
+    versions: list[list[list[int]]]  # per row: [[first token, weight version], ...] (one segment unless partial)
     prompt_indices: list[int]      # per prompt: its row in the training set (PromptDataset.batch)
     responses: list[list[int]]
     log_probs: list[torch.Tensor]  # float32 per row, as long as its response

@@ -64,6 +64,7 @@ class RolloutServer:
         self.replicas = [list(range(g * tp, (g + 1) * tp)) for g in range(self.world // tp)]
         groups = [dist.new_group(ranks) for ranks in self.replicas]  # every rank makes every group, in order
         self.mine = self.rank // tp
+        self.tp_group = groups[self.mine] if tp > 1 else None
         self.rewards = RewardPool(pool_workers(cfg.reward_model.num_workers, cfg.rollout.n_gpus_per_node, tp),
                                   cfg.reward_model.timeout_s, cfg.reward_model.use_ray,
                                   data_sources=self.train_set.data_sources)
@@ -83,6 +84,38 @@ class RolloutServer:
         a = cfg.async_training
         self.schedule = StalenessSchedule(a.staleness_threshold, a.trigger_parameter_sync_step, total)
         self.version: int | None = None
+        self.partial = a.partial_rollout
+
+    def _agreed_arrival(self) -> bool:
+        """Whether the next weight version has reached every rank of this replica (they switch at the same token)."""
+        flag = torch.tensor([1 if self.weights.arrived() else 0], dtype=torch.int32, device=self.device)
+        if self.tp_group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.tp_group)
+        return bool(flag.item())
+
+    def _take_weights(self, spent: dict[str, float]) -> None:
+        self.version, idle, sync = self.weights.receive(self.engine)
+        spent["rollout_idle_s"] = spent.get("rollout_idle_s", 0.0) + idle
+        spent["weight_sync_s"] = spent.get("weight_sync_s", 0.0) + sync
+
+    def _segments(self, num_prompts: int, n: int, lengths: list[int], start: int,
+                  switches: list[tuple[int, int]]) -> list[list[list[int]]]:
+        """Every row's weight versions as [[first token, version], ...]: one segment without partial rollouts, else
+        each replica's switches (gathered from every rollout rank) cut at the row's length."""
+        if not self.partial:
+            return [[[0, start]] for _ in lengths]
+        from tripod.engine.rollout.weight_sync import replica_bounds
+
+        every: list = [None] * self.world
+        dist.all_gather_object(every, (self.mine, start, switches))
+        by_replica = {r: (v, sw) for r, v, sw in every}
+        bounds = replica_bounds(num_prompts, len(self.replicas))
+        out = []
+        for row, length in enumerate(lengths):
+            r = next(k for k in range(len(self.replicas)) if bounds[k] * n <= row < bounds[k + 1] * n)
+            v, sw = by_replica[r]
+            out.append([[0, v]] + [[t, w] for t, w in sw if t < length])
+        return out
 
     def _timer(self, spent: dict[str, float]):
         import contextlib
@@ -111,11 +144,22 @@ class RolloutServer:
             spent: dict[str, float] = {}
             want = self.schedule.version_for(i)
             while self.version is None or self.version < want:
-                self.version, idle, sync = self.weights.receive(self.engine)
-                spent["rollout_idle_s"] = spent.get("rollout_idle_s", 0.0) + idle
-                spent["weight_sync_s"] = spent.get("weight_sync_s", 0.0) + sync
-            if self.version != want:
+                self._take_weights(spent)
+            switches: list[tuple[int, int]] = []  # (first token generated with it, version) of a partial rollout
+            if self.partial:  # the freshest weights here now, and any that land while tokens are generated
+                while self._agreed_arrival():
+                    self._take_weights(spent)
+
+                def switch(step: int) -> bool:
+                    if not self._agreed_arrival():
+                        return False
+                    self._take_weights(spent)
+                    switches.append((step + 1, self.version))
+                    return True
+                self.engine.between_tokens = switch
+            elif self.version != want:
                 raise RuntimeError(f"batch {i} needs weight version {want}, the trainer sent {self.version}")
+            start_version = self.version
             timer = self._timer(spent)
             with timer("rollout_gen_s"):
                 rollout, metrics = self.sampler.collect(
@@ -126,8 +170,11 @@ class RolloutServer:
                         p.input_ids, self.replicas, self.mine),
                     lambda p, responses: score_where_generated(self.rewards, self.tokenizer, p, responses, n,
                                                                self.replicas, self.mine, where_defined=False), timer)
+            self.engine.between_tokens = None
+            versions = self._segments(len(rollout.prompts.input_ids), n, [len(r) for r in rollout.responses],
+                                      start_version, switches)
             if self.rank == 0:
-                batch = ScoredBatch(i, [self.version] * len(rollout.responses), list(rollout.prompts.indices),
+                batch = ScoredBatch(i, versions, list(rollout.prompts.indices),
                                     rollout.responses, rollout.rollout_log_probs, rollout.finish_reasons,
                                     rollout.scores, rollout.rewards, rollout.penalties, metrics,
                                     self.loader.state_dict(),

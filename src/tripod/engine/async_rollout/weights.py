@@ -15,6 +15,7 @@ rank holds one extra copy of its generation shard between two pushes.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -108,6 +109,26 @@ class WeightReceiver:
         self.expected = plan.generation_shard_bytes()
         self.bytes_received = 0  # of the last receive, counted from the buffers that arrived
         self._staging: dict[torch.dtype, torch.Tensor] = {}
+        self._header: torch.Tensor | None = None
+        self._waiter: threading.Thread | None = None  # receives the next version's header in the background
+        self._here = threading.Event()
+
+    def _post(self) -> None:
+        """Receive the next header in a thread (gloo's receive completes only inside wait(), so it cannot be
+        polled): `arrived` then never blocks, and the buckets follow in the caller's thread."""
+        if self._waiter is None:
+            self._header, self._here = _header(0, 0).to(self.device), threading.Event()
+
+            def wait(header=self._header, here=self._here):
+                self.placement.weights.recv([header], self.src, 0).wait()
+                here.set()
+            self._waiter = threading.Thread(target=wait, daemon=True)
+            self._waiter.start()
+
+    def arrived(self) -> bool:
+        """Whether the next version's header is here (never blocks): a partial rollout polls it between tokens."""
+        self._post()
+        return self._here.is_set()
 
     def _bucket_buffer(self, names: list[str]) -> torch.Tensor:
         dtype, numel = self.dtypes[names[0]], sum(_numel(self.shapes[n]) for n in names)
@@ -120,7 +141,11 @@ class WeightReceiver:
         """Block until the next version arrives and load it; returns (version, seconds waiting for the trainer to
         send, seconds receiving and loading)."""
         start = time.perf_counter()
-        header = recv(self.placement.weights, _header(0, 0).to(self.device), self.src).cpu()
+        self._post()
+        self._waiter.join()
+        if not self._here.is_set():
+            raise RuntimeError("the trainer stopped sending weights (its side of the bridge closed)")
+        header, self._waiter = self._header.cpu(), None
         arrived = time.perf_counter()
         version, nbytes = int(header[0]), int(header[1])
         if nbytes != self.expected:

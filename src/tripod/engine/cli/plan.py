@@ -19,8 +19,10 @@ from tripod.engine.launch import detect_launch
 
 
 def _world_size(cfg) -> int:
+    """The trainer's ranks (a launched world also holds the rollout's own, `rollout.nnodes`, after them)."""
     launch = detect_launch()
-    return launch.world_size if launch.kind != "local" else cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    own = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
+    return launch.world_size - own if launch.kind != "local" else cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
 
 
 MODEL_CONFIGS = CHECKOUT / "recipes" / "model_configs"
@@ -89,6 +91,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print("\nmemory per rank (parallel/memory_plan.py):")
     memory = plan_from_config(cfg, world, arch, critic_arch, reward_arch)
     print(memory.describe())
+    if cfg.separate_rollout:  # the rollout on its own ranks (docs/async.md)
+        from tripod.parallel.memory_plan import rollout_ranks_plan
+
+        own = rollout_ranks_plan(cfg, arch, int(args.bucket_mb * (1 << 20)))
+        print(own.describe(staged=own.generation_shard))
     arc, on_cuda = cfg.actor_rollout_ref, cfg.trainer.device == "cuda"
     offload = {"actor": flags_of(arc.actor.megatron, True), "critic": flags_of(cfg.critic.megatron, True),
                "reference": flags_of(arc.ref.megatron, False, arc.ref.offload),

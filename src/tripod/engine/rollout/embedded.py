@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -90,6 +90,10 @@ class EmbeddedRolloutEngine(RolloutEngine):
         self.kv_cache: KVCache | None = None
         self._resumed = False
         self.decode_threads = 0  # torch threads of the one-token decode steps (0: leave torch's setting)
+        # partial rollouts (engine/async_rollout/server.py): called after each sampled token but the last; True when
+        # it loaded new weights, after which the live sequences' KV cache is recomputed under them
+        self.between_tokens: Callable[[int], bool] | None = None
+        self.recompute_after_switch = True  # False keeps the old weights' keys and values (tests show the difference)
 
     @staticmethod
     def _default_pad_id(arch: ModelArch) -> int:
@@ -182,6 +186,19 @@ class EmbeddedRolloutEngine(RolloutEngine):
             for t in tensors:
                 dist.broadcast(t, group=self.tp_group, group_src=0)
 
+    def _recompute_cache(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, generated: torch.Tensor,
+                         capacity: int):
+        """After a weight switch mid-generation: the live sequences (left-padded prompt + tokens so far) prefilled
+        again under the new weights, so every later token is exactly what they generate from that prefix (keeping
+        the old weights' keys and values would sample from a mix of both); returns (the new cache, the next
+        token's logits)."""
+        full = torch.cat([prompt_ids, generated], 1)
+        mask = torch.cat([prompt_mask, torch.ones_like(generated, dtype=torch.bool)], 1)
+        cache = self.decoder.allocate_cache(full.shape[0], capacity, self.dtype, self.device)
+        self.kv_cache = cache
+        cache.valid[:, : full.shape[1]] = mask
+        return cache, self.decoder.forward(full, (mask.long().cumsum(-1) - 1).clamp(min=0), cache)
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         if not self._weights_loaded:
@@ -236,9 +253,20 @@ class EmbeddedRolloutEngine(RolloutEngine):
                     cache.keep_rows(keep)
                     rows, feed, next_position = rows[active], feed[keep], next_position[keep]
                     active = torch.arange(len(active))
-                cache.valid[:, cache.length] = True
-                with _torch_threads(self.decode_threads):
-                    logits = self.decoder.forward(feed[:, None], next_position[:, None], cache)
+                switched = self.between_tokens is not None and self.between_tokens(step)
+                if switched and self.recompute_after_switch:
+                    if len(active) < feed.shape[0]:  # only live sequences are recomputed
+                        keep = active.to(self.device)
+                        rows, feed, next_position = rows[active], feed[keep], next_position[keep]
+                        active = torch.arange(len(active))
+                    cache, logits = self._recompute_cache(ids[samples[rows.to(self.device)]],
+                                                          prompt_mask[samples[rows.to(self.device)]],
+                                                          out_ids[rows, : step + 1].to(self.device),
+                                                          prompt_len + params.max_new_tokens)
+                else:
+                    cache.valid[:, cache.length] = True
+                    with _torch_threads(self.decode_threads):
+                        logits = self.decoder.forward(feed[:, None], next_position[:, None], cache)
                 next_position = next_position + 1
         finally:
             self.kv_cache = None
