@@ -320,7 +320,8 @@ class RolloutRankMemory:
                 f"bucket {self.bucket / mib:.1f} MiB" + (f" + process {self.runtime / mib:.0f} MiB" if self.runtime
                                                          else "") + f" = {self.total() / mib:.1f} MiB per rank\n"
                 f"trainer ranks: the plan above (its rollout engine only validates), plus {staged / mib:.1f} MiB of "
-                "staged weights on the ranks that send them (the first rollout-TP group) between two pushes")
+                "staged weights on the ranks that send them (the first rollout-TP group: one generation shard per "
+                "push the rollout has not taken yet, at most the schedule's capacity)")
 
 
 def rollout_ranks_plan(cfg, arch: ModelArch, bucket_bytes: int = 64 << 20) -> RolloutRankMemory:

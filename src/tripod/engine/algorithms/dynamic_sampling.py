@@ -116,21 +116,29 @@ class DynamicSampler:
         responses = generated if isinstance(generated, list) else generated.responses
         with timer("reward"):
             scores, counts = score(prompts, responses)
-            lengths = getattr(generated, "lengths", None) or [len(r) for r in responses]  # every row's, held or not
-            penalties = self.shaper.penalties(lengths)
-            rewards = [s + p for s, p in zip(scores, penalties)] if self.shaper.enable else list(scores)
+            return self.scored(prompts, generated, scores, counts)
+
+    def scored(self, prompts: PromptBatch, generated: Any, scores: list[float], counts: dict) -> Rollout:
+        """A generated batch (token lists, or a GatheredRollout) with its rule scores, overlong shaping applied."""
+        responses = generated if isinstance(generated, list) else generated.responses
+        lengths = getattr(generated, "lengths", None) or [len(r) for r in responses]  # every row's, held or not
+        penalties = self.shaper.penalties(lengths)
+        rewards = [s + p for s, p in zip(scores, penalties)] if self.shaper.enable else list(scores)
         if isinstance(generated, list):
             return Rollout(prompts, responses, list(scores), rewards, penalties, dict(counts))
         return Rollout(prompts, responses, list(scores), rewards, penalties, dict(counts), list(generated.log_probs),
                        list(generated.finish_reasons))
+
+    def metrics_of(self, out: Rollout) -> tuple[Rollout, dict[str, float]]:
+        """(a one-batch rollout, its metrics: the scorer's counts, overlong shaping)."""
+        return out, {**out.reward_metrics, **self.shaper.metrics(out.penalties)}
 
     def collect(self, prompts: PromptBatch, generate: Callable[[PromptBatch, int], Any],
                 score: Callable[[PromptBatch, list[list[int]]], tuple[list[float], dict]],
                 timer: Any) -> tuple[Rollout, dict[str, float]]:
         """(the step's rollout, its metrics: the scorer's counts, overlong shaping and dynamic sampling)."""
         if not self.enable:
-            out = self.rollout(prompts, 0, generate, score, timer)
-            return out, {**out.reward_metrics, **self.shaper.metrics(out.penalties)}
+            return self.metrics_of(self.rollout(prompts, 0, generate, score, timer))
         kept: list[Rollout] = []
         gen_batches = generated = have = 0
         while True:

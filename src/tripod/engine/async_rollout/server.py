@@ -63,6 +63,7 @@ class RolloutServer:
         tp = arc.rollout.tensor_model_parallel_size
         self.replicas = [list(range(g * tp, (g + 1) * tp)) for g in range(self.world // tp)]
         groups = [dist.new_group(ranks) for ranks in self.replicas]  # every rank makes every group, in order
+        self.score_group = dist.new_group(list(range(self.world)))  # the scorer thread's own: never beside another op
         self.mine = self.rank // tp
         self.tp_group = groups[self.mine] if tp > 1 else None
         self.rewards = RewardPool(pool_workers(cfg.reward_model.num_workers, cfg.rollout.n_gpus_per_node, tp),
@@ -128,9 +129,7 @@ class RolloutServer:
         return timed
 
     def serve(self) -> None:
-        from tripod.engine.rewards.replica_scoring import score_where_generated
-        from tripod.engine.rollout.factory import step_sampling_params
-        from tripod.engine.rollout.weight_sync import generate_rows
+        from concurrent.futures import ThreadPoolExecutor
 
         start = recv(self.placement.data, torch.zeros(4, dtype=torch.int64), 0).tolist()
         first = int(start[1])  # start[0]: the trainer's step, whose weights come first
@@ -138,13 +137,15 @@ class RolloutServer:
         state.update(epoch=int(start[2]), offset=int(start[3]))
         self.loader.load_state_dict(state)
         self.engine.resume_memory()
-        n = self.cfg.actor_rollout_ref.rollout.n
-        outbox: list = []
+        self.outbox: list = []
+        self.scorer = ThreadPoolExecutor(1)  # scores and sends each batch, in order, while the next is generated
+        self._futures: list = []
         for i in range(first, self.schedule.total_batches):
             spent: dict[str, float] = {}
             want = self.schedule.version_for(i)
-            while self.version is None or self.version < want:
-                self._take_weights(spent)
+            if self.version is None or self.version < want:  # (the batches it takes are on their way: the scorer)
+                while self.version is None or self.version < want:
+                    self._take_weights(spent)
             switches: list[tuple[int, int]] = []  # (first token generated with it, version) of a partial rollout
             if self.partial:  # the freshest weights here now, and any that land while tokens are generated
                 while self._agreed_arrival():
@@ -159,31 +160,88 @@ class RolloutServer:
                 self.engine.between_tokens = switch
             elif self.version != want:
                 raise RuntimeError(f"batch {i} needs weight version {want}, the trainer sent {self.version}")
-            start_version = self.version
-            timer = self._timer(spent)
-            with timer("rollout_gen_s"):
-                rollout, metrics = self.sampler.collect(
-                    next(iter(self.loader)),
-                    lambda p, k: generate_rows(
-                        lambda share: self.engine.generate(share, step_sampling_params(self.cfg, False, i, k,
-                                                                                       self.mine)),
-                        p.input_ids, self.replicas, self.mine),
-                    lambda p, responses: score_where_generated(self.rewards, self.tokenizer, p, responses, n,
-                                                               self.replicas, self.mine, where_defined=False), timer)
-            self.engine.between_tokens = None
-            versions = self._segments(len(rollout.prompts.input_ids), n, [len(r) for r in rollout.responses],
-                                      start_version, switches)
-            if self.rank == 0:
-                batch = ScoredBatch(i, versions, list(rollout.prompts.indices),
-                                    rollout.responses, rollout.rollout_log_probs, rollout.finish_reasons,
-                                    rollout.scores, rollout.rewards, rollout.penalties, metrics,
-                                    self.loader.state_dict(),
-                                    {("rollout_reward_s" if k == "reward" else k): v for k, v in spent.items()})
-                buf = batch.to_bytes()
-                works, size = send_batch(self.placement.data, buf, 0)
-                outbox.append((works, buf, size))
-                outbox = [o for o in outbox if not all(w.is_completed() for w in o[0])]
-        for works, _, _ in outbox:
+            if self.sampler.enable:  # dynamic sampling decides on the scores: the batch is scored before the next
+                self._dynamic_batch(i, spent, self.version, switches)
+            else:
+                self._generate(i, spent, self.version, switches)
+        for f in self._futures:
+            f.result()
+        self.scorer.shutdown()
+        for works, _, _ in self.outbox:
             for w in works:
                 w.wait()
         self.rewards.close()
+
+    def _generate_rows(self, batch: int, prompts, gen_batch: int = 0):
+        from tripod.engine.rollout.factory import step_sampling_params
+        from tripod.engine.rollout.weight_sync import generate_rows
+
+        params = step_sampling_params(self.cfg, False, batch, gen_batch, self.mine)
+        return generate_rows(lambda share: self.engine.generate(share, params), prompts.input_ids, self.replicas,
+                             self.mine)
+
+    def _generate(self, i: int, spent: dict[str, float], start: int, switches: list) -> None:
+        """Generate batch i; the scorer thread scores it (the pool's workers, or a remote judge, wait while the next
+        batch is generated) and sends it."""
+        prompts = next(iter(self.loader))
+        loader_state = self.loader.state_dict()  # after this batch's prompts
+        began = time.perf_counter()
+        generated = self._generate_rows(i, prompts)
+        spent["rollout_gen_s"] = time.perf_counter() - began
+        self.engine.between_tokens = None
+        n = self.cfg.actor_rollout_ref.rollout.n
+        versions = self._segments(len(prompts.input_ids), n, [len(r) for r in generated.responses], start, switches)
+        self._submit(self._score_and_send, i, prompts, generated, spent, versions, loader_state)
+
+    def _submit(self, fn, *args) -> None:
+        """Queue `fn(*args)` on the scorer thread; a failure of its earlier work is raised here."""
+        for f in self._futures:
+            if f.done():
+                f.result()
+        self._futures = [f for f in self._futures if not f.done()] + [self.scorer.submit(fn, *args)]
+
+    def _score_and_send(self, i: int, prompts, generated, spent: dict[str, float], versions: list,
+                        loader_state: dict) -> None:
+        """(scorer thread) this replica's rows scored in the pool, every replica's scores summed on the scorer's own
+        group, shaped, and rank 0 posts the batch."""
+        from tripod.engine.rewards.replica_scoring import score_replica_rows, share_replica_scores
+
+        began = time.perf_counter()
+        n, total = self.cfg.actor_rollout_ref.rollout.n, len(generated.responses)
+        scores, counts = share_replica_scores(score_replica_rows(self.rewards, self.tokenizer, prompts,
+                                                                 generated.responses, n, self.replicas, self.mine,
+                                                                 False), total, False, self.score_group)
+        spent["rollout_reward_s"] = time.perf_counter() - began
+        rollout, metrics = self.sampler.metrics_of(self.sampler.scored(prompts, generated, scores, counts))
+        self._send(i, rollout, metrics, versions, spent, loader_state)
+
+    def _dynamic_batch(self, i: int, spent: dict[str, float], start: int, switches: list) -> None:
+        """Batch i under dynamic sampling: generation batches scored one by one until enough groups are kept."""
+        from tripod.engine.rewards.replica_scoring import score_where_generated
+
+        n = self.cfg.actor_rollout_ref.rollout.n
+        timer = self._timer(spent)
+        with timer("rollout_gen_s"):
+            rollout, metrics = self.sampler.collect(
+                next(iter(self.loader)), lambda p, k: self._generate_rows(i, p, k),
+                lambda p, responses: score_where_generated(self.rewards, self.tokenizer, p, responses, n,
+                                                           self.replicas, self.mine, where_defined=False), timer)
+        self.engine.between_tokens = None
+        versions = self._segments(len(rollout.prompts.input_ids), n, [len(r) for r in rollout.responses], start,
+                                  switches)
+        self._submit(self._send, i, rollout, metrics, versions, spent, self.loader.state_dict())
+
+    def _send(self, i: int, rollout, metrics: dict, versions: list, spent: dict, loader_state: dict) -> None:
+        """(scorer thread) rollout rank 0 posts batch i to trainer rank 0."""
+        if self.rank != 0:
+            return
+        batch = ScoredBatch(i, versions, list(rollout.prompts.indices), rollout.responses,
+                            rollout.rollout_log_probs, rollout.finish_reasons, rollout.scores, rollout.rewards,
+                            rollout.penalties, metrics, loader_state,
+                            {("rollout_reward_s" if k == "reward" else k): v for k, v in spent.items()})
+        for works, _, _ in self.outbox:  # the previous batch: long received (the trainer's rank 0 always listens)
+            for w in works:
+                w.wait()
+        buf = batch.to_bytes()
+        works, size = send_batch(self.placement.data, buf, 0)
+        self.outbox = [(works, buf, size)]

@@ -70,7 +70,7 @@ class QueuedRollout:
 
     def __init__(self, trainer, placement: Placement, schedule: StalenessSchedule):
         self.t, self.placement, self.schedule = trainer, placement, schedule
-        self.pusher = WeightPusher(placement, trainer.hybrid)
+        self.pusher = WeightPusher(placement, trainer.hybrid, in_flight=schedule.capacity)
         self.ready: deque[torch.Tensor] = deque()  # batches taken off the bridge (or out of a checkpoint), in order
         self.inbox: queue.Queue = queue.Queue()
         self.loader_state: dict = trainer.loader.state_dict()  # the rollout loader's position after the last batch

@@ -10,13 +10,14 @@ the version header and raw bucket bytes, nothing else: each rollout rank receive
 weight buffers where it has them.
 
 The trainer posts its sends and goes on training (the rollout takes a version when the schedule says it needs it,
-engine/async_rollout/schedule.py); the staged buckets live until the next push waits for them, so a sending trainer
-rank holds one extra copy of its generation shard between two pushes.
+engine/async_rollout/schedule.py); a push's staged buckets live until the rollout has taken them, so a sending
+trainer rank holds up to `in_flight` (the schedule's capacity, floor((1 + s) K)) copies of its generation shard.
 """
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -54,7 +55,9 @@ def _header(version: int, nbytes: int) -> torch.Tensor:
 class WeightPusher:
     """Trainer side: `push(actor_model, version)` after the steps the schedule syncs (every trainer rank calls it)."""
 
-    def __init__(self, placement: Placement, hybrid, bucket_bytes: int = 64 << 20):
+    def __init__(self, placement: Placement, hybrid, bucket_bytes: int = 64 << 20, in_flight: int = 1):
+        """`in_flight`: pushes that may wait for the rollout at once (the staleness schedule's capacity: the rollout
+        takes a version only when a batch needs it, and the trainer should not wait for that)."""
         import torch.distributed as dist
 
         self.placement, self.hybrid, self.plan = placement, hybrid, hybrid.plan
@@ -65,34 +68,34 @@ class WeightPusher:
         self.targets = [] if self.slice is None else \
             [placement.rollout_bridge_rank(r * tp + self.slice) for r in range(replicas)]
         self.layout = bucket_layout(self.plan.generation_shapes(), self.plan.generation_dtypes(), bucket_bytes)
-        self._inflight: list[Any] = []
-        self._staged: list[torch.Tensor] = []
+        self.in_flight = max(1, in_flight)
+        self._pushes: deque[tuple[list[Any], list[torch.Tensor]]] = deque()  # (works, staged buckets) per push
 
-    def wait(self) -> None:
-        """Block until the previous push has left (its staged buckets are then freed)."""
-        for work in self._inflight:
-            work.wait()
-        self._inflight, self._staged = [], []
+    def wait(self, keep: int = 0) -> None:
+        """Block until at most `keep` pushes are still on their way (the others' staged buckets are freed)."""
+        while len(self._pushes) > keep:
+            works, _ = self._pushes.popleft()
+            for work in works:
+                work.wait()
 
     def push(self, actor_model, version: int) -> dict[str, float]:
         """Gather the generation shards (collective over the trainer's ranks) and post this rank's sends; returns
         async/weight_push_s (gather + staging + posting, not the transfer, which overlaps training) and the bytes
         this rank sends per rollout replica."""
         start = time.perf_counter()
-        self.wait()
+        self.wait(keep=self.in_flight - 1)
         shard = self.hybrid.to_rollout(actor_model)
         sent = 0
         if self.slice is not None:
             with torch.no_grad():
-                self._staged = [torch.cat([shard[n].detach().reshape(-1) for n in names]).contiguous()
-                                for names in self.layout]
+                staged = [torch.cat([shard[n].detach().reshape(-1) for n in names]).contiguous()
+                          for names in self.layout]
             del shard
-            nbytes = sum(b.numel() * b.element_size() for b in self._staged)
-            device = self._staged[0].device if self._staged else torch.device("cpu")
-            header = _header(version, nbytes).to(device)
-            self._staged.insert(0, header)
-            for dst in self.targets:
-                self._inflight += [send(self.placement.weights, t, dst, wait=False) for t in self._staged]
+            nbytes = sum(b.numel() * b.element_size() for b in staged)
+            device = staged[0].device if staged else torch.device("cpu")
+            staged.insert(0, _header(version, nbytes).to(device))
+            self._pushes.append(([send(self.placement.weights, t, dst, wait=False)
+                                  for dst in self.targets for t in staged], staged))
             sent = nbytes
         return {"async/weight_push_s": time.perf_counter() - start, "async/weight_bytes_per_replica": float(sent)}
 

@@ -95,7 +95,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from tripod.parallel.memory_plan import rollout_ranks_plan
 
         own = rollout_ranks_plan(cfg, arch, int(args.bucket_mb * (1 << 20)))
-        print(own.describe(staged=own.generation_shard))
+        from tripod.engine.async_rollout.schedule import StalenessSchedule
+
+        a = cfg.async_training
+        pushes = StalenessSchedule(a.staleness_threshold, a.trigger_parameter_sync_step, 1).capacity
+        print(own.describe(staged=own.generation_shard * pushes))
     arc, on_cuda = cfg.actor_rollout_ref, cfg.trainer.device == "cuda"
     offload = {"actor": flags_of(arc.actor.megatron, True), "critic": flags_of(cfg.critic.megatron, True),
                "reference": flags_of(arc.ref.megatron, False, arc.ref.offload),

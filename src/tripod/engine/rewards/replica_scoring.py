@@ -39,6 +39,15 @@ def score_where_generated(pool, tokenizer, prompts: PromptBatch, responses: list
     """(a rule score per row, in row order, on every rank; the scorer's counts summed over the replicas).
     `where_defined`: rows whose data source has no rule function score None (the reward model scores them).
     Collective over the world; `mine` is this rank's replica, `replica_ranks[i]` replica i's global ranks."""
+    return share_replica_scores(score_replica_rows(pool, tokenizer, prompts, responses, n, replica_ranks, mine,
+                                                   where_defined), len(responses), where_defined)
+
+
+def score_replica_rows(pool, tokenizer, prompts: PromptBatch, responses: list[list[int]], n: int,
+                       replica_ranks: Sequence[Sequence[int]], mine: int, where_defined: bool) -> torch.Tensor:
+    """The local half of `score_where_generated` (no collective, so it may run in a thread while the rank generates):
+    this replica's first rank scores the replica's rows in its pool; [scores | 1 where scored | counts | 1 if any
+    counts], zeros elsewhere."""
     from tripod.engine.workers.reward_model import rule_rewards_where_defined
 
     total = len(responses)
@@ -60,10 +69,17 @@ def score_where_generated(pool, tokenizer, prompts: PromptBatch, responses: list
             out[2 * total: 2 * total + len(COUNT_KEYS)] = torch.tensor([float(counts[k]) for k in COUNT_KEYS],
                                                                         dtype=torch.float64)
             out[-1] = 1.0
+    return out
+
+
+def share_replica_scores(out: torch.Tensor, total: int, where_defined: bool, group=None
+                         ) -> tuple[list, dict[str, float]]:
+    """The collective half of `score_where_generated`: every replica's `score_replica_rows` summed on every rank (of
+    `group`, default the world)."""
     from tripod.engine.device import current_device
 
     out = out.to(current_device())  # NCCL reduces CUDA tensors only; a no-op on gloo's CPU runs
-    dist.all_reduce(out)
+    dist.all_reduce(out, group=group)
     out = out.cpu()
     scored = out[total: 2 * total].tolist()
     scores = [s if has else None for s, has in zip(out[:total].tolist(), scored)]
