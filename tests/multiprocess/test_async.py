@@ -54,14 +54,46 @@ def _same_run(a: str, b: str, steps: int) -> bool:
         _dumps(b, range(1, steps + 1)) and same_weights
 
 
+def _dapo_setup(tmp_path) -> dict:
+    """make_ppo_setup's, with every prompt scored by tests/helpers/dapo_reward.py (odd answers keep their group)."""
+    from tests.helpers import dapo_reward
+    from tripod.engine.data import make_arithmetic_rows, write_prompt_parquet
+
+    setup = make_ppo_setup(tmp_path / "dapo", n_train=32)
+    rows = make_arithmetic_rows(32, seed=0, max_digits=1, instruction="Answer as #### N.")
+    for row in rows:
+        row["data_source"] = dapo_reward.DATA_SOURCE
+    setup["train"] = str(tmp_path / "dapo" / "train_odd.parquet")
+    write_prompt_parquet(rows, setup["train"])
+    return setup
+
+
+DAPO = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+        "algorithm.filter_groups.max_num_gen_batches=8", "reward_model.num_workers=1"]
+
+
 def test_staleness_zero_is_the_synchronous_run(tmp_path):
-    setup = make_ppo_setup(tmp_path, max_digits=2)
-    runs = {name: _overrides(setup, str(tmp_path / name), 3, *extra) for name, extra in
-            (("colocated", []), ("own_ranks", OWN_RANKS), ("planted", OWN_RANKS))}
+    """Also with dynamic sampling (the rollout ranks draw the extra generation batches from their own loader)."""
+    setup, dapo = make_ppo_setup(tmp_path, max_digits=2), _dapo_setup(tmp_path)
+    runs = {name: _overrides(s, str(tmp_path / name), 3, *extra) for name, s, extra in
+            (("colocated", setup, []), ("own_ranks", setup, OWN_RANKS), ("planted", setup, OWN_RANKS),
+             ("colocated_dapo", dapo, DAPO), ("own_ranks_dapo", dapo, [*OWN_RANKS, *DAPO]))}
     train_together(runs, str(tmp_path), run_envs={"planted": {"TRIPOD_TEST_PLANT": "async_version_off_by_one"}})
-    assert {r["async/staleness_max"] for r in metrics(str(tmp_path / "own_ranks"))} == {0.0}
+    own = metrics(str(tmp_path / "own_ranks"))
+    assert {r["async/staleness_max"] for r in own} == {0.0}
+    # the bytes each rollout rank received: its generation shard, as the reshard plan counts it
+    from tripod.engine.config import load_config
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.hybrid_engine import reshard_plan_from_config
+    cfg = load_config("recipes/defaults.yaml", runs["own_ranks"])
+    plan = reshard_plan_from_config(cfg, 1, arch_from_hf(setup["model"]))
+    assert {r["async/weight_bytes_per_replica"] for r in own if "async/weight_bytes_per_replica" in r} == \
+        {float(plan.generation_shard_bytes())}
     assert _same_run(str(tmp_path / "colocated"), str(tmp_path / "own_ranks"), 3)
     assert not _same_run(str(tmp_path / "colocated"), str(tmp_path / "planted"), 3)
+    dapo_rows = metrics(str(tmp_path / "own_ranks_dapo"))
+    assert sum(r["train/num_gen_batches"] for r in dapo_rows) > 3  # groups were dropped and batches drawn again
+    assert _same_run(str(tmp_path / "colocated_dapo"), str(tmp_path / "own_ranks_dapo"), 3)
 
 
 def test_one_step_behind_is_generated_by_the_weights_before_the_last_step(tmp_path):

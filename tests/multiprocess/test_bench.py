@@ -178,3 +178,41 @@ def test_trl_baseline_runs_and_counts_its_real_completions(tmp_path, mini_batch)
     assert 0.0 <= rec["score_mean"] <= 1.0 and 0.0 <= rec["nonzero_adv_frac"] <= 1.0
     trl = doc["runs"][1]["summary"]
     assert trl["nonzero_adv_frac"] == rec["nonzero_adv_frac"] and trl["threads_per_process"][0] >= 1
+
+
+def test_sweep_terms_pair_up():
+    from tripod.engine.cli.bench import parse_sweep
+
+    assert parse_sweep(None) == [{}]
+    assert parse_sweep("data.train_batch_size=8,16") == [{"data.train_batch_size": "8"}, {"data.train_batch_size": "16"}]
+    assert parse_sweep("trainer.n_gpus_per_node=2,1 rollout.n_gpus_per_node=0,1") == [
+        {"trainer.n_gpus_per_node": "2", "rollout.n_gpus_per_node": "0"},
+        {"trainer.n_gpus_per_node": "1", "rollout.n_gpus_per_node": "1"}]
+    with pytest.raises(ValueError, match="as many values"):
+        parse_sweep("a=1,2 b=1")
+
+
+def test_bench_puts_sync_beside_the_rollout_on_its_own_rank(tmp_path):
+    """`tripod bench --sweep` pairs the synchronous run on 2 ranks with 1 trainer + 1 rollout rank (docs/async.md):
+    the same prompts and token counts (the rollout ranks draw what the trainer's loader would), the world of both
+    kinds counted per device."""
+    setup = make_ppo_setup(tmp_path)
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "tripod", "bench", "recipes/bench/smollm2-135m-grpo.yaml",
+           f"actor_rollout_ref.model.path={setup['model']}", f"data.train_files={setup['train']}",
+           "data.max_prompt_length=64", "data.max_response_length=6", "data.train_batch_size=2",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+           "actor_rollout_ref.rollout.n=2", "async_training.staleness_threshold=1", "--steps", "2", "--warmup", "1",
+           "--out", str(out), "--sweep", "trainer.n_gpus_per_node=2,1 rollout.n_gpus_per_node=0,1"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    doc = json.loads((out / "bench.json").read_text())
+    check_schema(doc)
+    labels = [r["label"] for r in doc["runs"]]
+    assert labels == ["tripod-trainer.n_gpus_per_node=2,rollout.n_gpus_per_node=0",
+                      "tripod-trainer.n_gpus_per_node=1,rollout.n_gpus_per_node=1"], labels
+    raws = [json.loads((out / "runs" / label / "raw.json").read_text()) for label in labels]
+    assert [r["world_size"] for r in raws] == [2, 2] and [r["rollout_ranks"] for r in raws] == [0, 1]
+    assert [rec["prompt_tokens"] for rec in raws[0]["records"]] == [rec["prompt_tokens"] for rec in raws[1]["records"]]
+    assert all("wait_rollout" in rec["stages_s"] for rec in raws[1]["records"])

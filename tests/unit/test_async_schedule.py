@@ -63,7 +63,7 @@ def _cfg(tmp_path, *overrides):
     (["rollout.nnodes=1", "rollout.n_gpus_per_node=3", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
       "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
      "3 rollout ranks do not split into TP groups"),
-    (["rollout.nnodes=1", "rollout.n_gpus_per_node=0"], "must both be 0"),
+    (["rollout.nnodes=0", "rollout.n_gpus_per_node=1"], "rollout.nnodes=0 must be >= 1"),
     (["rollout.nnodes=1", "rollout.n_gpus_per_node=1", "async_training.require_batches=2"],
      "async_training.require_batches=1"),
     (["rollout.nnodes=1", "rollout.n_gpus_per_node=1", "async_training.partial_rollout=true",

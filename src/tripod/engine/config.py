@@ -884,13 +884,14 @@ class TrainerConfig:
 
 @dataclass
 class RolloutPlacementConfig:
-    """Where the rollout runs (verl's fully-async / one-step-off resource keys). Unset (0): on the trainer's ranks,
-    colocated through the hybrid engine (the default). Set: on ranks of its own, after the trainer's, fed with the
-    trainer's weights over torch.distributed and streaming scored samples back (engine/async_rollout/, docs/async.md)."""
-    nnodes: int = 0
-    """Nodes of rollout ranks; 0: colocated. verl: rollout.nnodes."""
+    """Where the rollout runs (verl's fully-async / one-step-off resource keys). n_gpus_per_node 0 (the default): on the
+    trainer's ranks, colocated through the hybrid engine. Set: on nnodes x n_gpus_per_node ranks of its own, after the
+    trainer's, fed with the trainer's weights over torch.distributed and streaming scored samples back
+    (engine/async_rollout/, docs/async.md)."""
+    nnodes: int = 1
+    """Nodes of rollout ranks (read when n_gpus_per_node > 0). verl: rollout.nnodes."""
     n_gpus_per_node: int = 0
-    """Rollout ranks per node (on CPU: gloo processes); 0: colocated. They form TP groups of
+    """Rollout ranks per node (on CPU: gloo processes); 0: colocated with the trainer. They form TP groups of
     actor_rollout_ref.rollout.tensor_model_parallel_size. verl: rollout.n_gpus_per_node."""
 
     @property
@@ -899,9 +900,9 @@ class RolloutPlacementConfig:
         return self.nnodes * self.n_gpus_per_node
 
     def check(self, key: str = "rollout") -> list[str]:
-        if self.nnodes < 0 or self.n_gpus_per_node < 0 or (self.nnodes == 0) != (self.n_gpus_per_node == 0):
-            return [f"{key}.nnodes={self.nnodes} and {key}.n_gpus_per_node={self.n_gpus_per_node} must both be 0 "
-                    "(rollout colocated with the trainer) or both >= 1 (rollout on ranks of its own)"]
+        if self.nnodes < 1 or self.n_gpus_per_node < 0:
+            return [f"{key}.nnodes={self.nnodes} must be >= 1 and {key}.n_gpus_per_node={self.n_gpus_per_node} >= 0 "
+                    "(0: the rollout colocated with the trainer)"]
         return []
 
 

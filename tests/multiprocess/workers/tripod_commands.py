@@ -11,6 +11,7 @@ tests/multiprocess/workers/train_with_hooks.py planted, and only it (the bug is 
 import json
 import sys
 
+import tests.helpers.dapo_reward  # noqa: F401  (registers the test data source dynamic-sampling runs score with)
 from tests.helpers.common import dist_worker
 
 

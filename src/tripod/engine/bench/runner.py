@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 # timing_s/<key> written by PPOTrainer.train_step, in step order; "other" is the step minus their sum
-STAGES = ("reshard", "gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
+STAGES = ("reshard", "gen", "reward", "wait_rollout", "old_log_prob", "ref", "values", "adv", "update_critic",
+          "update_actor", "weight_push")
 
 
 def stage_flops(perf, tokens: float, response: float, rows: int, timings: dict[str, float],
@@ -54,36 +55,56 @@ def step_record(index: int, warmup: bool, wall_s: float, metrics: dict[str, floa
 
 
 def bench_on_rank(config_yaml: str, steps: int, warmup: int, raw_path: str) -> None:
-    """Build the trainer from the resolved recipe, run warmup + steps train steps, write the raw records."""
+    """Build the trainer from the resolved recipe, run warmup + steps train steps, write the raw records. With the
+    rollout on ranks of its own (rollout.n_gpus_per_node), those ranks serve it (engine/async_rollout/) and the
+    records count them in the world: throughput per device is per rank of either kind."""
     from omegaconf import OmegaConf
 
     from tripod.engine.config import TripodConfig
+
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TripodConfig), OmegaConf.create(config_yaml)))
+    if not cfg.separate_rollout:
+        return _bench(cfg, None, steps, warmup, raw_path)
+    from tripod.engine.async_rollout.bridge import split_world
+    from tripod.engine.async_rollout.server import RolloutServer
+
+    with split_world(cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node) as placement:
+        if placement.is_trainer:
+            _bench(cfg, placement, steps, warmup, raw_path)
+        else:
+            RolloutServer(cfg, placement).serve()
+
+
+def _bench(cfg, placement, steps: int, warmup: int, raw_path: str) -> None:
     from tripod.engine.memory import peak_memory_gb
     from tripod.engine.throughput import active_matmul_params, measure_peak_flops
     from tripod.engine.trainer import PPOTrainer
 
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TripodConfig), OmegaConf.create(config_yaml)))
     t0 = time.perf_counter()
-    trainer = PPOTrainer(cfg)
+    trainer = PPOTrainer(cfg, placement)
     setup_s = time.perf_counter() - t0
     n = cfg.actor_rollout_ref.rollout.n
     records = []
+    trainer.source.start(0)
     try:
         for i in range(warmup + steps):
-            prompts = next(iter(trainer.loader))  # what fit() does
+            # what fit() does; the rollout's own ranks pick the prompts themselves
+            prompts = next(iter(trainer.loader)) if placement is None else None
             dist.barrier()
             t0 = time.perf_counter()
             metrics = trainer.train_step(prompts)
             wall = time.perf_counter() - t0
             trainer.step += 1
-            records.append(step_record(i, i < warmup, wall, metrics, len(prompts.input_ids) * n,
-                                       len(prompts.input_ids), trainer.perf, cfg.actor_rollout_ref.actor.ppo_epochs))
+            count = len(prompts.input_ids) if prompts is not None else cfg.data.train_batch_size
+            records.append(step_record(i, i < warmup, wall, metrics, count * n, count, trainer.perf,
+                                       cfg.actor_rollout_ref.actor.ppo_epochs))
             if trainer.rank == 0:
                 r = records[-1]
                 print(f"tripod bench: step {i + 1}/{warmup + steps}{' (warmup)' if r['warmup'] else ''} "
                       f"{r['step_s']:.2f} s  " + "  ".join(f"{k}={v:.2f}" for k, v in r["stages_s"].items()),
                       flush=True)
     finally:
+        trainer.source.close()
         if trainer.rewards is not None:
             trainer.rewards.close()
     # the ceiling again, after the steps: a start-up measurement that shared its core with a neighbour reads low
@@ -93,7 +114,9 @@ def bench_on_rank(config_yaml: str, steps: int, warmup: int, raw_path: str) -> N
                                    "threads": torch.get_num_threads(), "peak_flops": trainer.perf.peak})
     if trainer.rank == 0:
         arch = trainer.arch
-        raw = {"records": records, "ranks": ranks, "world_size": trainer.world, "setup_s": setup_s,
+        raw = {"records": records, "ranks": ranks, "setup_s": setup_s,
+               "world_size": trainer.world + (placement.rollout_ranks if placement else 0),
+               "rollout_ranks": placement.rollout_ranks if placement else 0,
                "on_policy_old_log_probs_skipped": all("old_log_prob" not in r["stages_s"] for r in records),
                "model": {"path": cfg.actor_rollout_ref.model.path, "family": arch.family,
                          "layer_params": active_matmul_params(arch), "num_layers": arch.num_layers,

@@ -18,14 +18,22 @@ BENCH_OVERRIDES = ("trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_
                    "data.val_files=[]", "trainer.resume=disable", "trainer.logger=[]")
 
 
-def parse_sweep(spec: str | None) -> tuple[str | None, list[str]]:
+def parse_sweep(spec: str | None) -> list[dict[str, str]]:
+    """The sweep's points: `key=v1,v2,...`, or several such terms separated by spaces whose values pair up (point i
+    sets every key to its i-th value: `trainer.n_gpus_per_node=2,1 rollout.n_gpus_per_node=0,1` is the synchronous
+    run on 2 ranks beside the same 2 ranks split into trainer and rollout). No sweep: one point, no overrides."""
     if not spec:
-        return None, [""]
-    key, sep, values = spec.partition("=")
-    points = [v for v in values.split(",") if v]
-    if not sep or not key or not points:
-        raise ValueError(f"--sweep {spec!r}: write key=v1,v2,... e.g. --sweep data.train_batch_size=8,16")
-    return key, points
+        return [{}]
+    columns = {}
+    for term in spec.split():
+        key, sep, values = term.partition("=")
+        points = [v for v in values.split(",") if v]
+        if not sep or not key or not points:
+            raise ValueError(f"--sweep {spec!r}: write key=v1,v2,... e.g. --sweep data.train_batch_size=8,16")
+        columns[key] = points
+    if len({len(v) for v in columns.values()}) > 1:
+        raise ValueError(f"--sweep {spec!r}: every key needs as many values as the others (they pair up)")
+    return [dict(zip(columns, values)) for values in zip(*columns.values())]
 
 
 def machine_info() -> dict:
@@ -84,6 +92,7 @@ def plan_prediction(cfg, world: int) -> dict | None:
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.hybrid_engine import reshard_plan_from_config
 
+    world -= cfg.rollout.ranks  # the hybrid engine plans over the trainer's ranks
     plan = reshard_plan_from_config(cfg, world, arch_from_hf(cfg.actor_rollout_ref.model.path))
     return {"model_gb": plan.model_bytes() / 2 ** 30, "generation_shard_gb": plan.generation_shard_bytes() / 2 ** 30,
             "reshard_peak_extra_gb": plan.peak_extra_bytes() / 2 ** 30,
@@ -126,14 +135,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.steps < 1 or args.warmup < 0:
         raise ValueError(f"--steps {args.steps} --warmup {args.warmup}: need steps >= 1 and warmup >= 0")
-    key, points = parse_sweep(args.sweep)
+    points = parse_sweep(args.sweep)
     check_baselines(args.baseline)
     os.makedirs(args.out, exist_ok=True)
     runs, first = [], None
-    for value in points:
-        point = {key: value} if key else {}
-        label = f"tripod-{key.rsplit('.', 1)[-1]}={value}" if key else "tripod"
-        over = [*args.overrides, *([f"{key}={value}"] if key else [])]
+    for point in points:
+        short = [k.rsplit(".", 1)[-1] for k in point]
+        names = short if len(set(short)) == len(short) else list(point)  # full keys where the last parts collide
+        label = "tripod-" + ",".join(f"{k}={v}" for k, v in zip(names, point.values())) if point else "tripod"
+        over = [*args.overrides, *(f"{k}={v}" for k, v in point.items())]
         res = run_tripod_point(args.config, over, args.steps, args.warmup, args.out, label, args.from_raw)
         first = first or res
         runs.append({"label": label, "system": "tripod", "point": point, "summary": summarize(res["raw"]),
@@ -172,7 +182,10 @@ def add_bench_command(subparsers) -> None:
     p.add_argument("--steps", type=int, default=3, help="measured steps (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="steps run first and not counted (default 1)")
     p.add_argument("--out", default="outputs/bench", help="output directory (default outputs/bench)")
-    p.add_argument("--sweep", default=None, help="key=v1,v2,...: one tripod run per value, one table and plot")
+    p.add_argument("--sweep", default=None,
+                   help="key=v1,v2,...: one tripod run per value, one table and plot; several space-separated terms "
+                        "pair up, e.g. 'trainer.n_gpus_per_node=2,1 rollout.n_gpus_per_node=0,1' (synchronous vs "
+                        "the rollout on a rank of its own, docs/async.md)")
     p.add_argument("--baseline", nargs="*", default=[], choices=sorted(BASELINES),
                    help="peers run on the same work after tripod: trl (GRPOTrainer, own venv), hf (plain loop)")
     p.add_argument("--from-raw", action="store_true",
