@@ -102,7 +102,9 @@ def run(name: str, work: dict, root: str, steps: int, extra: list[str]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--latency", type=float, default=LATENCY, help="the judge's seconds a sample (default 0.5)")
     args = p.parse_args()
+    os.environ["TRIPOD_BENCH_LATENCY"] = str(args.latency)  # the spawned ranks read it when they import this file
     root = tempfile.mkdtemp(prefix="tripod-bench-async-")
     work = make_workload(root)
     own = ["trainer.n_gpus_per_node=1", "rollout.nnodes=1", "rollout.n_gpus_per_node=1"]
@@ -111,7 +113,7 @@ def main() -> None:
                run("async_a2", work, root, args.steps, own + ["async_training.staleness_threshold=2"])]
     base = results[0]["samples_per_s"]
     print(f"\nload average {os.getloadavg()[0]:.2f}; {args.steps} steps x 8 prompts x 4 samples, latency "
-          f"{LATENCY} s a sample, 2 ranks x 1 thread")
+          f"{args.latency} s a sample, 2 ranks x 1 thread")
     print("| run | samples/s | vs sync | step s (sum) | trainer idle s | rollout idle s | length median / max | "
           "held-out reward | peak GB/rank |")
     print("|---|---|---|---|---|---|---|---|---|")
