@@ -14,6 +14,7 @@ resume, the divergence guard's rollback) is engine/trainer_state.py's.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -185,6 +186,16 @@ class PPOTrainer(TrainerState):
         return scores, {**payload[1], **metrics}
 
     # ---- one PPO step ----------------------------------------------------------------------------
+    def phase(self, timer: Timer):
+        """`with phase(name):` one stage of the step: its models placed for it (engine/offload.py), timed, and a
+        profiler range (the timer's)."""
+        @contextlib.contextmanager
+        def stage(name: str):
+            with timer(name):
+                self.offload.enter(name)
+                yield
+        return stage
+
     def train_step(self, prompts: PromptBatch | None = None) -> dict[str, float]:
         """One PPO step on the next scored batch of `self.source` (`prompts`: the colocated rollout's prompts instead
         of the loader's next batch)."""
@@ -194,9 +205,10 @@ class PPOTrainer(TrainerState):
         bypass = algo.rollout_correction.bypass_mode
         # where the rows live, decided in the exchange from their lengths (row_shards.py); dynamic sampling (the kept
         # rows are known after scoring) and a reward model (it scores every row) keep the whole batch
-        step_rows = StepRows(self.source.shards_rows and not self.sampler.enable and self.reward_model is None, n, algo=algo, bypass=bypass,
-                             actor=self.actor, actor_cfg=arc.actor, critic=self.critic, critic_cfg=cfg.critic,
-                             ref=self.ref)
+        step_rows = StepRows(self.source.shards_rows and not self.sampler.enable and self.reward_model is None, n,
+                             algo=algo, bypass=bypass, actor=self.actor, actor_cfg=arc.actor, critic=self.critic,
+                             critic_cfg=cfg.critic, ref=self.ref)
+        phase = self.phase(timer)
         with timer("step"):
             rollout, reward_metrics = self.source.next_batch(self.step, step_rows, timer, prompts)
             if cfg.trainer.rollout_data_dir and self.rank == 0:
@@ -218,20 +230,17 @@ class PPOTrainer(TrainerState):
             if bypass:  # verl's bypass mode: the rollout's log-probs are the old ones, nothing is recomputed
                 batch["old_log_probs"] = batch["rollout_log_probs"]
             elif not self.on_policy_update(len(all_scores)):  # else the update takes them from its own forward
-                with timer("old_log_prob"):
-                    self.offload.enter("old_log_prob")
+                with phase("old_log_prob"):
                     batch["old_log_probs"], _ = self.actor.compute_log_probs(
                         batch, ro.log_prob_micro_batch_size_per_gpu or batch.size, temperature,
                         token_budget=ro.log_prob_max_token_len_per_gpu if ro.log_prob_use_dynamic_bsz else None)
             if self.ref is not None:
-                with timer("ref"):
-                    self.offload.enter("ref")
+                with phase("ref"):
                     batch["ref_log_probs"], _ = self.ref.compute_log_probs(
                         batch, ref.log_prob_micro_batch_size_per_gpu or batch.size, temperature,
                         token_budget=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None)
             if self.critic is not None:
-                with timer("values"):
-                    self.offload.enter("values")
+                with phase("values"):
                     batch["values"] = self.critic.compute_values(
                         batch, critic.ppo_micro_batch_size_per_gpu or batch.size,
                         token_budget=critic.forward_max_token_len_per_gpu if critic.use_dynamic_bsz else None)
@@ -251,12 +260,10 @@ class PPOTrainer(TrainerState):
                 adv, ret = step_advantages(algo, token_rewards, mask, batch, all_scores, shards)
                 batch["advantages"], batch["returns"] = adv, ret
             if self.critic is not None:
-                with timer("update_critic"):
-                    self.offload.enter("update_critic")
+                with phase("update_critic"):
                     metrics.update(self.critic.update(batch, cfg.critic, n))
             if self.step >= cfg.trainer.critic_warmup:
-                with timer("update_actor"):
-                    self.offload.enter("update_actor")
+                with phase("update_actor"):
                     metrics.update(self.actor.update(batch, arc.actor, temperature, n))
             metrics.update(self.source.updated(self.step + 1, timer))  # weights to the rollout's own ranks
         timings = timer.metrics()
