@@ -138,7 +138,9 @@ class RolloutServer:
         self.loader.load_state_dict(state)
         self.engine.resume_memory()
         self.outbox: list = []
-        self.scorer = ThreadPoolExecutor(1)  # scores and sends each batch, in order, while the next is generated
+        on_device = (lambda: torch.cuda.set_device(self.device)) if self.device.type == "cuda" else None
+        # scores and sends each batch, in order, while the next is generated (NCCL: on this rank's device)
+        self.scorer = ThreadPoolExecutor(1, initializer=on_device)
         self._futures: list = []
         for i in range(first, self.schedule.total_batches):
             spent: dict[str, float] = {}
@@ -167,6 +169,7 @@ class RolloutServer:
         for f in self._futures:
             f.result()
         self.scorer.shutdown()
+        self.weights.finish()
         for works, _, _ in self.outbox:
             for w in works:
                 w.wait()

@@ -89,7 +89,8 @@ class QueuedRollout:
             expected = self.schedule.total_batches - first
             self._thread = threading.Thread(target=self._receive, args=(expected,), daemon=True)
             self._thread.start()
-        self.pusher.push(self.t.actor.model, step)
+        if first < self.schedule.total_batches:  # else nothing is left to generate: the rollout ranks just stop
+            self.pusher.push(self.t.actor.model, step)
 
     def _receive(self, count: int) -> None:
         src = self.placement.rollout_bridge_rank(0)
@@ -100,7 +101,7 @@ class QueuedRollout:
             self.inbox.put(e)
 
     def close(self) -> None:
-        self.pusher.wait()
+        self.pusher.close()
 
     # ---- the step -----------------------------------------------------------------------------------
     def _take(self) -> tuple[torch.Tensor | None, float, int]:

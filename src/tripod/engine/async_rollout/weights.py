@@ -48,6 +48,9 @@ def _numel(shape) -> int:
     return out
 
 
+END = -1  # the version of the header that closes the stream
+
+
 def _header(version: int, nbytes: int) -> torch.Tensor:
     return torch.tensor([version, nbytes], dtype=torch.int64)
 
@@ -76,6 +79,17 @@ class WeightPusher:
         while len(self._pushes) > keep:
             works, _ = self._pushes.popleft()
             for work in works:
+                work.wait()
+
+    def close(self) -> None:
+        """After the last push: wait for every push, then tell the rollout ranks no version follows (an end header,
+        version -1: a receive they posted ahead, for partial rollouts, completes instead of waiting for ever)."""
+        self.wait()
+        if self.slice is not None:
+            from tripod.engine.device import current_device
+
+            end = _header(END, 0).to(current_device())  # NCCL moves device tensors (gloo runs: the CPU)
+            for work in [send(self.placement.weights, end, dst, wait=False) for dst in self.targets]:
                 work.wait()
 
     def push(self, actor_model, version: int) -> dict[str, float]:
@@ -123,6 +137,8 @@ class WeightReceiver:
             self._header, self._here = _header(0, 0).to(self.device), threading.Event()
 
             def wait(header=self._header, here=self._here):
+                if self.device.type == "cuda":  # NCCL works on the thread's current device
+                    torch.cuda.set_device(self.device)
                 self.placement.weights.recv([header], self.src, 0).wait()
                 here.set()
             self._waiter = threading.Thread(target=wait, daemon=True)
@@ -132,6 +148,14 @@ class WeightReceiver:
         """Whether the next version's header is here (never blocks): a partial rollout polls it between tokens."""
         self._post()
         return self._here.is_set()
+
+    def finish(self) -> None:
+        """Take the trainer's end header (`WeightPusher.close`): every version sent was received."""
+        self._post()
+        self._waiter.join()
+        version, self._waiter = int(self._header.cpu()[0]), None
+        if version != END:
+            raise RuntimeError(f"the trainer sent weight version {version} that no batch of the run needs")
 
     def _bucket_buffer(self, names: list[str]) -> torch.Tensor:
         dtype, numel = self.dtypes[names[0]], sum(_numel(self.shapes[n]) for n in names)
@@ -151,6 +175,8 @@ class WeightReceiver:
         header, self._waiter = self._header.cpu(), None
         arrived = time.perf_counter()
         version, nbytes = int(header[0]), int(header[1])
+        if version == END:
+            raise RuntimeError("the trainer closed the weight stream while this rollout rank waited for a version")
         if nbytes != self.expected:
             raise RuntimeError(f"weight version {version}: the trainer sends {nbytes} bytes, this rollout rank's "
                                f"generation shard is {self.expected}; trainer and rollout disagree on the plan")
