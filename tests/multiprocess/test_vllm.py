@@ -53,3 +53,28 @@ def test_ppo_three_steps_with_vllm_rollout(tmp_path):
         bad = {k: v for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)}
         assert not bad, (row["step"], bad)
     assert all(r["response_length/mean"] > 0 for r in rows)
+
+
+def test_rollout_on_its_own_rank_with_vllm(tmp_path):
+    """vLLM on a rollout rank of its own (1 trainer + 1 rollout rank, age bound 1, greedy; docs/async.md): each batch
+    the run recorded is what the colocated vLLM engine generates from the recorded version's checkpoint; a rollout
+    that never loads the pushed weights fails that (tests/multiprocess/workers/train_with_hooks.py)."""
+    import json
+
+    from tests.helpers.ppo_setup import make_ppo_setup
+    from tests.helpers.trainer_runs import metrics, train_together
+    from tests.multiprocess.test_async import OWN_RANKS, _overrides
+
+    setup = make_ppo_setup(tmp_path, **HEAD_DIM_64)
+    extra = [*OWN_RANKS, "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.do_sample=false",
+             "async_training.staleness_threshold=1", "trainer.save_freq=1"]
+    runs = {name: _overrides(setup, str(tmp_path / name), 3, *extra) for name in ("own_rank", "planted")}
+    train_together(runs, str(tmp_path), run_envs={"planted": {"TRIPOD_TEST_PLANT": "rollout_weights_stale"}})
+    assert [r["async/staleness_max"] for r in metrics(str(tmp_path / "own_rank"))] == [0.0, 1.0, 1.0]
+    for name in ("own_rank", "planted"):
+        run_dir = str(tmp_path / name)
+        out = run_torchrun("async_reference.py", 1, json.dumps(
+            {"overrides": runs[name], "run_dir": run_dir, "dump_dir": run_dir + "/rollouts", "steps": [2, 3]}),
+            timeout=600).stdout
+        equal = [f"ASYNC_REFERENCE {k} equal=True" in out for k in (2, 3)]
+        assert equal == ([True, True] if name == "own_rank" else [True, False]), (name, out[-3000:])
