@@ -41,12 +41,12 @@ def _poisoned_setup(tmp_path):
     return setup
 
 
-def _start(setup, run_dir, extra, poison_step, log, per_step=8):
+def _start(setup, run_dir, extra, poison_step, log, per_step=8, world=1):
     args = tiny_overrides(setup, run_dir, steps=3) + [
         "data.val_files=[]", "trainer.val_before_train=false", "trainer.save_freq=1",
         "trainer.divergence_guard.enabled=true", *extra]
     env = dict(POISON_FROM=str(per_step * (poison_step - 1)), POISON_TO=str(per_step * poison_step))
-    return launch_world("guard_poisoned_reward.py", 1, *args, log=log, env=env)
+    return launch_world("guard_poisoned_reward.py", world, *args, log=log, env=env)
 
 
 # What step 2's rollout produced, before any update: the prompts (data position), the sampled responses (RNG) and
@@ -121,3 +121,29 @@ def test_guard_gives_up_after_max_rollbacks(runs):
     assert len(err) == 1 and "step 3 diverged (non-finite" in err[0] and "max_rollbacks" in err[0], stdout[-3000:]
     assert os.path.exists(os.path.join(run_dir, "checkpoints", "global_step_2", GOOD))
     assert not os.path.exists(os.path.join(run_dir, "checkpoints", "global_step_3"))
+
+
+@pytest.mark.dist
+def test_rollback_with_the_rollout_on_its_own_rank(tmp_path):
+    """The same poisoned step 2 with the rollout on a rank of its own (staleness 0, docs/async.md): the trainer rolls
+    back to global_step_1, the rollout rank drops the batch it made from the diverged weights and starts again from
+    step 1's data position and weights; the replayed step 2 is the rollout's batch 1 again, made with version 1."""
+    setup = _poisoned_setup(tmp_path)
+    run_dir = str(tmp_path / "run")
+    extra = ["rollout.n_gpus_per_node=1", "async_training.require_batches=2",
+             f"trainer.rollout_data_dir={run_dir}/rollouts"]
+    proc = _start(setup, run_dir, extra, 2, tmp_path / "out.log", world=2)
+    proc.wait(timeout=900)
+    stdout = (tmp_path / "out.log").read_text()
+    assert proc.returncode == 0, stdout[-5000:]
+    lines = [line for line in stdout.splitlines() if line.startswith("guard:")]
+    assert len(lines) == 1 and "step 2 tripped (non-finite" in lines[0] and "rolled back to global_step_1" in lines[0]
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3] and [m["guard/rollbacks"] for m in metrics] == [0.0, 1.0, 1.0]
+    assert [m["async/staleness_max"] for m in metrics] == [0.0, 0.0, 0.0]
+    for m in metrics:
+        assert all(math.isfinite(m[k]) for k in ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm"))
+    with open(os.path.join(run_dir, "rollouts", "2.jsonl")) as f:
+        replayed = [json.loads(line) for line in f]
+    assert {row["weight_versions"][0][1] for row in replayed} == {1}
+    assert all(math.isfinite(row["score"]) for row in replayed)  # the poisoned batch was dropped, not trained

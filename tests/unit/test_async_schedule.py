@@ -71,7 +71,8 @@ def _cfg(tmp_path, *overrides):
     (["rollout.nnodes=1", "rollout.n_gpus_per_node=1", "async_training.staleness_threshold=-1"],
      "staleness_threshold=-1"),
     (["rollout.nnodes=1", "rollout.n_gpus_per_node=1", "trainer.divergence_guard.enabled=true",
-      "trainer.save_freq=1"], "trainer.divergence_guard.enabled=true with rollout on its own ranks"),
+      "trainer.save_freq=1", "async_training.partial_rollout=true"],
+     "async_training.partial_rollout=true with trainer.divergence_guard.enabled=true"),
 ])
 def test_bad_async_input_is_one_line_before_any_model(tmp_path, overrides, message):
     cfg = _cfg(tmp_path, *overrides)

@@ -104,15 +104,16 @@ def _async_problems(cfg: TripodConfig) -> list[str]:
                  f"require_batches={max(cfg.data.train_batch_size // max(mini, 1), 1)}")
     refused = [("reward_model.enable=true", cfg.reward_model.enable,
                 "the reward model scores on the trainer's ranks; use a rule reward or colocate the rollout"),
-               ("trainer.divergence_guard.enabled=true", cfg.trainer.divergence_guard.enabled,
-                "a rollback would leave stale batches queued on the rollout ranks; turn the guard off or colocate"),
                (f"actor_rollout_ref.rollout.name={rollout.name}", rollout.name not in ("embedded", "vllm", "sglang"),
                 "use embedded, vllm or sglang")]
     e += [f"{key} with rollout on its own ranks (rollout.nnodes): {why}" for key, on, why in refused if on]
     partial_refused = [(f"actor_rollout_ref.rollout.name={rollout.name}", rollout.name != "embedded",
                         "only the embedded engine switches weights between two tokens; use embedded"),
                        ("algorithm.filter_groups.enable=true", cfg.algorithm.filter_groups.enable,
-                        "a step's rows would come from several generation batches with their own switches")]
+                        "a step's rows would come from several generation batches with their own switches"),
+                       ("trainer.divergence_guard.enabled=true", cfg.trainer.divergence_guard.enabled,
+                        "a rollback restarts the rollout where it waits for weights, which a partial rollout does "
+                        "between two tokens of a batch")]
     e += [f"async_training.partial_rollout=true with {key}: {why}; or set async_training.partial_rollout=false"
           for key, on, why in partial_refused if a.partial_rollout and on]
     return e

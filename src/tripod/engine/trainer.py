@@ -265,7 +265,6 @@ class PPOTrainer(TrainerState):
             if self.step >= cfg.trainer.critic_warmup:
                 with phase("update_actor"):
                     metrics.update(self.actor.update(batch, arc.actor, temperature, n))
-            metrics.update(self.source.updated(self.step + 1, timer))  # weights to the rollout's own ranks
         timings = timer.metrics()
         metrics.update(batch_metrics(batch, all_scores, shards))
         metrics.update(timings)
@@ -345,6 +344,7 @@ class PPOTrainer(TrainerState):
             done = self.step >= self.total_steps
             if not self.judged(metrics):  # rolled back: self.step is the last good checkpoint's
                 continue
+            metrics.update(self.source.updated(self.step))  # only judged weights reach the rollout's own ranks
             if self.val_set is not None and ((cfg.trainer.test_freq > 0 and self.step % cfg.trainer.test_freq == 0)
                                              or done):
                 with self.profiler.range("validation"):

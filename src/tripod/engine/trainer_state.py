@@ -89,6 +89,7 @@ class TrainerState:
         state = self.ckpt.load(decision.checkpoint, self.trainable_workers())
         state.pop("guard", None)  # the guard's own count and best validation reward go on across a rollback
         self.load_state_dict(state)
+        self.source.restart(self.step)  # the rollout's own ranks start again from here (engine/async_rollout/)
         self.kl_ctrl.kl_coef += decision.kl_coef_add
         self.apply_remedies(decision.remedies)
         if self.rank == 0:

@@ -32,6 +32,7 @@ class ScoredBatch:
     metrics: dict[str, float] = field(default_factory=dict)
     loader_state: dict = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    run: int = 0  # which start of the rollout made it (a divergence-guard rollback starts it again)
 
     def to_bytes(self) -> torch.Tensor:
         head = {k: v for k, v in asdict(self).items() if k not in ("responses", "log_probs")}
@@ -70,6 +71,12 @@ def send_batch(group, buf: torch.Tensor, dst: int) -> tuple[list, torch.Tensor]:
     return [send(group, size, dst, wait=False), send(group, buf, dst, wait=False)], size
 
 
-def recv_batch(group, src: int) -> torch.Tensor:
-    size = recv(group, torch.zeros(1, dtype=torch.int64), src)
-    return recv(group, torch.empty(int(size), dtype=torch.uint8), src)
+def send_end(group, dst: int) -> None:
+    """No batch follows (the rollout ranks are done)."""
+    send(group, torch.tensor([-1], dtype=torch.int64), dst)
+
+
+def recv_batch(group, src: int) -> torch.Tensor | None:
+    """The next batch's bytes, or None at the end of the stream."""
+    size = int(recv(group, torch.zeros(1, dtype=torch.int64), src))
+    return None if size < 0 else recv(group, torch.empty(size, dtype=torch.uint8), src)

@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from tripod.engine.algorithms.dynamic_sampling import DynamicSampler
 from tripod.engine.async_rollout.bridge import Placement, recv
-from tripod.engine.async_rollout.messages import ScoredBatch, send_batch
+from tripod.engine.async_rollout.messages import ScoredBatch, send_batch, send_end
 from tripod.engine.async_rollout.schedule import StalenessSchedule
-from tripod.engine.async_rollout.weights import WeightReceiver
+from tripod.engine.async_rollout.weights import Restart, WeightReceiver
 
 
 class RolloutServer:
@@ -85,6 +85,7 @@ class RolloutServer:
         a = cfg.async_training
         self.schedule = StalenessSchedule(a.staleness_threshold, a.trigger_parameter_sync_step, total)
         self.version: int | None = None
+        self.run = 0  # the trainer's count of starts (a rollback starts the rollout again)
         self.partial = a.partial_rollout
 
     def _agreed_arrival(self) -> bool:
@@ -129,25 +130,43 @@ class RolloutServer:
         return timed
 
     def serve(self) -> None:
+        """Runs until the trainer closes the weight stream; a divergence-guard rollback on the trainer (a RESTART
+        header, met by every rollout rank at its next wait for weights) starts it again from the rolled-back step."""
         from concurrent.futures import ThreadPoolExecutor
 
-        start = recv(self.placement.data, torch.zeros(4, dtype=torch.int64), 0).tolist()
-        first = int(start[1])  # start[0]: the trainer's step, whose weights come first
-        state = self.loader.state_dict()
-        state.update(epoch=int(start[2]), offset=int(start[3]))
-        self.loader.load_state_dict(state)
         self.engine.resume_memory()
         self.outbox: list = []
         on_device = (lambda: torch.cuda.set_device(self.device)) if self.device.type == "cuda" else None
         # scores and sends each batch, in order, while the next is generated (NCCL: on this rank's device)
         self.scorer = ThreadPoolExecutor(1, initializer=on_device)
         self._futures: list = []
+        while True:
+            try:
+                self._serve_run()
+                break
+            except Restart:
+                self.engine.between_tokens = None
+                for f in self._futures:  # what was scored goes out; the trainer drops the abandoned run's batches
+                    f.result()
+                self._futures, self.version = [], None
+        self.scorer.shutdown()
+        if self.rank == 0:
+            self._wait_sent()
+            send_end(self.placement.data, 0)
+        self.rewards.close()
+
+    def _serve_run(self) -> None:
+        """One start of the rollout: from the start message's batch to the last, then the trainer's end header."""
+        start = recv(self.placement.data, torch.zeros(5, dtype=torch.int64), 0).tolist()
+        first, self.run = int(start[1]), int(start[4])  # start[0]: the trainer's step, whose weights come first
+        state = self.loader.state_dict()
+        state.update(epoch=int(start[2]), offset=int(start[3]))
+        self.loader.load_state_dict(state)
         for i in range(first, self.schedule.total_batches):
             spent: dict[str, float] = {}
             want = self.schedule.version_for(i)
-            if self.version is None or self.version < want:  # (the batches it takes are on their way: the scorer)
-                while self.version is None or self.version < want:
-                    self._take_weights(spent)
+            while self.version is None or self.version < want:  # (the batches it needs are on their way: the scorer)
+                self._take_weights(spent)
             switches: list[tuple[int, int]] = []  # (first token generated with it, version) of a partial rollout
             if self.partial:  # the freshest weights here now, and any that land while tokens are generated
                 while self._agreed_arrival():
@@ -168,12 +187,7 @@ class RolloutServer:
                 self._generate(i, spent, self.version, switches)
         for f in self._futures:
             f.result()
-        self.scorer.shutdown()
-        self.weights.finish()
-        for works, _, _ in self.outbox:
-            for w in works:
-                w.wait()
-        self.rewards.close()
+        self.weights.finish()  # the end header, or RESTART: a rollback after the last batch was made
 
     def _generate_rows(self, batch: int, prompts, gen_batch: int = 0):
         from tripod.engine.rollout.factory import step_sampling_params
@@ -234,6 +248,13 @@ class RolloutServer:
                                   switches)
         self._submit(self._send, i, rollout, metrics, versions, spent, self.loader.state_dict())
 
+    def _wait_sent(self) -> None:
+        """The previous batch's sends: long received (the trainer's rank 0 always listens)."""
+        for works, _, _ in self.outbox:
+            for w in works:
+                w.wait()
+        self.outbox = []
+
     def _send(self, i: int, rollout, metrics: dict, versions: list, spent: dict, loader_state: dict) -> None:
         """(scorer thread) rollout rank 0 posts batch i to trainer rank 0."""
         if self.rank != 0:
@@ -241,10 +262,8 @@ class RolloutServer:
         batch = ScoredBatch(i, versions, list(rollout.prompts.indices), rollout.responses,
                             rollout.rollout_log_probs, rollout.finish_reasons, rollout.scores, rollout.rewards,
                             rollout.penalties, metrics, loader_state,
-                            {("rollout_reward_s" if k == "reward" else k): v for k, v in spent.items()})
-        for works, _, _ in self.outbox:  # the previous batch: long received (the trainer's rank 0 always listens)
-            for w in works:
-                w.wait()
+                            {("rollout_reward_s" if k == "reward" else k): v for k, v in spent.items()}, self.run)
+        self._wait_sent()
         buf = batch.to_bytes()
         works, size = send_batch(self.placement.data, buf, 0)
         self.outbox = [(works, buf, size)]

@@ -43,7 +43,7 @@ class ColocatedRollout:
                                                               needs=step_rows.needs(p)),
             lambda p, responses: t.score(p, responses, t.cfg.actor_rollout_ref.rollout.n), timer)
 
-    def updated(self, step: int, timer) -> dict[str, float]:
+    def updated(self, step: int) -> dict[str, float]:
         return {}
 
     def versions_of(self, step: int, rows: int) -> list[list[list[int]]]:
@@ -51,6 +51,9 @@ class ColocatedRollout:
         return [[[0, step]] for _ in range(rows)]
 
     def start(self, step: int) -> None:
+        pass
+
+    def restart(self, step: int) -> None:
         pass
 
     def state_dict(self, step: int) -> dict[str, Any]:
@@ -74,6 +77,7 @@ class QueuedRollout:
         self.ready: deque[torch.Tensor] = deque()  # batches taken off the bridge (or out of a checkpoint), in order
         self.inbox: queue.Queue = queue.Queue()
         self.loader_state: dict = trainer.loader.state_dict()  # the rollout loader's position after the last batch
+        self.run = 0  # starts of the rollout: a divergence-guard rollback starts it again, older batches are dropped
         self._thread: threading.Thread | None = None
 
     # ---- start / stop -------------------------------------------------------------------------------
@@ -83,25 +87,49 @@ class QueuedRollout:
         first = self.schedule.first_to_generate(step)
         if dist.get_rank() == 0:
             state = self.loader_state
-            msg = torch.tensor([step, first, state["epoch"], state["offset"]], dtype=torch.int64)
+            msg = torch.tensor([step, first, state["epoch"], state["offset"], self.run], dtype=torch.int64)
             for r in range(self.placement.rollout_ranks):
                 send(self.placement.data, msg, self.placement.rollout_bridge_rank(r))
-            expected = self.schedule.total_batches - first
-            self._thread = threading.Thread(target=self._receive, args=(expected,), daemon=True)
-            self._thread.start()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._receive, daemon=True)
+                self._thread.start()
         if first < self.schedule.total_batches:  # else nothing is left to generate: the rollout ranks just stop
             self.pusher.push(self.t.actor.model, step)
 
-    def _receive(self, count: int) -> None:
+    def restart(self, step: int) -> None:
+        """After a divergence-guard rollback to `step` (the checkpoint's queue and loader position loaded): the rollout
+        ranks drop their timeline at their next wait for weights and start again from there; the batches they made
+        before are dropped as they arrive (their run number is an older one)."""
+        self.run += 1
+        self.pusher.restart()
+        self.start(step)
+
+    def _receive(self) -> None:
         src = self.placement.rollout_bridge_rank(0)
         try:
-            for _ in range(count):
-                self.inbox.put(recv_batch(self.placement.data, src))
+            while True:
+                buf = recv_batch(self.placement.data, src)
+                self.inbox.put(buf)
+                if buf is None:  # the rollout ranks are done
+                    return
         except Exception as e:  # a rollout rank died: the step waiting on the queue raises it
             self.inbox.put(e)
 
+    def _pull(self) -> torch.Tensor:
+        """(rank 0) The next batch of the current run off the bridge, waiting for it."""
+        while True:
+            item = self.inbox.get()
+            if isinstance(item, Exception) or item is None:
+                raise RuntimeError(f"the rollout ranks stopped sending batches ({item or 'they ended'}); the run stops "
+                                   "here, its last checkpoint is intact (trainer.resume=auto continues from it)"
+                                   ) from (item if isinstance(item, Exception) else None)
+            if ScoredBatch.from_bytes(item).run == self.run:
+                return item
+
     def close(self) -> None:
         self.pusher.close()
+        if self._thread is not None:  # the rollout's end message comes once it has the end header
+            self._thread.join()
 
     # ---- the step -----------------------------------------------------------------------------------
     def _take(self) -> tuple[torch.Tensor | None, float, int]:
@@ -111,11 +139,7 @@ class QueuedRollout:
         queued = len(self.ready) + self.inbox.qsize()
         start = time.perf_counter()
         if not self.ready:
-            item = self.inbox.get()
-            if isinstance(item, Exception):
-                raise RuntimeError(f"the rollout ranks stopped sending batches ({item}); the run stops here, its last "
-                                   "checkpoint is intact (trainer.resume=auto continues from it)") from item
-            self.ready.append(item)
+            self.ready.append(self._pull())
         return self.ready.popleft(), time.perf_counter() - start, queued
 
     def next_batch(self, step: int, step_rows, timer, prompts=None) -> tuple[Rollout, dict[str, float]]:
@@ -149,12 +173,10 @@ class QueuedRollout:
     def versions_of(self, step: int, rows: int) -> list[list[list[int]]]:
         return self.last_versions
 
-    def updated(self, step: int, timer) -> dict[str, float]:
-        """After the update that made version `step`: push it when the schedule syncs there."""
-        if not self.schedule.syncs(step):
-            return {}
-        with timer("weight_push"):
-            return self.pusher.push(self.t.actor.model, step)
+    def updated(self, step: int) -> dict[str, float]:
+        """After the update that made version `step` was kept (the divergence guard judged it): push it when the
+        schedule syncs there."""
+        return self.pusher.push(self.t.actor.model, step) if self.schedule.syncs(step) else {}
 
     # ---- checkpoint ---------------------------------------------------------------------------------
     def state_dict(self, step: int) -> dict[str, Any]:
@@ -167,10 +189,7 @@ class QueuedRollout:
         queued: list[torch.Tensor] = []
         if dist.get_rank() == 0:
             while len(self.ready) < need:
-                item = self.inbox.get()
-                if isinstance(item, Exception):
-                    raise RuntimeError(f"the rollout ranks stopped sending batches ({item})") from item
-                self.ready.append(item)
+                self.ready.append(self._pull())
             queued = list(self.ready)[:need]
             if queued:
                 state = ScoredBatch.from_bytes(queued[-1]).loader_state

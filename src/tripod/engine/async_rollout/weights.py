@@ -49,6 +49,11 @@ def _numel(shape) -> int:
 
 
 END = -1  # the version of the header that closes the stream
+RESTART = -2  # the version of the header that abandons the rollout's timeline (a divergence-guard rollback)
+
+
+class Restart(Exception):
+    """The trainer rolled back: the rollout drops what it was doing and waits for a new start."""
 
 
 def _header(version: int, nbytes: int) -> torch.Tensor:
@@ -91,6 +96,16 @@ class WeightPusher:
             end = _header(END, 0).to(current_device())  # NCCL moves device tensors (gloo runs: the CPU)
             for work in [send(self.placement.weights, end, dst, wait=False) for dst in self.targets]:
                 work.wait()
+
+    def restart(self) -> None:
+        """After a rollback: every rollout rank drops its timeline at its next wait for weights (the versions posted
+        before still arrive first, in order)."""
+        if self.slice is not None:
+            from tripod.engine.device import current_device
+
+            header = _header(RESTART, 0).to(current_device())
+            self._pushes.append(([send(self.placement.weights, header, dst, wait=False) for dst in self.targets],
+                                 [header]))
 
     def push(self, actor_model, version: int) -> dict[str, float]:
         """Gather the generation shards (collective over the trainer's ranks) and post this rank's sends; returns
@@ -154,6 +169,8 @@ class WeightReceiver:
         self._post()
         self._waiter.join()
         version, self._waiter = int(self._header.cpu()[0]), None
+        if version == RESTART:
+            raise Restart()
         if version != END:
             raise RuntimeError(f"the trainer sent weight version {version} that no batch of the run needs")
 
@@ -175,6 +192,8 @@ class WeightReceiver:
         header, self._waiter = self._header.cpu(), None
         arrived = time.perf_counter()
         version, nbytes = int(header[0]), int(header[1])
+        if version == RESTART:
+            raise Restart()
         if version == END:
             raise RuntimeError("the trainer closed the weight stream while this rollout rank waited for a version")
         if nbytes != self.expected:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 # timing_s/<key> written by PPOTrainer.train_step, in step order; "other" is the step minus their sum
 STAGES = ("reshard", "gen", "reward", "wait_rollout", "old_log_prob", "ref", "values", "adv", "update_critic",
-          "update_actor", "weight_push")
+          "update_actor")
 
 
 def stage_flops(perf, tokens: float, response: float, rows: int, timings: dict[str, float],
@@ -93,8 +93,9 @@ def _bench(cfg, placement, steps: int, warmup: int, raw_path: str) -> None:
             dist.barrier()
             t0 = time.perf_counter()
             metrics = trainer.train_step(prompts)
-            wall = time.perf_counter() - t0
             trainer.step += 1
+            metrics.update(trainer.source.updated(trainer.step))  # what fit() does next (rollout on its own ranks)
+            wall = time.perf_counter() - t0
             count = len(prompts.input_ids) if prompts is not None else cfg.data.train_batch_size
             records.append(step_record(i, i < warmup, wall, metrics, count * n, count, trainer.perf,
                                        cfg.actor_rollout_ref.actor.ppo_epochs))
