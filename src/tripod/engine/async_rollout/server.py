@@ -1,12 +1,15 @@
 """The rollout ranks' loop: for each batch the staleness schedule admits, take the weights it needs, generate, score,
 send it to the trainer's queue.
 
-    start message (trainer rank 0): the resumed step, the first batch to generate, the loader's position
+    start message (trainer rank 0): the resumed step, the first batch to generate, the loader's position, the run
     for i in first .. total - 1:
         receive weight versions until the one schedule.version_for(i) names is loaded  (rollout idle, weight sync)
         draw the batch's prompts (dynamic sampling: as many generation batches as it takes), generate them over the
-        rollout replicas (TP groups of actor_rollout_ref.rollout.tensor_model_parallel_size), score them with the
-        rule rewards, rollout rank 0 posts the scored batch to trainer rank 0
+        rollout replicas (TP groups of actor_rollout_ref.rollout.tensor_model_parallel_size); the scorer thread
+        scores them with the rule rewards while the next batch is generated, rollout rank 0 posts the scored batch
+        to trainer rank 0
+    the trainer's end header: done (an end message tells trainer rank 0); a RESTART header instead (a divergence-guard
+    rollback): wait for the next start message
 
 The rollout world is its own torch.distributed world (engine/async_rollout/bridge.py), so the rows move between its
 replicas and the scores are shared exactly as in a colocated rollout (engine/rollout/weight_sync.generate_rows,
