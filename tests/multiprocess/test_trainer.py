@@ -24,19 +24,20 @@ def _train(args, timeout=900, **popen):
 @pytest.mark.dist
 @pytest.mark.parametrize("tp,pp,world", [(2, 2, 4)], ids=["tp2pp2"])
 def test_resume_after_sigkill_is_exact(tmp_path, tp, pp, world):
-    """Killed (SIGKILL to every rank) between the step-2 and step-3 checkpoints, then `trainer.resume=auto` in a new
+    """Saving asynchronously (`trainer.async_save`), killed (SIGKILL to every rank) while the step-3 checkpoint is being
+    written (a planted 120 s wait in its writer thread), after the step-2 one became complete, then `trainer.resume=auto` in a new
     world (`tripod train` in-process on each rank, tests/multiprocess/workers/tripod_commands.py; the CLI's own
     launching is test_launch's): the resumed process must start at
     step 2 (its log line and the `training/start_step` metric), leave steps 0-2 as the killed process logged them
     (a no-op resume would recompute and rewrite them, with other timings), and end bit-identical to an uninterrupted
-    run. At TP2 x PP2 only: a (1,1,1) case ran the same assertions on a subset of the same code (110 s of the suite);
+    run, which saved synchronously (so the asynchronous save wrote the same state). At TP2 x PP2 only: a (1,1,1) case ran the same assertions on a subset of the same code (110 s of the suite);
     one-rank and DP2 resumes are also exact in test_launch (elastic restart) and test_precision (another layout)."""
     setup = make_ppo_setup(tmp_path)
     # a decaying LR schedule: a resume that did not restore the scheduler would train step 3 at a different LR
     schedule = ["actor_rollout_ref.actor.optim.lr_warmup_steps=2", "actor_rollout_ref.actor.optim.lr_decay_style=cosine",
                 "actor_rollout_ref.actor.optim.min_lr_ratio=0.1", "critic.optim.lr_decay_style=linear"]
     # the critic on SGD (megatron's momentum 0.9): its momentum buffers are restored too (megatron gives SGD no state
-    # initialiser for the load; engine/checkpoints/manager.py's _sgd_init_state)
+    # initialiser for the load; engine/checkpoints/optimizer_state.py's _sgd_init_state)
     common = GREEDY[1:] + ["actor_rollout_ref.rollout.do_sample=true", "trainer.save_freq=1",
                            "critic.optim.optimizer=sgd"] + schedule
     ref_dir, cut_dir = str(tmp_path / "uninterrupted"), str(tmp_path / "killed")
@@ -47,18 +48,21 @@ def test_resume_after_sigkill_is_exact(tmp_path, tp, pp, world):
     ref = launch_world("tripod_commands.py", world, json.dumps([["train", "recipes/defaults.yaml",
                                                                  *tiny_overrides(setup, ref_dir, **layout), *common]]),
                        log=tmp_path / "uninterrupted.log")
-    job = launch_world("tripod_commands.py", world, json.dumps([["train", "recipes/defaults.yaml", *args]]),
-                       log=tmp_path / "killed.log")
+    job = launch_world("tripod_commands.py", world, json.dumps([{
+        "argv": ["train", "recipes/defaults.yaml", *args, "trainer.async_save=true"], "plant": "slow_checkpoint_write"}]),
+        log=tmp_path / "killed.log")
     marker = os.path.join(cut_dir, "checkpoints", "global_step_2", "COMPLETE")
+    in_flight = os.path.join(cut_dir, "checkpoints", "tmp_global_step_3", "trainer_state.json")
     deadline = time.time() + 900
-    while not os.path.exists(marker) and time.time() < deadline:
+    while not (os.path.exists(marker) and os.path.exists(in_flight)) and time.time() < deadline:
         try:
             job.wait(timeout=0.2)
             break  # ended before the kill
         except subprocess.TimeoutExpired:
             pass
-    job.kill()  # SIGKILL to every rank, between the checkpoints of step 2 and step 3
+    job.kill()  # SIGKILL to every rank, while the step-3 checkpoint is being written
     job.wait()
+    assert os.path.exists(in_flight), "the run never began writing its step-3 checkpoint"
     assert ref.wait(timeout=900) == 0, (tmp_path / "uninterrupted.log").read_text()[-5000:]
     assert os.path.exists(marker), "the run never completed its step-2 checkpoint"
     assert not os.path.exists(os.path.join(cut_dir, "checkpoints", "global_step_3"))
@@ -66,7 +70,7 @@ def test_resume_after_sigkill_is_exact(tmp_path, tp, pp, world):
         before = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= 2]
     assert [json.loads(line)["step"] for line in before] == [0, 1, 2]
     # debris a crash can leave: a half-written save and a directory without its COMPLETE marker
-    os.makedirs(os.path.join(cut_dir, "checkpoints", "tmp_global_step_3", "actor"))
+    os.makedirs(os.path.join(cut_dir, "checkpoints", "tmp_global_step_3", "actor"), exist_ok=True)  # (the kill left it)
     os.makedirs(os.path.join(cut_dir, "checkpoints", "global_step_99", "actor"))
 
     resume_args = [a for a in args if not a.startswith("trainer.resume=")] + ["trainer.resume=auto"]

@@ -804,6 +804,11 @@ class TrainerConfig:
     """PPO steps to run; null: total_epochs * steps per epoch. verl: trainer.total_training_steps."""
     save_freq: int = -1
     """Checkpoint every this many PPO steps; <= 0: only at the end. verl: trainer.save_freq."""
+    async_save: bool = False
+    """Write checkpoints in the background: the save stages (copies) what each rank writes, the next step starts,
+    and the checkpoint becomes visible (renamed, COMPLETE) once every rank has written it; at most one save in
+    flight. Costs the staged bytes per rank (`tripod plan`); off: a save writes from the live tensors, no copy
+    (docs/operating.md). verl: actor_rollout_ref.actor.checkpoint.async_save."""
     test_freq: int = -1
     """Validate every this many PPO steps (and at the end); <= 0: only at the end. verl: trainer.test_freq."""
     val_before_train: bool = True

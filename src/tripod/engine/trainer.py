@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -154,6 +155,8 @@ class PPOTrainer(TrainerState):
         self.ckpt = CheckpointManager(os.path.join(self.run_dir, "checkpoints"), self.arch, path)
         self.perf = PerfCounter(self.arch, self.world)
         self.guard = DivergenceGuard(cfg.trainer.divergence_guard, actor_cfg, algo.kl_ctrl.target_kl, self.ckpt.root)
+        if self.rank == 0:
+            self.ckpt.on_complete.append(self.guard.mark_good)  # every checkpoint saved is of an accepted step
         self.profiler = StepProfiler(self.run_dir, cfg.trainer.profile_steps, cfg.trainer.profile_tool, self.rank)
         self.val_samples: list[dict] = []  # of the last validation, for the tracker (trainer.log_val_generations)
         self.step = 0
@@ -345,6 +348,7 @@ class PPOTrainer(TrainerState):
             if not self.judged(metrics):  # rolled back: self.step is the last good checkpoint's
                 continue
             metrics.update(self.source.updated(self.step))  # only judged weights reach the rollout's own ranks
+            metrics.update(self.ckpt.poll())  # an asynchronous save every rank has written becomes visible
             if self.val_set is not None and ((cfg.trainer.test_freq > 0 and self.step % cfg.trainer.test_freq == 0)
                                              or done):
                 with self.profiler.range("validation"):
@@ -354,15 +358,20 @@ class PPOTrainer(TrainerState):
                 metrics.update(last_val)
             metrics["training/epoch"] = self.loader.epoch
             metrics["training/start_step"] = start_step  # where this process began: 0, or the resumed step
-            if tracker:
-                tracker.log(metrics, self.step)
-                tracker.log_samples(self.val_samples if "val/reward_mean" in metrics else [], self.step)
             if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or done:
                 with self.profiler.range("checkpoint"):
                     self.offload.enter("checkpoint")
-                    saved = self.ckpt.save(self.step, self.state_dict(), self.trainable_workers())
-                if self.rank == 0:
-                    self.guard.mark_good(saved)
+                    start = time.perf_counter()
+                    self.ckpt.save(self.step, self.state_dict(), self.trainable_workers(),
+                                           asynchronous=cfg.trainer.async_save)
+                    metrics["timing_s/checkpoint"] = time.perf_counter() - start  # what the step waited for
+                    metrics.update(self.ckpt.poll())  # a synchronous save's own metrics
+            if tracker:
+                tracker.log(metrics, self.step)
+                tracker.log_samples(self.val_samples if "val/reward_mean" in metrics else [], self.step)
+        last_save = self.ckpt.wait()  # the last asynchronous save (finished after the last step's metrics)
+        if last_save and self.rank == 0:
+            print(f"tripod: checkpoint of step {self.step} written in {last_save['checkpoint/write_s']:.1f} s", flush=True)
         self.profiler.end_step()
         self.source.close()
         if tracker:

@@ -105,50 +105,76 @@ def check_exportable(path: str | os.PathLike) -> None:
                          "export to an HF causal LM")
 
 
+class ModelCheckpointSave:
+    """A model checkpoint being written: planned (collective) when made, then `write()` (this rank's file, any thread)
+    and `finish()` (collective: megatron's metadata, then tripod's metadata file, written last)."""
+
+    def __init__(self, model: torch.nn.Module, path: str | os.PathLike, arch: ModelArch, layout, *,
+                 tokenizer_dir: str | os.PathLike | None = None, extra_metadata: dict[str, Any] | None = None,
+                 stage: bool = False):
+        from tripod.parallel.megatron_patches.checkpoint_save import plan_save
+
+        _check_world_layout(layout, "save_model_checkpoint")
+        check_checkpoint_destination(path)  # every rank, on the same untouched directory
+        self.path, self.arch, self.layout = os.fspath(path), arch, layout
+        self.tokenizer_dir, self.extra_metadata = tokenizer_dir, extra_metadata or {}
+        self.gpt = model_chunks(model)[-1]
+        model_dir = os.path.join(self.path, MODEL_SUBDIR)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            os.makedirs(self.path, exist_ok=True)
+            if os.path.exists(os.path.join(self.path, METADATA_FILE)):
+                os.remove(os.path.join(self.path, METADATA_FILE))  # invalid until this save completes
+            shutil.rmtree(model_dir, ignore_errors=True)
+            os.makedirs(model_dir)
+        dist.barrier()
+        with layout.activate():
+            self.pending = plan_save(sharded_model_state(model), model_dir, stage=stage)
+        self.dtype = next(self.gpt.parameters()).dtype
+        self.value_head = bool(getattr(self.gpt, "tripod_value_head", False))
+
+    @property
+    def nbytes(self) -> int:
+        return self.pending.nbytes
+
+    def write(self) -> None:
+        self.pending.write()
+
+    def finish(self) -> None:
+        self.pending.finish()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            arch, layout = self.arch, self.layout
+            write_hf_config(arch, os.path.join(self.path, HF_SUBDIR), self.dtype, self.tokenizer_dir)
+            meta = {
+                "format_version": FORMAT_VERSION, "family": arch.family, "num_layers": arch.num_layers,
+                "vocab_size": arch.vocab_size,
+                "saved_layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+                                 **({"ep": layout.ep, "etp": layout.etp} if arch.moe else {}),
+                                 **layout.stage_split(arch.num_layers).config_fields()},
+                "saved_padded_vocab_size": padded_vocab_size(arch.vocab_size, layout.tp),
+                "value_head": self.value_head,
+                "dtype": str(self.dtype).removeprefix("torch."), **self.extra_metadata,
+            }
+            tmp = os.path.join(self.path, METADATA_FILE + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump(meta, f, indent=2, sort_keys=True)
+            os.replace(tmp, os.path.join(self.path, METADATA_FILE))
+        dist.barrier()
+
+
 def save_model_checkpoint(model: torch.nn.Module, path: str | os.PathLike, arch: ModelArch, layout, *,
                           tokenizer_dir: str | os.PathLike | None = None,
                           extra_metadata: dict[str, Any] | None = None) -> None:
-    """Save `model` (sharded by `layout`) to `path` with megatron dist-checkpointing.
+    """Save `model` (sharded by `layout`) to `path` with megatron dist-checkpointing, written by each rank from the
+    live tensors (parallel/megatron_patches/checkpoint_save.py).
 
     Collective: every rank of the world calls it (the layout must span the world). An existing
     checkpoint at `path` is replaced.
     """
-    from tripod.parallel.megatron_patches.checkpoint_save import save_synchronously
-
-    _check_world_layout(layout, "save_model_checkpoint")
-    check_checkpoint_destination(path)  # every rank, on the same untouched directory
-    path = os.fspath(path)
-    gpt = model_chunks(model)[-1]
-    model_dir = os.path.join(path, MODEL_SUBDIR)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
-        if os.path.exists(os.path.join(path, METADATA_FILE)):
-            os.remove(os.path.join(path, METADATA_FILE))  # invalid until this save completes
-        shutil.rmtree(model_dir, ignore_errors=True)
-        os.makedirs(model_dir)
-    dist.barrier()
-    with layout.activate():
-        save_synchronously(sharded_model_state(model), model_dir)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        dtype = next(gpt.parameters()).dtype
-        write_hf_config(arch, os.path.join(path, HF_SUBDIR), dtype, tokenizer_dir)
-        meta = {
-            "format_version": FORMAT_VERSION, "family": arch.family, "num_layers": arch.num_layers,
-            "vocab_size": arch.vocab_size,
-            "saved_layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
-                             **({"ep": layout.ep, "etp": layout.etp} if arch.moe else {}),
-                             **layout.stage_split(arch.num_layers).config_fields()},
-            "saved_padded_vocab_size": padded_vocab_size(arch.vocab_size, layout.tp),
-            "value_head": bool(getattr(gpt, "tripod_value_head", False)),
-            "dtype": str(dtype).removeprefix("torch."), **(extra_metadata or {}),
-        }
-        tmp = os.path.join(path, METADATA_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(meta, f, indent=2, sort_keys=True)
-        os.replace(tmp, os.path.join(path, METADATA_FILE))
-    dist.barrier()
+    save = ModelCheckpointSave(model, path, arch, layout, tokenizer_dir=tokenizer_dir, extra_metadata=extra_metadata)
+    save.write()
+    save.finish()
 
 
 def load_model_checkpoint(model: torch.nn.Module, path: str | os.PathLike, layout) -> dict[str, Any]:
@@ -234,6 +260,6 @@ def export_checkpoint_to_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLi
     dist.barrier()
 
 
-__all__ = ["save_model_checkpoint", "load_model_checkpoint", "read_checkpoint_metadata", "checkpoint_arch",
+__all__ = ["save_model_checkpoint", "ModelCheckpointSave", "load_model_checkpoint", "read_checkpoint_metadata", "checkpoint_arch",
            "check_checkpoint_destination", "check_exportable",
            "convert_hf_to_checkpoint", "export_checkpoint_to_hf", "min_world_size", "METADATA_FILE", "TOKENIZER_FILES"]

@@ -201,6 +201,17 @@ class MemoryPlan:
         transient = max([self.generation_shard + self.kv_cache, *self.activations.values()])
         return self.runtime + sum(m.total for m in self.models) + transient
 
+    def checkpoint_bytes(self) -> tuple[int, int]:
+        """(synchronous, asynchronous) bytes a checkpoint save adds to a rank that writes (engine/checkpoints/): a
+        synchronous save writes from the live tensors and gathers the distributed optimizer's state one chunk of
+        CHUNK_ELEMENTS fp32 at a time (x 2: the chunk and this rank's part of it, at most); an asynchronous one stages
+        the parameters and the optimizer's state it writes (fp32 main weights + two Adam moments: 1.5 x optim)."""
+        from tripod.engine.checkpoints.optimizer_state import CHUNK_ELEMENTS
+
+        trainable = [m for m in self.models if m.trainable]
+        staged = sum(m.rows["params"] + m.rows.get("optim", 0) * 3 // 2 for m in trainable)
+        return (2 * CHUNK_ELEMENTS * 4 if any(m.distributed_optimizer for m in trainable) else 0), staged
+
     def describe(self) -> str:
         mib = 1 << 20
         lines = ["model        layout             dtype  distopt   params_MiB  grads_MiB  main_MiB  optim_MiB  total_MiB"]
@@ -218,6 +229,11 @@ class MemoryPlan:
         if self.activations:
             lines.append("activations of one training micro-batch (longest sequences): " + ", ".join(
                 f"{name} {b / mib:.1f} MiB" for name, b in self.activations.items()))
+        sync, staged = self.checkpoint_bytes()
+        if staged:
+            lines.append(f"a checkpoint save adds per rank on the host: {sync / mib:.1f} MiB synchronous (the optimizer "
+                         f"state streamed a chunk at a time), {staged / mib:.1f} MiB with trainer.async_save (a staged "
+                         "copy of what the rank writes, held until written)")
         if self.runtime:
             lines.append(f"on CPU, peak RSS per rank: {self.host_peak() / mib:.0f} MiB (process {self.runtime / mib:.0f}"
                          f" MiB + models + the larger of rollout and one micro-batch's activations)")

@@ -1,8 +1,10 @@
-"""torchrun worker (2 ranks): megatron_patches/checkpoint_save.py's synchronous save against megatron's own.
+"""torchrun worker (2 ranks): megatron_patches/checkpoint_save.py's save against megatron's own.
 
-argv: DIR. Each rank holds half of a random [8, 5] tensor (a ShardedTensor along dim 0). `save_synchronously` must
-write a checkpoint that loads back bit for bit without megatron's spawned results Manager ever being made; then a
-plain `dist_checkpointing.save` must make it (the canary: once megatron stops doing that, the patch can go).
+argv: DIR. Each rank holds half of a random [8, 5] tensor (a ShardedTensor along dim 0) as a view of a larger buffer,
+as the distributed optimizer's parameters are. `plan_save` must write a checkpoint that loads back bit for bit,
+from the live tensor itself (no clone), without forking and without megatron's spawned results Manager; a staged
+plan must hold a snapshot (a write after planning does not reach the file). Then a plain `dist_checkpointing.save`
+must still fork and make the Manager (the canary: once megatron stops doing that, the patch can go).
 Prints `CKPT_SAVE <what>` lines (rank 0).
 """
 import os
@@ -19,32 +21,55 @@ def main() -> None:
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from tripod.parallel.megatron_patches.checkpoint_save import save_synchronously
+    from tripod.parallel.megatron_patches.checkpoint_save import plan_save, tensors_written
 
     root, rank, world = sys.argv[1], dist.get_rank(), dist.get_world_size()
     full = torch.randn(8, 5, generator=torch.Generator().manual_seed(123))
-    part = full.chunk(world)[rank].clone()
+    buffer = torch.zeros(100)  # the part is a view of a larger storage, like a DDP param buffer's parameters
+    part = buffer[10:10 + full.numel() // world].view(-1, 5)
+    part.copy_(full.chunk(world)[rank])
+    forks = []
+    real_fork = os.fork
+
+    def counting_fork():
+        forks.append(1)
+        return real_fork()
+    os.fork = counting_fork
 
     def state(t: torch.Tensor) -> dict:
         return {"w": ShardedTensor.from_rank_offsets("w", t, (0, rank, world))}
 
-    patched, plain = os.path.join(root, "patched"), os.path.join(root, "plain")
+    patched, staged, plain = (os.path.join(root, d) for d in ("patched", "staged", "plain"))
     if rank == 0:
-        os.makedirs(patched)
-        os.makedirs(plain)
+        for d in (patched, staged, plain):
+            os.makedirs(d)
     dist.barrier()
-    save_synchronously(state(part), patched)
-    assert filesystem_async._results_queue is None, "save_synchronously started megatron's results Manager"
+    pending = plan_save(state(part), patched)
+    written = tensors_written(pending)
+    assert [t.data_ptr() for t in written] == [part.data_ptr()], "the save copied the live tensor"
+    pending.write()
+    pending.finish()
+    assert not forks, f"the save forked {len(forks)} writer processes"
+    assert filesystem_async._results_queue is None, "the save started megatron's results Manager"
     loaded = dist_checkpointing.load(state(torch.empty_like(part)), patched)["w"]
     assert torch.equal(loaded, part), "the patched save did not load back bit for bit"
     if rank == 0:
-        print("CKPT_SAVE patched: loads back bit for bit, no Manager", flush=True)
+        print("CKPT_SAVE patched: loads back bit for bit, written from the live tensor, no fork, no Manager", flush=True)
+    snapshot = part.clone()
+    pending = plan_save(state(part), staged, stage=True)
+    part.add_(1.0)  # training goes on while an asynchronous save writes
+    pending.write()
+    pending.finish()
+    loaded = dist_checkpointing.load(state(torch.empty_like(part)), staged)["w"]
+    assert torch.equal(loaded, snapshot), "a write after staging reached the checkpoint"
+    if rank == 0:
+        print("CKPT_SAVE staged: the checkpoint is the state at planning", flush=True)
     dist_checkpointing.save(state(part), plain)
-    assert filesystem_async._results_queue is not None, (
-        "megatron's plain dist_checkpointing.save no longer starts a results Manager: "
+    assert forks and filesystem_async._results_queue is not None, (
+        "megatron's plain dist_checkpointing.save no longer forks writers and starts a results Manager: "
         "tripod/parallel/megatron_patches/checkpoint_save.py can go")
     if rank == 0:
-        print("CKPT_SAVE plain: megatron still starts its Manager", flush=True)
+        print("CKPT_SAVE plain: megatron still forks its writers and starts its Manager", flush=True)
 
 
 if __name__ == "__main__":

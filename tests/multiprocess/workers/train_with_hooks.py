@@ -7,7 +7,7 @@ here, never by the engine), to prove that the cross-layout equivalence check fai
       pp_stage_grads     the first pipeline stage's gradients are dropped before every optimizer step
       expert_dp_grads    routed-expert gradients are summed over expert-DP instead of averaged (x edp)
       adam_step_shared   a resumed distributed optimizer keeps megatron's one shared Adam `step` tensor (the bug
-                         engine/checkpoints/manager.py's _unshare_adam_steps fixes)
+                         engine/checkpoints/optimizer_state.py's _unshare_adam_steps fixes)
       adam_exp_avg_sq_on_load   a resumed optimizer's exp_avg_sq is zeroed after loading
       expert_bias_frozen the router's expert-bias update (megatron's finalize_model_grads step) does nothing
       sp_value_grad      the critic's value head sums its sequence-parallel gradient over TP instead of splitting it
@@ -77,15 +77,15 @@ def _sum_expert_dp_grads() -> None:
 
 
 def _share_adam_step() -> None:
-    from tripod.engine.checkpoints import manager
+    from tripod.engine.checkpoints import optimizer_state
 
-    _patch(manager, "_unshare_adam_steps", lambda optimizer: None)
+    _patch(optimizer_state, "_unshare_adam_steps", lambda optimizer: None)
 
 
 def _zero_exp_avg_sq_on_load() -> None:
-    from tripod.engine.checkpoints import manager
+    from tripod.engine.checkpoints import optimizer_state
 
-    original = manager._load_optimizer
+    original = optimizer_state.load_optimizer
 
     def load(worker, path):
         original(worker, path)
@@ -93,7 +93,7 @@ def _zero_exp_avg_sq_on_load() -> None:
             for state in inner.optimizer.state.values():
                 state["exp_avg_sq"].zero_()
 
-    _patch(manager, "_load_optimizer", load)
+    _patch(optimizer_state, "load_optimizer", load)
 
 
 def _freeze_expert_bias() -> None:
@@ -236,7 +236,24 @@ def _slow_decode() -> None:
     _patch(embedded, "sample_next_token", slow)
 
 
-PLANTS = {"slow_decode": _slow_decode, "rollout_weights_stale": _stale_rollout_weights, "async_version_off_by_one": _version_off_by_one, "rollout_rank_dies": _rollout_dies,
+def _slow_checkpoint_write() -> None:
+    """Not a bug: an asynchronous checkpoint write of step 3 or later waits 120 s before it writes, so a test can kill
+    the run while the write is in flight (tests/multiprocess/test_trainer.py)."""
+    import threading
+    import time
+
+    from tripod.engine.checkpoints import manager
+
+    original = manager._InFlight.write
+
+    def slow(self):
+        if self.step >= 3 and threading.current_thread() is not threading.main_thread():
+            time.sleep(120)
+        original(self)
+    _patch(manager._InFlight, "write", slow)
+
+
+PLANTS = {"slow_checkpoint_write": _slow_checkpoint_write, "slow_decode": _slow_decode, "rollout_weights_stale": _stale_rollout_weights, "async_version_off_by_one": _version_off_by_one, "rollout_rank_dies": _rollout_dies,
           "lm_head_tp_split": _flip_lm_head_split, "pp_stage_grads": _drop_first_stage_grads,
           "expert_dp_grads": _sum_expert_dp_grads, "adam_step_shared": _share_adam_step,
           "adam_exp_avg_sq_on_load": _zero_exp_avg_sq_on_load, "expert_bias_frozen": _freeze_expert_bias,

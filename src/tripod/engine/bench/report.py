@@ -72,7 +72,10 @@ def markdown(doc: dict[str, Any]) -> str:
                 + (f"; `tripod plan`: model {run['plan']['model_gb']:.2f} GB, resharding peak extra "
                    f"{run['plan']['reshard_peak_extra_gb']:.3f} GB per rank" if run.get("plan") else "")
                 + ("; old log-probs taken from the on-policy update's forward (not recomputed)"
-                   if run.get("on_policy_old_log_probs_skipped") else ""), ""]
+                   if run.get("on_policy_old_log_probs_skipped") else "")
+                + (f"; a checkpoint save: {s['checkpoint']['gb']:.2f} GB, the step waits "
+                   f"{s['checkpoint']['blocking_s']:.2f} s, on disk after {s['checkpoint']['total_s']:.2f} s"
+                   if s.get("checkpoint") else ""), ""]
     out += ["![stages and tokens/s per step](bench.png)", ""]
     if doc.get("sweep"):
         out += ["![sweep](sweep.png)", ""]

@@ -75,6 +75,24 @@ def bench_on_rank(config_yaml: str, steps: int, warmup: int, raw_path: str) -> N
             RolloutServer(cfg, placement).serve()
 
 
+def _time_checkpoint(trainer, asynchronous: bool) -> dict[str, float]:
+    """One trainer checkpoint after the measured steps, as fit() saves it (trainer.async_save): the seconds the step
+    waits, the seconds until it is on disk, its size; then removed. Collective."""
+    import shutil
+
+    t0 = time.perf_counter()
+    path = trainer.ckpt.save(trainer.step, trainer.state_dict(), trainer.trainable_workers(), asynchronous=asynchronous)
+    blocking = time.perf_counter() - t0
+    trainer.ckpt.wait()
+    out = {"blocking_s": blocking, "total_s": time.perf_counter() - t0,
+           "gb": sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs) / 2 ** 30
+           if trainer.rank == 0 else 0.0}
+    dist.barrier()
+    if trainer.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    return out
+
+
 def _bench(cfg, placement, steps: int, warmup: int, raw_path: str) -> None:
     from tripod.engine.memory import peak_memory_gb
     from tripod.engine.throughput import active_matmul_params, measure_peak_flops
@@ -104,6 +122,8 @@ def _bench(cfg, placement, steps: int, warmup: int, raw_path: str) -> None:
                 print(f"tripod bench: step {i + 1}/{warmup + steps}{' (warmup)' if r['warmup'] else ''} "
                       f"{r['step_s']:.2f} s  " + "  ".join(f"{k}={v:.2f}" for k, v in r["stages_s"].items()),
                       flush=True)
+        peak_gb = peak_memory_gb()  # the steps' peak (the save's is not the step's)
+        checkpoint = _time_checkpoint(trainer, cfg.trainer.async_save)
     finally:
         trainer.source.close()
         if trainer.rewards is not None:
@@ -111,11 +131,11 @@ def _bench(cfg, placement, steps: int, warmup: int, raw_path: str) -> None:
     # the ceiling again, after the steps: a start-up measurement that shared its core with a neighbour reads low
     trainer.perf.peak = max(trainer.perf.peak, measure_peak_flops())
     ranks: list = [None] * trainer.world
-    dist.all_gather_object(ranks, {"rank": trainer.rank, "peak_memory_gb": peak_memory_gb(),
+    dist.all_gather_object(ranks, {"rank": trainer.rank, "peak_memory_gb": peak_gb,
                                    "threads": torch.get_num_threads(), "peak_flops": trainer.perf.peak})
     if trainer.rank == 0:
         arch = trainer.arch
-        raw = {"records": records, "ranks": ranks, "setup_s": setup_s,
+        raw = {"records": records, "ranks": ranks, "setup_s": setup_s, "checkpoint": checkpoint,
                "world_size": trainer.world + (placement.rollout_ranks if placement else 0),
                "rollout_ranks": placement.rollout_ranks if placement else 0,
                "on_policy_old_log_probs_skipped": all("old_log_prob" not in r["stages_s"] for r in records),

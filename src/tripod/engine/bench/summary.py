@@ -73,6 +73,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         # what the update had to work with: mean reward, and the share of samples with a non-zero advantage (0: every
         # group scored alike and the update is a no-op any system could skip)
         "score_mean": _mean_of(recs, "score_mean"), "nonzero_adv_frac": _mean_of(recs, "nonzero_adv_frac"),
+        "checkpoint": raw.get("checkpoint"),  # one save after the steps: blocking_s, total_s, gb (tripod runs)
     }
 
 

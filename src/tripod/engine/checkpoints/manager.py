@@ -13,6 +13,12 @@
 
 A save goes to `tmp_global_step_<k>` and is renamed when complete, so a run killed mid-save leaves only a
 `tmp_*` directory (or one without COMPLETE), which `resume="auto"` ignores. Every rank calls `save` / `load`.
+
+Each rank writes its own files from the live tensors (parallel/megatron_patches/checkpoint_save.py; the optimizer's
+state a chunk at a time, engine/checkpoints/optimizer_state.py), so a save adds no copy of the state to a rank. An
+asynchronous save (`trainer.async_save`) stages (copies) what this rank writes, returns, and writes from a thread
+while training goes on; `poll()` after every step finishes it once every rank has written (a collective), and the
+next save, a load and the end of the run `wait()` for it: at most one save is in flight.
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ import json
 import os
 import re
 import shutil
+import threading
+import time
 from typing import Any
 
 import torch
@@ -46,111 +54,24 @@ def latest_complete(root: str) -> str | None:
     return found[-1] if found else None
 
 
-# The distributed optimizer's state in megatron's layout-free form (gathered per parameter on DP rank 0 at save,
-# sliced by every rank at load), so a checkpoint resumes at another TP / PP / DP; megatron's default for it
-# (fully_sharded_model_space) relies on flattened ranges the torch dist-checkpoint backend no longer supports.
-_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-def _save_optimizer(worker, path: str) -> None:
-    from tripod.parallel.checkpoint import sharded_model_state
-    from tripod.parallel.megatron_patches.checkpoint_save import save_synchronously
-
-    with worker.layout.activate():
-        model_sd = sharded_model_state(worker.chunks)
-        save_synchronously(worker.optimizer.sharded_state_dict(model_sd, metadata=_OPTIM_METADATA), path)
-
-
-def _ensure_optimizer_state(worker) -> None:
-    """Give a fresh DistributedOptimizer its Adam state before loading: megatron's state_dict() reads the per-parameter
-    step, which exists only after a step (with TE/apex it takes another path; on CPU, torch Adam's, it asserts).
-    megatron's own dummy-state initialiser runs one step with zero gradients; at lr = 0 it leaves every weight
-    untouched (no Adam update, no decoupled weight decay), and the load then overwrites the dummy state."""
-    opt = worker.optimizer
-    for inner in getattr(opt, "chained_optimizers", [opt]):
-        if not hasattr(inner, "_init_optimizer_states_with_dummy_values") or inner.optimizer.state:
-            continue
-        groups = inner.optimizer.param_groups
-        lrs = [g["lr"] for g in groups]
-        for g in groups:
-            g["lr"] = 0.0
-        inner._init_optimizer_states_with_dummy_values()
-        for g, lr in zip(groups, lrs):
-            g["lr"] = lr
-
-
-def _skip_torch_adam_step(inner) -> None:
-    """torch Adam keeps a per-parameter 'step' that megatron's fully_reshardable state does not carry (TE's FusedAdam
-    keeps it in the param groups), and megatron's loader copies every key of the live state: load the saved tensors
-    with 'step' set aside; megatron restores the step itself from the param groups."""
-    original = inner._set_main_param_and_optimizer_states
-
-    def set_states(model_param, tensors):
-        group_index, group_order = inner.model_param_group_index_map[model_param]
-        state = inner.optimizer.state[inner.optimizer.param_groups[group_index]["params"][group_order]]
-        step = state.pop("step", None)
-        try:
-            original(model_param, tensors)
-        finally:
-            if step is not None:
-                state["step"] = step
-
-    inner._set_main_param_and_optimizer_states = set_states
-
-
-def _sgd_init_state(opt, config=None) -> None:
-    """torch SGD's state (its momentum buffers) made before a load. megatron gives SGD no `init_state_fn` but calls it
-    when it builds the sharded state to load into ('NoneType' object is not callable); the load overwrites the zeros."""
-    for group in opt.param_groups:
-        if group.get("momentum", 0):
-            for p in group["params"]:
-                opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p.data))
-
-
-def _unshare_adam_steps(optimizer) -> None:
-    """Give every parameter its own Adam step tensor again. Without apex/TE (torch Adam, the CPU path) megatron's
-    DistributedOptimizer.load_state_dict puts ONE `step` tensor into every parameter's state, and torch keeps it
-    uncopied ("step is not casted"); torch's Adam then does `step += 1` in place once per parameter, so after a
-    resume the k-th parameter of a step saw step + k and its bias corrections were wrong (the resumed run drifted
-    from the uninterrupted one from its first step on)."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        torch_opt = getattr(inner, "optimizer", None)
-        for state in (torch_opt.state.values() if torch_opt is not None else ()):
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
-
-
-def _load_optimizer(worker, path: str) -> None:
-    from megatron.core import dist_checkpointing
-
-    from tripod.parallel.checkpoint import sharded_model_state
-
-    with worker.layout.activate():
-        _ensure_optimizer_state(worker)
-        for inner in getattr(worker.optimizer, "chained_optimizers", [worker.optimizer]):
-            if getattr(inner, "init_state_fn", True) is None and isinstance(inner.optimizer, torch.optim.SGD):
-                inner.init_state_fn = _sgd_init_state
-            if hasattr(inner, "_set_main_param_and_optimizer_states") and \
-                    not inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-                _skip_torch_adam_step(inner)
-        model_sd = sharded_model_state(worker.chunks)
-        sharded = worker.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=_OPTIM_METADATA)
-        worker.optimizer.load_state_dict(dist_checkpointing.load(sharded, path))
-        _unshare_adam_steps(worker.optimizer)
-
-
 class CheckpointManager:
     """Saves and loads a trainer's state object (`PPOTrainer.state_dict()`) with the weights and optimizer states of
     the trainable models it is handed; it knows nothing else of the trainer."""
 
     def __init__(self, root: str, arch, tokenizer_dir: str):
         self.root, self.arch, self.tokenizer_dir = root, arch, tokenizer_dir
+        self.in_flight: _InFlight | None = None
+        self.finished: dict[str, float] = {}
+        self.on_complete: list = []  # called on rank 0 with each checkpoint's directory once it is complete
 
-    def save(self, step: int, state: dict[str, Any], models: dict[str, Any]) -> str:
+    def save(self, step: int, state: dict[str, Any], models: dict[str, Any], asynchronous: bool = False) -> str:
         """Write `global_step_<step>`: every worker of `models` ({name: worker}), this rank's `state["rng"]`, and (rank 0)
-        the rest of `state` as trainer_state.json. Every rank calls it; returns the directory."""
-        from tripod.parallel.checkpoint import save_model_checkpoint
+        the rest of `state` as trainer_state.json. Every rank calls it; returns the directory it will have. With
+        `asynchronous` the state is staged and written in the background (module docstring)."""
+        from tripod.engine.checkpoints.optimizer_state import plan_optimizer_save
+        from tripod.parallel.checkpoint import ModelCheckpointSave
 
+        self.wait()
         rank = dist.get_rank()
         final = os.path.join(self.root, f"global_step_{step}")
         tmp = os.path.join(self.root, f"tmp_global_step_{step}")
@@ -158,27 +79,65 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(os.path.join(tmp, "rng"))
         dist.barrier()
+        saves = []
         for name, worker in models.items():
-            save_model_checkpoint(worker.model, os.path.join(tmp, name), self.arch, worker.layout,
-                                  tokenizer_dir=self.tokenizer_dir)
+            saves.append(ModelCheckpointSave(worker.model, os.path.join(tmp, name), self.arch, worker.layout,
+                                             tokenizer_dir=self.tokenizer_dir, stage=asynchronous))
             if rank == 0:
                 os.makedirs(os.path.join(tmp, f"{name}_optim"), exist_ok=True)
             dist.barrier()
-            _save_optimizer(worker, os.path.join(tmp, f"{name}_optim"))
+            saves.append(plan_optimizer_save(worker, os.path.join(tmp, f"{name}_optim"), stage=asynchronous))
         torch.save(state["rng"], os.path.join(tmp, "rng", f"rank_{rank}.pt"))
         if rank == 0:
             if state.get("async_queue"):  # batches the rollout ranks made with older weights (async_rollout/source.py)
                 torch.save(state["async_queue"], os.path.join(tmp, QUEUE_FILE))
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
                 json.dump({k: v for k, v in state.items() if k not in ("rng", "async_queue")}, f, indent=2)
-        dist.barrier()
-        if rank == 0:
-            with open(os.path.join(tmp, COMPLETE), "w") as f:
-                f.write(f"{step}\n")
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-        dist.barrier()
+        self.in_flight = _InFlight(step, tmp, final, saves)
+        if asynchronous:
+            self.in_flight.thread = threading.Thread(target=self.in_flight.write, name=f"checkpoint-{step}", daemon=True)
+            self.in_flight.thread.start()
+        else:
+            self.in_flight.write()
+            self.wait()
         return final
+
+    def poll(self) -> dict[str, float]:
+        """Finish the save in flight if every rank has written its files (collective: every rank calls it at the
+        same point); the checkpoint/* metrics of the saves finished since the last call, else {}."""
+        if self.in_flight is not None:
+            done = torch.tensor([int(self.in_flight.thread is None or not self.in_flight.thread.is_alive())])
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+            if done.item():
+                self.wait()
+        finished, self.finished = self.finished, {}
+        return finished
+
+    def wait(self) -> dict[str, float]:
+        """Wait for the save in flight (if any) and finish it: checkpoint/* metrics. Collective."""
+        job, self.in_flight = self.in_flight, None
+        if job is None:
+            return {}
+        if job.thread is not None:
+            job.thread.join()
+        for save in job.saves:  # megatron's metadata; raises on every rank if a rank's write failed
+            save.finish()
+        if job.error is not None:
+            raise RuntimeError(f"checkpoint {job.tmp}: writing failed on rank {dist.get_rank()}") from job.error
+        written = torch.tensor([float(sum(s.nbytes for s in job.saves)), job.write_s])
+        dist.all_reduce(written, op=dist.ReduceOp.MAX)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            with open(os.path.join(job.tmp, COMPLETE), "w") as f:
+                f.write(f"{job.step}\n")
+            shutil.rmtree(job.final, ignore_errors=True)
+            os.replace(job.tmp, job.final)
+            for hook in self.on_complete:
+                hook(job.final)
+        dist.barrier()
+        self.finished = {"checkpoint/step": float(job.step), "checkpoint/write_s": written[1].item(),
+                         "checkpoint/staged_gb_per_rank": written[0].item() / 2 ** 30 if job.thread else 0.0}
+        return self.finished
 
     def load(self, mode: str | None, models: dict[str, Any]) -> dict[str, Any] | None:
         """Load the checkpoint `mode` names ("auto": latest complete one; "disable"; or a path) into the workers of
@@ -186,12 +145,14 @@ class CheckpointManager:
         when there is nothing to resume."""
         if mode in ("disable", "", None):
             return None
+        self.wait()
         path = latest_complete(self.root) if mode == "auto" else mode
         if path is None:
             return None
         if not os.path.exists(os.path.join(path, COMPLETE)):
             raise ValueError(f"trainer.resume={mode}: {path} is not a complete tripod checkpoint "
                              f"(no {COMPLETE} marker); point it at a global_step_<k> directory or use auto")
+        from tripod.engine.checkpoints import optimizer_state
         from tripod.parallel.checkpoint import load_model_checkpoint
 
         with open(os.path.join(path, STATE_FILE)) as f:
@@ -205,7 +166,7 @@ class CheckpointManager:
                                  "resume it with that version or start over with trainer.resume=disable")
         for name, worker in models.items():
             load_model_checkpoint(worker.model, os.path.join(path, name), worker.layout)
-            _load_optimizer(worker, os.path.join(path, f"{name}_optim"))
+            optimizer_state.load_optimizer(worker, os.path.join(path, f"{name}_optim"))
         state["rng"] = torch.load(os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt"))
         queue = os.path.join(path, QUEUE_FILE)
         state["async_queue"] = torch.load(queue) if dist.get_rank() == 0 and os.path.exists(queue) else []
@@ -220,3 +181,22 @@ class CheckpointManager:
                 if s > step:
                     open(os.path.join(p, REJECTED), "w").close()
         dist.barrier()
+
+
+class _InFlight:
+    """A save whose files are being written: its model and optimizer saves, planned; `write()` writes them all."""
+
+    def __init__(self, step: int, tmp: str, final: str, saves: list):
+        self.step, self.tmp, self.final, self.saves = step, tmp, final, saves
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.write_s = 0.0
+
+    def write(self) -> None:
+        start = time.perf_counter()
+        try:
+            for save in self.saves:
+                save.write()
+        except BaseException as e:  # noqa: BLE001 - finished (and raised) collectively by CheckpointManager.wait
+            self.error = e
+        self.write_s = time.perf_counter() - start

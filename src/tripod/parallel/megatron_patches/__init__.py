@@ -27,9 +27,10 @@ gpt_model: cast_floating_params  the local-spec RMSNorm builds fp32 weights     
 import_cost: jit_fuser, wandb    megatron's import-time torch.compile of its        all          unit/test_import_
                                    fusions and `import wandb`: seconds per process,                cost.py
                                    deferred to their first use
-checkpoint_save:                 a synchronous dist-checkpoint save spawns a        all          test_checkpoint_
-  save_synchronously               results Manager (a fresh interpreter: ~3.5 s per                save.py
-                                   rank); an in-process queue takes its place
+checkpoint_save: plan_save       megatron's writer clones every view (the dist.     all          test_checkpoint_
+                                   optimizer's params), forks writers (copies of                 save.py
+                                   the rank) and spawns a results Manager (~3.5 s
+                                   per rank): the rank writes from the tensors
 cpu_adam: fuse_cpu_adam          megatron builds torch's AdamW unfused: on CPU a   CPU          test_cpu_adam.py
                                    Python loop of ~10 kernels per tensor (7.5x
                                    slower than torch's fused CPU kernel)
@@ -38,8 +39,8 @@ Where they are installed: `apply_cpu_compat()` by the launcher (engine/launch.py
 absent (it also calls `apply_no_te_fixes()`, which the MoE / MLA layer specs call on GPU machines without TE);
 `install_inplace_gloo_collectives()` by a worker that uses the distributed optimizer; the gpt_model patches by
 engine/workers/megatron_worker.py on each model it builds; `defer_megatron_import_cost()` by `tripod/__init__.py`,
-before anything imports megatron; `save_synchronously` by every dist-checkpoint save (parallel/checkpoint.py, the
-optimizer's in engine/checkpoints/manager.py); `fuse_cpu_adam` by engine/workers/megatron_worker.py on each
+before anything imports megatron; `plan_save` by every dist-checkpoint save (parallel/checkpoint.py, the
+optimizer's in engine/checkpoints/optimizer_state.py); `fuse_cpu_adam` by engine/workers/megatron_worker.py on each
 optimizer it builds.
 
 `transformer_engine_installed()` is the one answer to "does megatron see Transformer Engine" (it imports TE the way
