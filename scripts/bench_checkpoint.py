@@ -109,7 +109,7 @@ def run(workload: str, mode: str, root: str, steps: int) -> dict:
         "workload": workload, "mode": mode, "wall_s": time.monotonic() - start,
         "step_s": sum(r["timing_s/step"] + saved(r) for r in rows) / len(rows),
         "save_block_s": sum(saved(r) for r in rows) / len(rows),
-        "write_s": max((r.get("checkpoint/write_s", 0.0) for r in rows), default=0.0),
+        "write_s": max((r.get("timing_s/checkpoint_write", 0.0) for r in rows), default=0.0),
         "ckpt_gb": size,
         "rank_peak_gb": max(max(s[1]) for s in samples if s[1]) / GiB,
         "children_peak_gb": max(max(s[2]) for s in samples if s[2]) / GiB,

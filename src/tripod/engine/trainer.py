@@ -371,7 +371,7 @@ class PPOTrainer(TrainerState):
                 tracker.log_samples(self.val_samples if "val/reward_mean" in metrics else [], self.step)
         last_save = self.ckpt.wait()  # the last asynchronous save (finished after the last step's metrics)
         if last_save and self.rank == 0:
-            print(f"tripod: checkpoint of step {self.step} written in {last_save['checkpoint/write_s']:.1f} s", flush=True)
+            print(f"tripod: checkpoint of step {self.step} written in {last_save['timing_s/checkpoint_write']:.1f} s", flush=True)
         self.profiler.end_step()
         self.source.close()
         if tracker:

@@ -135,8 +135,8 @@ class CheckpointManager:
             for hook in self.on_complete:
                 hook(job.final)
         dist.barrier()
-        self.finished = {"checkpoint/step": float(job.step), "checkpoint/write_s": written[1].item(),
-                         "checkpoint/staged_gb_per_rank": written[0].item() / 2 ** 30 if job.thread else 0.0}
+        self.finished = {"checkpoint/step": float(job.step), "timing_s/checkpoint_write": written[1].item(),
+                         "perf/checkpoint_staged_gb": written[0].item() / 2 ** 30 if job.thread else 0.0}
         return self.finished
 
     def load(self, mode: str | None, models: dict[str, Any]) -> dict[str, Any] | None:

@@ -132,7 +132,8 @@ def _validation_verdict(entries: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def _stage_keys(entries: Sequence[dict[str, Any]]) -> list[str]:
-    keys = {k for e in entries for k in e if k.startswith(STAGE_PREFIX) and k != STAGE_PREFIX + "step"}
+    keys = {k for e in entries for k in e if k.startswith(STAGE_PREFIX)  # (an asynchronous save's write overlaps steps)
+            and k not in (STAGE_PREFIX + "step", STAGE_PREFIX + "checkpoint_write")}
     return sorted(keys, key=lambda k: -sum(series(entries, k)[1]))
 
 
