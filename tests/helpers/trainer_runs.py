@@ -42,6 +42,7 @@ import sys
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers.bounds import excess
 from tests.helpers.common import DIST_DIR, REPO_ROOT
 
 TRIPOD = [sys.executable, "-m", "tripod"]
@@ -217,7 +218,8 @@ def tripod_in_one_world(commands: list[list[str]], nproc: int, timeout: float = 
 
 
 class OutOfBounds(AssertionError):
-    """Quantities outside their bounds; `worst` is the largest |diff| / bound (inf for a must-be-identical one)."""
+    """Quantities outside their bounds; `worst` is the largest |diff| / bound (inf for a must-be-identical one, and
+    for a NaN)."""
 
     def __init__(self, label: str, violations: list[tuple[float, str]]):
         violations = sorted(violations, reverse=True)
@@ -227,25 +229,29 @@ class OutOfBounds(AssertionError):
                          f"{self.worst:.3g}:\n  {shown}")
 
 
-def metric_violations(want: list[dict], got: list[dict]) -> list[tuple[float, str]]:
+def metric_violations(want: list[dict], got: list[dict], scales: dict[str, float] = METRIC_SCALE,
+                      exact: tuple[str, ...] = EXACT) -> list[tuple[float, str]]:
+    """(|diff| / bound, what) of every metric of `got` outside REL * (|baseline| + scale) of `want`'s (`scales`: the
+    sum of |terms| per unit of each metric), or not identical for the `exact` ones; a NaN on either side is outside."""
     assert [m["step"] for m in got] == [m["step"] for m in want], f"steps {[m['step'] for m in got]}"
     out = []
     for a, b in zip(want, got):
-        for k in EXACT:
-            if k in a and b[k] != a[k]:
+        for k in exact:
+            if k in a and b[k] != a[k]:  # != holds for a NaN
                 out.append((float("inf"), f"step {a['step']} {k} = {b[k]}, baseline {a[k]} (must be identical)"))
-        for k, scale in METRIC_SCALE.items():
+        for k, scale in scales.items():
             if k in a:
                 bound, diff = REL * (abs(a[k]) + scale), abs(b[k] - a[k])
-                if diff > bound:
-                    out.append((diff / bound, f"step {a['step']} {k} = {b[k]:.7g}, baseline {a[k]:.7g}, "
-                                              f"|diff| {diff:.3g} > bound {bound:.3g}"))
+                if (ratio := excess(diff, bound)) is not None:
+                    out.append((ratio, f"step {a['step']} {k} = {b[k]:.7g}, baseline {a[k]:.7g}, "
+                                       f"|diff| {diff:.3g} > bound {bound:.3g}"))
     return out
 
 
 def weight_violations(w0: dict[str, torch.Tensor], base: dict[str, torch.Tensor], got: dict[str, torch.Tensor],
                       opt_steps: int) -> list[tuple[float, str]]:
-    """Per tensor: ||U_got - U_base|| <= REL * ||U_base|| + sqrt(numel) * 2 * K * u * max|w| (U = w_T - w_0)."""
+    """Per tensor: ||U_got - U_base|| <= REL * ||U_base|| + sqrt(numel) * 2 * K * u * max|w| (U = w_T - w_0); a NaN
+    anywhere in a tensor is outside, and a baseline matrix that did not move (or is NaN) fails the check as vacuous."""
     assert got.keys() == base.keys(), f"tensors {sorted(got.keys() ^ base.keys())}"
     out, still = [], []
     for name in base:
@@ -253,13 +259,14 @@ def weight_violations(w0: dict[str, torch.Tensor], base: dict[str, torch.Tensor]
         storage = u_base.numel() ** 0.5 * 2 * opt_steps * U32 * float(base[name].abs().max())
         bound = REL * float(u_base.norm()) + storage
         diff = float((u_got - u_base).norm())
-        if diff > bound:
-            out.append((diff / bound, f"{name} update differs by {diff:.3g} (||update|| {float(u_base.norm()):.3g}, "
-                                      f"bound {bound:.3g})"))
+        if (ratio := excess(diff, bound)) is not None:
+            out.append((ratio, f"{name} update differs by {diff:.3g} (||update|| {float(u_base.norm()):.3g}, "
+                               f"bound {bound:.3g})"))
         # 1-D tensors (norm weights, biases) get tiny gradients in 6 steps; the matrices carry the check
-        if u_base.dim() >= 2 and float(u_base.norm()) <= 10 * storage:
+        if u_base.dim() >= 2 and not float(u_base.norm()) > 10 * storage:
             still.append(name)
-    assert not still, f"baseline tensors {still} did not move well above fp32 storage rounding: the check is vacuous"
+    assert not still, f"baseline tensors {still} did not move well above fp32 storage rounding (or are not finite): " \
+                      "the check is vacuous"
     return out
 
 

@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 
+from tests.helpers.bounds import worst
 from tests.helpers.common import run_torchrun
 from tests.helpers.ppo_setup import make_ppo_setup
 from tests.helpers.trainer_runs import final_actor_weights_of, metrics, train_in_world, train_together
@@ -151,7 +152,7 @@ def test_partial_rollout_records_the_version_of_every_token(tmp_path):
                                                   "planted": {"TRIPOD_TEST_PLANT": "rollout_weights_stale"}})
     rows = metrics(str(tmp_path / "partial"))
     assert sum(r["async/partial_switches"] for r in rows) > 0, "no weight version landed mid-batch: nothing checked"
-    assert max(r["async/staleness_max"] for r in rows) <= 1.0  # fresher mid-batch, never older than the bound
+    assert worst(r["async/staleness_max"] for r in rows) <= 1.0  # fresher mid-batch, never older than the bound
     for name in ("partial", "planted"):
         run_dir = str(tmp_path / name)
         out = run_torchrun("async_reference.py", 1, json.dumps(

@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from tests.helpers.bounds import worst
 from tests.helpers.common import make_tiny_hf_model, run_torchrun
 
 FLOAT = r"(-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf)"
@@ -49,9 +50,9 @@ def test_reward_scores_match_transformers_and_export_round_trips(tmp_path):
 
     seen = {(m.group(1), m.group(2)) for m in re.finditer(r"RM_PARITY (\S+) (\S+) maxdiff", out)}
     assert seen == {(m, lay) for m in MODELS for lay in LAYOUTS}, out[-3000:]
-    assert max(float(x) for x in re.findall(rf"RM_PARITY \S+ \S+ maxdiff {FLOAT}", out)) < 1e-5
+    assert worst(re.findall(rf"RM_PARITY \S+ \S+ maxdiff {FLOAT}", out)) < 1e-5
     worker = re.findall(rf"RM_WORKER \S+ \S+ rank \d maxdiff {FLOAT}", out)  # the PPO loop's scorer, every rank
-    assert len(worker) == len(MODELS) * 2 * 4 and max(float(x) for x in worker) < 1e-5, out[-3000:]
+    assert len(worker) == len(MODELS) * 2 * 4 and worst(worker) < 1e-5, out[-3000:]
     exports = re.findall(r"RM_EXPORT (\S+) (\S+) (\S+)", out)
     assert len(exports) == 2 * len(MODELS), out[-3000:]
     for name, _, target in exports:
