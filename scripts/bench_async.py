@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The rollout on its own ranks against the colocated synchronous step, on this machine (issue 32's benchmark).
+"""The rollout on its own ranks against the colocated synchronous step, on this machine.
 
 A GRPO workload whose responses vary in length (a random Qwen2 whose end-of-sequence row of the LM head is an average
 token's plus a wide random part: lengths from 1 to the cap, the median about a quarter of it) and whose reward waits `--latency` seconds per sample outside the model (a remote judge:

@@ -3,7 +3,7 @@
 the step time with a save every step against none, the save's seconds and bytes.
 
 Two workloads on SmolLM2-135M-Instruct (the demo's model, `scripts/demo.py --prepare-only` makes it), 2 ranks x 1 thread:
-    grpo  GRPO, 4 prompts x 8 samples x 24 response tokens (the shape of issue 37's report)
+    grpo  GRPO, 4 prompts x 8 samples x 24 response tokens
     demo  the demo recipe (PPO with a GAE critic: two models saved)
 each run three ways with the same seed and --steps steps:
     none        trainer.save_freq=-1 (the one end-of-run save comes after the last step's metrics)

@@ -300,7 +300,7 @@ def main() -> int:
         if args.demo:
             base = demo_setup(tmp, args.demo)
             off = [f"{k}.megatron.use_distributed_optimizer=false" for k in ("actor_rollout_ref.actor", "critic")]
-            micro8 = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"]  # the recipe before issue 11
+            micro8 = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"]  # the recipe's earlier micro-batch
             for label, extra in (("135M fp32 plain optimizer, micro-batch 8", off + micro8),
                                  ("135M fp32 distopt, micro-batch 8", micro8),
                                  ("135M fp32 distopt + ref offload, recipe", ["actor_rollout_ref.ref.offload=true"])):

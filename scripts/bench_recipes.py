@@ -1,4 +1,4 @@
-"""The actor-update MFU of every recipe, each measured by `tripod bench` on this host (issue 23's per-recipe target).
+"""The actor-update MFU of every recipe, each measured by `tripod bench` on this host.
 
 A recipe whose model is a local directory runs as written. A recipe that names a hub model (Qwen2.5, Qwen3,
 DeepSeek-V3) runs its own model's shapes scaled to one host (`tripod.engine.bench.scaled_model`: every per-layer

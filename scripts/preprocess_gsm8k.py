@@ -1,6 +1,6 @@
 """Official GSM8K jsonl (question / answer ending in `#### N`) -> verl-layout prompt parquet files.
 
-    python scripts/preprocess_gsm8k.py --input_dir ../shared/data/gsm8k --output_dir outputs/data/gsm8k
+    python scripts/preprocess_gsm8k.py --input_dir GSM8K_DIR --output_dir data/gsm8k   # GSM8K_DIR: the official jsonl files
 
 Reads train.jsonl and test.jsonl (whichever exist) and writes train.parquet / test.parquet with the columns of verl's
 examples/data_preprocess/gsm8k.py: data_source "openai/gsm8k", prompt [{role: user, content: question + instruction}],

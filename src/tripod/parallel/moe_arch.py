@@ -3,7 +3,8 @@
 Owns the parsing of the MoE / MLA parts of `config.json` for Qwen3-MoE, Qwen2-MoE, DeepSeek-V3 and DeepSeek-V2
 into two typed records (`MoEArch`, `MLAArch`), the refusal of routers megatron-core cannot reproduce exactly,
 and the matching megatron `TransformerConfig` fields. Dense parts (attention heads, norms, RoPE) stay in
-`tripod.parallel.arch`. The router equivalences below were measured in shared/probes/moe (logits equal HF to ~6e-7):
+`tripod.parallel.arch`. The router equivalences below were checked against transformers' routers (logits equal
+HF's to ~6e-7; tests/multiprocess/workers/moe_parity_worker.py holds whole models to HF's logits):
 
   HF router                                        megatron-core 0.16.1
   softmax, top-k, renormalise (norm_topk_prob)     score_function=softmax, pre_softmax=False (top-k, softmax)

@@ -9,8 +9,8 @@ vocab-parallel. Math follows the HF reference (RMSNorm in fp32, SwiGLU, RoPE fro
 MoE and MLA layers: engine/rollout/moe_decoder.py.
 
 On CPU in fp32 every linear runs through oneDNN's inner product (`linear`): with the few rows of a decode step
-(one per live sequence) MKL's sgemm, behind F.linear, streams the weights at about half the rate (a 32-row step of
-SmolLM2-135M: ~240 vs ~130 ms of matmul on the 2-core AMD EPYC, bench/RESULTS.md); same math, float rounding aside.
+(one per live sequence) MKL's sgemm, behind F.linear, streams the weights at about half the rate (bench/RESULTS.md);
+same math, float rounding aside.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The step's batch sharded by DP rank (issue 17 item 5): which rows each rank holds, and the whole-batch statistics.
+"""The step's batch sharded by DP rank: which rows each rank holds, and the whole-batch statistics.
 
 One assignment per step (`ppo_workers.update_rows`: every row a DP rank's update gives it, over all mini-batches),
 computed from every row's lengths and prompt id (`RowLengths`) before any row moves, so the rollout exchange

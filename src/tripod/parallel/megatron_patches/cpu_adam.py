@@ -2,10 +2,8 @@
 
 Without Transformer Engine or Apex, megatron-core 0.16.1 builds `torch.optim.AdamW` (or `Adam`) with neither `fused`
 nor `foreach`; on CPU tensors torch then runs its single-tensor implementation: a Python loop over the parameter
-tensors, about ten elementwise kernels each. Measured (2-core AMD EPYC, 2026-12-02; SmolLM2-135M's shapes, 135M fp32
-parameters, one step): 0.72 s on 1 thread, 0.45 s on 2; torch's fused CPU kernel (`fused=True`: one pass over each
-tensor) 0.096 / 0.089 s, the same update up to rounding (max |difference| 4.8e-7 after 4 steps). The demo's actor
-takes two optimizer steps per PPO step: ~1.2 s of a ~15 s update.
+tensors, about ten elementwise kernels each. torch's fused CPU kernel (`fused=True`: one pass over each tensor) computes
+the same update up to rounding several times faster (bench/RESULTS.md).
 
 `fuse_cpu_adam(optimizer)` sets `fused=True` on every param group of every torch Adam / AdamW inside megatron's
 optimizer whose parameters are all on the CPU. Runs on GPUs (TE's or Apex's FusedAdam, or torch's CUDA defaults) and
