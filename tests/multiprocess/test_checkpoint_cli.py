@@ -1,6 +1,8 @@
 """`tripod convert` / `tripod export` and dist-checkpoint resharding, end to end on gloo.
 
-One module-scoped HF -> TP2xPP2 conversion (4 spawned processes) feeds every test here.
+One module-scoped HF -> TP2xPP2 conversion (4 spawned processes) feeds most tests here; a reward model
+(Qwen2ForSequenceClassification) makes the convert -> export round trip at TP2xPP2, and a critic checkpoint exports
+as a one-label classifier that transformers scores like tripod's values.
 """
 from __future__ import annotations
 
@@ -60,10 +62,18 @@ def test_convert_export_round_trip_bit_exact(converted):
         assert torch.equal(ref(ids).logits, back(ids).logits)
 
 
-def test_checkpoint_reshards_to_every_layout(converted, tmp_path):
+@pytest.fixture(scope="module")
+def resharded(converted, tmp_path_factory):
+    """The reshard worker's run (tests/multiprocess/workers/ckpt_convert_reshard.py): (its output, its work dir)."""
     root, hf_dir, ckpt = converted
+    tmp_path = tmp_path_factory.mktemp("reshard")
     llama_dir = make_tiny_hf_model(tmp_path, "llama", seed=12, tie_word_embeddings=False, vocab_size=300)
     proc = run_torchrun("ckpt_convert_reshard.py", 4, str(ckpt), hf_dir, llama_dir, str(tmp_path), timeout=400)
+    return proc, tmp_path
+
+
+def test_checkpoint_reshards_to_every_layout(resharded):
+    proc, _ = resharded
     print("\n".join(line for line in proc.stdout.splitlines() if "] OK " in line))  # shown by pytest -rP
     for what in ("TP1xPP1", "TP1xPP2", "TP2xPP1", "TP2xPP2"):
         assert proc.stdout.count(f"OK qwen2 ckpt(TP2xPP2) -> {what}") == 4, proc.stdout[-3000:]
@@ -71,6 +81,62 @@ def test_checkpoint_reshards_to_every_layout(converted, tmp_path):
     assert proc.stdout.count("OK llama") == 8
     assert proc.stdout.count("OK tied qwen2 HF -> TP1xPP2") == 4
     assert proc.stdout.count("OK critic ckpt TP2xPP2 -> TP1xPP1") == 2
+
+
+def test_a_critic_exports_as_a_classifier(resharded):
+    """`tripod export` of a critic checkpoint (value head with a bias, on a causal LM's config) writes a one-label
+    Qwen2ForSequenceClassification whose `score` is the value head: transformers' score of each row plus the bias
+    (HF's score has none; config.json keeps it as tripod_value_bias and the CLI says so) is tripod's value at the
+    row's last token, within 1e-5."""
+    import transformers
+
+    _, work = resharded
+    out = work / "critic_hf"
+    proc = _tripod("export", str(work / "critic"), str(out))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Qwen2ForSequenceClassification" in proc.stdout and "value-head bias 0.375" in proc.stdout, proc.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForSequenceClassification"] and config["tripod_value_bias"] == 0.375
+    assert "score.weight" in load_file(out / "model.safetensors")
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    assert model.config.num_labels == 1
+    saved = torch.load(work / "critic_values.pt")
+    diffs = []
+    for row, values in zip(saved["ids"], saved["values"]):
+        # HF reads the rightmost token that is not its pad; the prefix ending there (causal: the same value in tripod)
+        last = int(torch.nonzero(row != model.config.pad_token_id).max())
+        with torch.no_grad():
+            score = model(input_ids=row[None, :last + 1]).logits[0, 0]
+        diffs.append(abs(float(score) + config["tripod_value_bias"] - float(values[last])))
+    assert all(d <= 1e-5 for d in diffs), f"|HF score + bias - tripod value| = {diffs}"
+
+
+def test_a_reward_model_converts_and_exports_bit_exact(tmp_path):
+    """HF Qwen2ForSequenceClassification -> `tripod convert --tp 2 --pp 2` -> `tripod export --tp 2 --pp 2` (one
+    4-rank world): every tensor bit for bit, the same architecture, labels and pad token, and transformers' scores
+    of a right-padded batch identical."""
+    import transformers
+
+    hf_dir = make_tiny_hf_model(tmp_path, "qwen2", seed=13, vocab_size=300, subdir="rm", sequence_classification=True)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "exported"
+    commands = [["convert", hf_dir, str(ckpt), "--tp", "2", "--pp", "2"], ["export", str(ckpt), str(out), "--tp", "2",
+                                                                        "--pp", "2"]]
+    proc = run_torchrun("tripod_commands.py", 4, json.dumps(commands), timeout=400)
+    assert "TRIPOD_COMMAND_OK 1" in proc.stdout, proc.stdout[-3000:]
+    original, exported = load_file(os.path.join(hf_dir, "model.safetensors")), load_file(out / "model.safetensors")
+    assert sorted(exported) == sorted(original) and "score.weight" in exported
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    want, got = json.loads(Path(hf_dir, "config.json").read_text()), json.loads((out / "config.json").read_text())
+    for key in ("architectures", "id2label", "pad_token_id", "eos_token_id"):
+        assert got.get(key) == want.get(key), key
+    ref = transformers.AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    back = transformers.AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(3, 300, (3, 16), generator=torch.Generator().manual_seed(4))
+    ids[0, 11:], ids[1, 5:] = want["pad_token_id"], want["pad_token_id"]  # right padding
+    with torch.no_grad():
+        a, b = ref(input_ids=ids).logits, back(input_ids=ids).logits
+    assert a.shape == (3, 1) and torch.equal(a, b)
 
 
 def _cli_error(capsys, *argv: str) -> str:

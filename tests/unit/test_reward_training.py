@@ -1,13 +1,14 @@
 """`tripod train-rm` without a model: the Bradley-Terry loss and its gradients against the closed form (float64),
-the preference data's all-pairs expansion of a ranking and its one-line refusals, and the per-step pair schedule."""
+the preference data's all-pairs expansion of a ranking, its per-prompt / per-pair weighting in closed form, the pad
+token the export gets, the one-line refusals, and the per-step pair schedule."""
 import math
 
 import pytest
 import torch
 
 from tripod.engine.reward_training.config import PreferenceDataConfig
-from tripod.engine.reward_training.data import PairSchedule, preference_pairs
-from tripod.engine.reward_training.trainer import bradley_terry_loss, pair_metrics
+from tripod.engine.reward_training.data import Pair, PairSchedule, pair_weight, preference_pairs, score_pad_token
+from tripod.engine.reward_training.trainer import _pair_batch, bradley_terry_loss, pair_metrics, weighted_pair_sums
 
 
 def test_bradley_terry_loss_and_gradients_match_the_closed_form():
@@ -57,8 +58,72 @@ def test_a_ranking_trains_on_all_its_ordered_pairs(tmp_path, tokenizer):
     pairs = preference_pairs([path], tokenizer, PreferenceDataConfig())
     seq = lambda prompt, response: tokenizer(prompt + response, add_special_tokens=False)["input_ids"] + [  # noqa: E731
         tokenizer.eos_token_id]
-    assert pairs == [(seq("Q ", "a"), seq("Q ", "b")), (seq("R ", "x"), seq("R ", "y")),
-                     (seq("R ", "x"), seq("R ", "z")), (seq("R ", "y"), seq("R ", "z"))]
+    assert pairs == [Pair(seq("Q ", "a"), seq("Q ", "b"), 2), Pair(seq("R ", "x"), seq("R ", "y"), 3),
+                     Pair(seq("R ", "x"), seq("R ", "z"), 3), Pair(seq("R ", "y"), seq("R ", "z"), 3)]
+
+
+def test_rankings_are_weighted_per_prompt_in_closed_form(tmp_path, tokenizer):
+    """A pair row and rankings of 3 and 4 responses with known scores: per_prompt (the default) makes the loss, the
+    accuracy and the margin the mean over the three prompts of each prompt's mean over its pairs (InstructGPT's
+    1/C(K,2)); per_pair the plain mean over all 1 + 3 + 6 pairs. Computed here by hand in float64."""
+    from tripod.engine.reward_training.config import RMTrainConfig
+
+    assert RMTrainConfig().reward_model.ranking_weight == "per_prompt"
+    rows = {"Q ": ["a", "b"], "R ": ["x", "y", "z"], "S ": ["k", "l", "m", "n"]}
+    value = {"a": 0.3, "b": 1.1, "x": 2.0, "y": -0.5, "z": 0.7, "k": 1.5, "l": 0.2, "m": 0.9, "n": -3.0}
+    path = _write(tmp_path / "p.parquet", prompt=list(rows), chosen=["a", None, None], rejected=["b", None, None],
+                  ranking=[None, rows["R "], rows["S "]])
+    pairs = preference_pairs([path], tokenizer, PreferenceDataConfig())
+    text = {tuple(tokenizer(p + r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]): r
+            for p, rs in rows.items() for r in rs}
+    chosen = torch.tensor([value[text[tuple(p.chosen)]] for p in pairs], dtype=torch.float64)
+    rejected = torch.tensor([value[text[tuple(p.rejected)]] for p in pairs], dtype=torch.float64)
+
+    nll = lambda c, r: math.log1p(math.exp(-(value[c] - value[r])))  # noqa: E731  -log sigmoid(r_c - r_r)
+    ordered = lambda rs: [(rs[i], rs[j]) for i in range(len(rs)) for j in range(i + 1, len(rs))]  # noqa: E731
+    by_prompt = [ordered(rs) for rs in rows.values()]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    want = {"per_prompt": {"loss": mean([mean([nll(c, r) for c, r in ps]) for ps in by_prompt]),
+                           "accuracy": mean([mean([float(value[c] > value[r]) for c, r in ps]) for ps in by_prompt]),
+                           "margin": mean([mean([value[c] - value[r] for c, r in ps]) for ps in by_prompt])},
+            "per_pair": {"loss": mean([nll(c, r) for ps in by_prompt for c, r in ps]),
+                         "accuracy": mean([float(value[c] > value[r]) for ps in by_prompt for c, r in ps]),
+                         "margin": mean([value[c] - value[r] for ps in by_prompt for c, r in ps])}}
+    assert want["per_prompt"]["loss"] != pytest.approx(want["per_pair"]["loss"], rel=1e-3)  # the weighting matters
+    for mode, expected in want.items():
+        weight = torch.tensor([pair_weight(p, mode) for p in pairs], dtype=torch.float64)
+        assert weight.tolist() == ([1.0] + [1 / 3] * 3 + [1 / 6] * 6 if mode == "per_prompt" else [1.0] * 10)
+        got = pair_metrics(chosen, rejected, weight)
+        for k, v in expected.items():
+            assert got[k] == pytest.approx(v, rel=1e-14, abs=1e-15), (mode, k)
+        # the training step's loss: weighted sums over micro-batches (each carrying its pairs' weights on both rows),
+        # divided by the step's total weight
+        sums = [weighted_pair_sums(chosen[s], rejected[s], _pair_batch(pairs[s], 0, mode)["weight"].chunk(2)[0])
+                for s in (slice(0, 4), slice(4, 10))]
+        step_loss = sum(float(x["loss"]) for x in sums) / sum(pair_weight(p, mode) for p in pairs)
+        assert step_loss == pytest.approx(expected["loss"], rel=1e-14)
+
+
+def test_the_reward_model_pad_token_is_never_the_eos():
+    """transformers scores a *ForSequenceClassification at the rightmost token that is not its pad token: the pad the
+    export gets must differ from the EOS tripod reads the score at. Kept when it differs; else the unknown token;
+    refused in one line when the tokenizer has nothing but its EOS."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from tripod.engine.data.char_tokenizer import char_tokenizer
+
+    tokenizer = char_tokenizer()  # a fresh one: this test changes its pad token
+    assert score_pad_token(tokenizer) == "<pad>"
+    tokenizer.pad_token = tokenizer.eos_token
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id and score_pad_token(tokenizer) == "<pad>"
+    tokenizer.pad_token = "<bos>"
+    assert score_pad_token(tokenizer) == "<bos>"
+    only_eos = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<eos>": 0, "a": 1}, unk_token="<eos>")),
+                                       eos_token="<eos>", pad_token="<eos>", unk_token="<eos>")
+    with pytest.raises(ValueError, match=r"no token but its EOS '<eos>' to pad with.*add a pad_token") as e:
+        score_pad_token(only_eos)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("columns,message", [

@@ -10,10 +10,13 @@ shape changes with TP; megatron marks them `allow_shape_mismatch` (zero-fill, th
 overlap), which is exact because tripod's padding rows are zero.
 
 Also the two conversions behind `tripod convert` / `tripod export` (one call per rank of a world
-whose size is tp*pp): `convert_hf_to_checkpoint` and `export_checkpoint_to_hf`.
+whose size is tp*pp): `convert_hf_to_checkpoint` and `export_checkpoint_to_hf`. A model with a scalar head exports
+as an HF `*ForSequenceClassification` with one label (`exported_arch`): a reward model as it came, a critic with its
+value head as HF's `score` (HF's has no bias: a nonzero critic bias goes to config.json's `tripod_value_bias`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -23,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tripod.parallel.arch import ModelArch, arch_from_hf
+from tripod.parallel.arch import ModelArch, arch_from_hf, with_score_head
 from tripod.parallel.convert import (
     TOKENIZER_FILES,
     family_of,
@@ -98,11 +101,26 @@ def check_checkpoint_destination(path: str | os.PathLike) -> None:
                          "checkpoint; pass a new or empty directory (an old checkpoint there is replaced)")
 
 
-def check_exportable(path: str | os.PathLike) -> None:
-    """Refuse checkpoints that have no HF causal-LM form (a critic's value head)."""
-    if read_checkpoint_metadata(path).get("value_head"):
-        raise ValueError(f"{path} is a critic checkpoint (value head); only actor / reference models "
-                         "export to an HF causal LM")
+def is_critic_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether checkpoint `path` holds a critic: a value head on a causal LM's config (a reward model's config is
+    already a *ForSequenceClassification)."""
+    return bool(read_checkpoint_metadata(path).get("value_head")) and not checkpoint_arch(path).score_head
+
+
+def exported_arch(path: str | os.PathLike) -> ModelArch:
+    """The arch `tripod export` writes for checkpoint `path`: its own (a causal LM, or a reward model's
+    *ForSequenceClassification), or for a critic its config as a one-label *ForSequenceClassification whose `score`
+    is the value head (pad_token_id: config.json's, else the tokenizer's next to it)."""
+    arch = checkpoint_arch(path)
+    if not is_critic_checkpoint(path):
+        return arch
+    pad = None
+    tokenizer_config = os.path.join(os.fspath(path), HF_SUBDIR, "tokenizer_config.json")
+    if os.path.isfile(tokenizer_config):
+        from transformers import AutoTokenizer
+
+        pad = AutoTokenizer.from_pretrained(os.path.join(os.fspath(path), HF_SUBDIR)).pad_token_id
+    return with_score_head(arch, pad)
 
 
 class ModelCheckpointSave:
@@ -247,19 +265,33 @@ def convert_hf_to_checkpoint(hf_dir: str | os.PathLike, out_dir: str | os.PathLi
 def export_checkpoint_to_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike, tp: int = 1, pp: int = 1,
                             dtype: torch.dtype | None = None, ep: int = 1, etp: int | None = None) -> None:
     """Tripod checkpoint -> HF model dir (safetensors + config.json + tokenizer files), loaded at TP x PP (x EP x
-    ETP); routed experts are written under HF's per-expert names."""
+    ETP); routed experts are written under HF's per-expert names; a scalar head as `exported_arch` says."""
     from tripod.parallel.model import build_gpt_model
 
-    arch = checkpoint_arch(ckpt_dir)
-    check_exportable(ckpt_dir)
+    arch, critic = checkpoint_arch(ckpt_dir), is_critic_checkpoint(ckpt_dir)
+    out_arch = exported_arch(ckpt_dir)
     layout = _layout_for(tp, pp, "export", ep, etp)
-    model = build_gpt_model(arch, layout)
+    model = build_gpt_model(arch, layout, value_head=critic)
     load_model_checkpoint(model, ckpt_dir, layout)
-    save_hf_checkpoint(model, arch, layout, hf_dir, tokenizer_dir=os.path.join(os.fspath(ckpt_dir), HF_SUBDIR),
+    if critic:
+        bias = _value_head_bias(model, layout)
+        if bias != 0.0:
+            out_arch = dataclasses.replace(out_arch, hf_config={**out_arch.hf_config, "tripod_value_bias": bias})
+    save_hf_checkpoint(model, out_arch, layout, hf_dir, tokenizer_dir=os.path.join(os.fspath(ckpt_dir), HF_SUBDIR),
                        dtype=dtype)
     dist.barrier()
 
 
+def _value_head_bias(model, layout) -> float:
+    """A critic's value-head bias, on every rank: the mean of the last stage's replicas (identical copies, so the float64
+    sum of a float32 value over a few ranks and its division are exact)."""
+    held = torch.zeros(2, dtype=torch.float64)
+    if layout.is_last_stage:
+        held[0], held[1] = float(model_chunks(model)[-1].output_layer.bias.detach().double().cpu()), 1.0
+    dist.all_reduce(held)
+    return float(held[0] / held[1])
+
+
 __all__ = ["save_model_checkpoint", "ModelCheckpointSave", "load_model_checkpoint", "read_checkpoint_metadata", "checkpoint_arch",
-           "check_checkpoint_destination", "check_exportable",
+           "check_checkpoint_destination", "exported_arch", "is_critic_checkpoint",
            "convert_hf_to_checkpoint", "export_checkpoint_to_hf", "min_world_size", "METADATA_FILE", "TOKENIZER_FILES"]

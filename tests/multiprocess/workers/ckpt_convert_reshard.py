@@ -6,7 +6,9 @@ argv: QWEN_CKPT (saved at TP2xPP2 by `tripod convert`) QWEN_HF (its source) LLAM
 2. LLAMA_HF (untied, vocab padding 384 at TP1 vs 512 at TP2) goes load_hf_weights at TP2xPP1 ->
    save_model_checkpoint -> load at TP1xPP2 -> export (to_all_ranks) equal to the source; and
    save_hf_checkpoint with tiny shards + index json -> load_hf_weights at TP2xPP2 from the shards.
-3. Tied QWEN_HF straight into TP1xPP2; a critic (value head) checkpoint resharded TP2xPP2 -> TP1xPP1.
+3. Tied QWEN_HF straight into TP1xPP2; a critic (value head, bias set nonzero) checkpoint resharded TP2xPP2 ->
+   TP1xPP1; rank 0 saves the TP1xPP1 critic's values of its inputs to <work>/critic_values.pt ({"ids", "values"})
+   for the pytest side, which exports the checkpoint and scores it in transformers.
 """
 import os
 import sys
@@ -120,6 +122,9 @@ def main():
     critic = build_gpt_model(arch, critic_layout, value_head=True, seed=5)
     skipped = load_hf_weights(critic, qwen_hf, arch, critic_layout)
     assert skipped == (["output_layer.weight", "output_layer.bias"] if critic_layout.is_last_stage else []), skipped
+    if critic_layout.is_last_stage:  # a trained critic's bias is not 0 (the export must say what HF drops)
+        with torch.no_grad():
+            critic.output_layer.bias.fill_(0.375)
     ids = torch.randint(0, arch.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5))
     values = forward_logits(critic, critic_layout, ids)
     save_model_checkpoint(critic, os.path.join(work, "critic"), arch, critic_layout)
@@ -127,6 +132,8 @@ def main():
     critic1 = build_gpt_model(arch, single, value_head=True, seed=6)
     load_model_checkpoint(critic1, os.path.join(work, "critic"), single)
     values1 = forward_logits(critic1, single, ids)
+    if rank == 0:
+        torch.save({"ids": ids, "values": values1}, os.path.join(work, "critic_values.pt"))
     if critic_layout.is_last_stage:
         assert values.shape == (2, 9)
         err = (values - values1).abs().max().item()

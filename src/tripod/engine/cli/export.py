@@ -1,32 +1,42 @@
-"""`tripod export CKPT_DIR HF_DIR [--tp --pp --ep --etp --dtype]`: tripod checkpoint -> HF safetensors + config.json."""
+"""`tripod export CKPT_DIR HF_DIR [--tp --pp --ep --etp --dtype]`: tripod checkpoint -> HF safetensors + config.json
+(a causal LM; a reward model or critic as a one-label *ForSequenceClassification: parallel/checkpoint.py)."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 
 from tripod.engine.cli.convert import add_expert_args, check_parallel_sizes, experts_suffix, say
-from tripod.engine.launch import run_distributed
+from tripod.engine.launch import is_rank_zero, run_distributed
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from tripod.parallel.checkpoint import check_exportable, checkpoint_arch, export_checkpoint_to_hf, min_world_size
+    from tripod.parallel.checkpoint import export_checkpoint_to_hf, exported_arch, min_world_size
 
-    arch = checkpoint_arch(args.ckpt_dir)
-    check_exportable(args.ckpt_dir)
+    arch = exported_arch(args.ckpt_dir)
     check_parallel_sizes(arch, args.tp, args.pp, args.ep, args.etp)
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     run_distributed(min_world_size(args.tp, args.pp, args.ep, args.etp), export_checkpoint_to_hf, args.ckpt_dir,
                     args.hf_dir, args.tp, args.pp, dtype, args.ep, args.etp)
-    say(f"tripod export: {args.ckpt_dir} -> {args.hf_dir} ({arch.family}, loaded at TP{args.tp} x PP{args.pp}"
+    say(f"tripod export: {args.ckpt_dir} -> {args.hf_dir} ({arch.family}"
+        f"{', ' + arch.hf_config['architectures'][0] if arch.score_head else ''}, loaded at TP{args.tp} x PP{args.pp}"
         f"{experts_suffix(args)})")
+    if is_rank_zero():
+        with open(os.path.join(args.hf_dir, "config.json")) as f:
+            bias = json.load(f).get("tripod_value_bias")
+        if bias is not None:
+            say(f"tripod export: the critic's value-head bias {bias:.6g} is not in HF's score (it has none): "
+                "transformers reads every value minus it; config.json keeps it as tripod_value_bias")
     return 0
 
 
 def add_export_command(subparsers) -> None:
     p = subparsers.add_parser("export", help="tripod checkpoint -> HF safetensors + config.json",
                               description="Export a tripod checkpoint (saved at any layout) as a Hugging "
-                                          "Face model directory that AutoModelForCausalLM reads.")
+                                          "Face model directory that AutoModelForCausalLM reads (a reward model or "
+                                          "critic: AutoModelForSequenceClassification, one label).")
     p.add_argument("ckpt_dir", help="tripod checkpoint directory")
     p.add_argument("hf_dir", help="output HF model directory")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size used to load (default 1)")

@@ -33,7 +33,7 @@ def prepare_train_rm(recipe: str | None, overrides: list[str], launch):
 
     from tripod.engine.preflight import check_model_dir, check_run_dir
     from tripod.engine.reward_training.config import load_rm_config
-    from tripod.engine.reward_training.data import preference_pairs
+    from tripod.engine.reward_training.data import preference_pairs, score_pad_token
     from tripod.parallel.arch import arch_from_hf
 
     cfg = load_rm_config(recipe, overrides)
@@ -49,6 +49,7 @@ def prepare_train_rm(recipe: str | None, overrides: list[str], launch):
     if problems:
         raise ValueError("; ".join(problems))
     tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.model.path)
+    score_pad_token(tokenizer)  # the export needs a pad token that is not the EOS
     pairs = preference_pairs(cfg.data.train_files, tokenizer, cfg.data)
     if len(pairs) < cfg.data.train_batch_size:
         raise ValueError(f"data.train_files hold {len(pairs)} preference pairs < data.train_batch_size="

@@ -27,7 +27,8 @@ class PreferenceDataConfig:
     rejected_key: str = "rejected"
     """Column of the dispreferred response."""
     ranking_key: str = "ranking"
-    """Column of a ranked list of responses (best first); it trains on all N(N-1)/2 of its ordered pairs."""
+    """Column of a ranked list of responses (best first); it trains on all N(N-1)/2 of its ordered pairs, weighted
+    as reward_model.ranking_weight says."""
     apply_chat_template: bool = False
     """Wrap the prompt in the tokenizer's chat template (as a user turn, generation prompt added)."""
     max_length: int = 512
@@ -45,6 +46,22 @@ class PreferenceDataConfig:
         e = [] if self.train_files else [f"{key}.train_files is empty; give one or more preference parquet files"]
         return e + _positive({f"{key}.max_length": self.max_length, f"{key}.train_batch_size": self.train_batch_size,
                               f"{key}.micro_batch_size_per_gpu": self.micro_batch_size_per_gpu})
+
+
+@dataclass
+class RMLossConfig:
+    ranking_weight: str = "per_prompt"
+    """Weight of a ranking's pairs in the loss and the train/val metrics: per_prompt (each of a ranking of N responses'
+    N(N-1)/2 pairs weighs 1/(N(N-1)/2), so a prompt weighs one pair however many responses it ranks: InstructGPT's
+    weighting) or per_pair (every pair 1, so a ranking weighs N(N-1)/2 pairs). A step's loss is the weighted mean over
+    its pairs; chosen/rejected rows weigh 1 either way."""
+
+    def check(self, key: str = "reward_model") -> list[str]:
+        from tripod.engine.reward_training.data import RANKING_WEIGHTS
+
+        if self.ranking_weight not in RANKING_WEIGHTS:
+            return [f"{key}.ranking_weight={self.ranking_weight!r} is not one of {list(RANKING_WEIGHTS)}"]
+        return []
 
 
 @dataclass
@@ -89,6 +106,8 @@ class RMTrainConfig:
     """Optimizer and LR schedule (the schedule spans the run's optimizer steps)."""
     grad_clip: float = 1.0
     """Gradient-norm clip."""
+    reward_model: RMLossConfig = field(default_factory=RMLossConfig)
+    """The Bradley-Terry loss: how ranked lists are weighted."""
     trainer: RMTrainerConfig = field(default_factory=RMTrainerConfig)
     """The loop: steps, validation, checkpoints, logging, world."""
 
@@ -96,7 +115,7 @@ class RMTrainConfig:
         """Raise one ConfigError listing every problem of this config for a `world_size`-rank run."""
         from tripod.engine.precision import DTYPES
 
-        e = self.data.check() + self.optim.check("optim") + self.megatron.check("megatron")
+        e = self.data.check() + self.reward_model.check() + self.optim.check("optim") + self.megatron.check("megatron")
         t, m, d = self.trainer, self.megatron, self.data
         if t.device not in ("cpu", "cuda"):
             e.append(f"trainer.device={t.device!r} is not one of ['cpu', 'cuda']")

@@ -2,7 +2,11 @@
 
 A row holds `prompt` and either `chosen` + `rejected`, or `ranking`: N >= 2 responses in preference order, which
 gives its N(N-1)/2 ordered pairs (i preferred over j for every i < j; pairwise Bradley-Terry on all pairs, not the
-Plackett-Luce likelihood). A sequence is prompt tokens + response tokens + EOS, and its score is read at that EOS.
+Plackett-Luce likelihood). Each pair remembers its row's N, so `pair_weight` can weight a prompt's comparisons 1/C(N,2)
+(`reward_model.ranking_weight: per_prompt`, InstructGPT's weighting) or every pair alike (`per_pair`). A sequence is
+prompt tokens + response tokens + EOS, and its score is read at that EOS; `score_pad_token` picks the pad token the
+exported model gets, one that is not the EOS, so transformers' rule (the rightmost token that is not padding) reads
+that same EOS.
 
 Every problem (a missing column, chosen identical to rejected, a ranking of fewer than two responses or with a
 repeated response, a pair longer than data.max_length) raises one ValueError naming the file, the row and the fix,
@@ -12,11 +16,45 @@ and a resumed run see the same batches: `PairSchedule.batch(step)`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-Pair = tuple[list[int], list[int]]  # (chosen tokens, rejected tokens)
+RANKING_WEIGHTS = ("per_pair", "per_prompt")
+
+
+class Pair(NamedTuple):
+    """One comparison: the preferred and the dispreferred token sequence, and how many responses its row held (2 for
+    a chosen/rejected row, N for a ranking)."""
+
+    chosen: list[int]
+    rejected: list[int]
+    responses: int = 2
+
+
+def pair_weight(pair: Pair, ranking_weight: str) -> float:
+    """The pair's weight in the loss and metrics: 1 (`per_pair`), or 1/C(N,2) for a row of N responses
+    (`per_prompt`: every prompt weighs as much as one chosen/rejected pair, however many responses it ranks)."""
+    if ranking_weight == "per_pair":
+        return 1.0
+    if ranking_weight == "per_prompt":
+        return 2.0 / (pair.responses * (pair.responses - 1))
+    raise ValueError(f"reward_model.ranking_weight={ranking_weight!r} is not one of {list(RANKING_WEIGHTS)}")
+
+
+def score_pad_token(tokenizer: Any) -> str:
+    """The pad token of a trained reward model: the tokenizer's own when it is not the EOS, else its unknown token, else
+    its first other special or added token. transformers' *ForSequenceClassification reads the rightmost token that
+    is not `pad_token_id`; a pad equal to the EOS would make it skip the EOS every sequence ends with, where tripod
+    reads (and trains) the score."""
+    eos = tokenizer.eos_token_id
+    added = [t.content for _, t in sorted(getattr(tokenizer, "added_tokens_decoder", {}).items())]
+    for token in [tokenizer.pad_token, tokenizer.unk_token, *tokenizer.all_special_tokens, *added]:
+        if token is not None and tokenizer.convert_tokens_to_ids(token) not in (None, eos):
+            return token
+    raise ValueError(f"the tokenizer has no token but its EOS {tokenizer.eos_token!r} to pad with, and a reward model "
+                     "padded with its EOS is scored at another token by transformers; add a pad_token to its "
+                     "tokenizer_config.json (data.tokenizer)")
 
 
 def _column(table: dict[str, list], key: str) -> list | None:
@@ -55,7 +93,7 @@ def preference_pairs(files: list[str], tokenizer: Any, cfg) -> list[Pair]:
             if longest > cfg.max_length:
                 raise ValueError(f"{path} row {i}: {longest} tokens (prompt + response + EOS) > data.max_length="
                                  f"{cfg.max_length}; raise data.max_length or drop the row")
-            pairs += [(seqs[a], seqs[b]) for a in range(len(seqs)) for b in range(a + 1, len(seqs))]
+            pairs += [Pair(seqs[a], seqs[b], len(seqs)) for a in range(len(seqs)) for b in range(a + 1, len(seqs))]
     return pairs
 
 
