@@ -30,7 +30,7 @@ def run(tmp_path_factory):
     args = tiny_overrides(setup, run_dir, world=1, steps=2) + [
         "trainer.logger=[jsonl,tensorboard,wandb,mlflow]", "trainer.project_name=opview",
         "trainer.experiment_name=tiny", "trainer.test_freq=1", "trainer.log_val_generations=3",
-        "trainer.profile_steps=[2]",
+        "global_profiler.steps=[2]",
         # a large LR and several epochs: the second mini-batch already sees ppo_kl far above target_kl
         f"actor_rollout_ref.actor.ppo_epochs={EPOCHS}", "actor_rollout_ref.actor.target_kl=1e-4",
         "actor_rollout_ref.actor.optim.lr=1e-2"]

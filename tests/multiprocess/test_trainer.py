@@ -98,6 +98,61 @@ def test_resume_after_sigkill_is_exact(tmp_path, tp, pp, world):
         assert torch.equal(w_ref[name], w_cut[name]), name
 
 
+@pytest.mark.dist
+def test_kill_while_deleting_an_old_checkpoint_resumes_from_the_newest(tmp_path):
+    """`trainer.max_actor_ckpt_to_keep=1` / `max_critic_ckpt_to_keep=1`, a checkpoint every step, one rank: killed
+    (SIGKILL) half-way through deleting global_step_1 once global_step_2 is complete (a planted 120 s wait after its
+    actor weights went, before its actor optimizer state goes), then `trainer.resume=auto`: it must resume from
+    global_step_2, never from the half-deleted checkpoint, clear what the kill left, keep only global_step_3 at the
+    end and match an uninterrupted run bit for bit. A rule that deleted old checkpoints before the new one is complete
+    (verl's: the previous ones beyond K-1 go before the save) leaves nothing to resume here and fails. The rule itself,
+    and the crash states of a deletion, in closed form: tests/unit/test_checkpoint_retention.py."""
+    setup = make_ppo_setup(tmp_path)
+    common = GREEDY[1:] + ["actor_rollout_ref.rollout.do_sample=true", "trainer.save_freq=1",
+                           "trainer.max_actor_ckpt_to_keep=1", "trainer.max_critic_ckpt_to_keep=1"]
+    ref_dir, cut_dir = str(tmp_path / "uninterrupted"), str(tmp_path / "killed")
+    args = tiny_overrides(setup, cut_dir, steps=3) + common
+    ref = launch_world("tripod_commands.py", 1, json.dumps([["train", "recipes/defaults.yaml",
+                                                             *tiny_overrides(setup, ref_dir, steps=3), *common]]),
+                       log=tmp_path / "uninterrupted.log")
+    job = launch_world("tripod_commands.py", 1, json.dumps([{
+        "argv": ["train", "recipes/defaults.yaml", *args], "plant": "slow_checkpoint_delete"}]), log=tmp_path / "killed.log")
+    ckpts = os.path.join(cut_dir, "checkpoints")
+    half = os.path.join(ckpts, "global_step_1")
+    deleting = os.path.join(half, "actor_optim.deleting")
+    deadline = time.time() + 900
+    while not os.path.exists(deleting) and time.time() < deadline:
+        try:
+            job.wait(timeout=0.2)
+            break  # ended before the kill
+        except subprocess.TimeoutExpired:
+            pass
+    job.kill()  # SIGKILL, while global_step_1 is being deleted
+    job.wait()
+    assert os.path.exists(deleting), (tmp_path / "killed.log").read_text()[-3000:]
+    assert ref.wait(timeout=900) == 0, (tmp_path / "uninterrupted.log").read_text()[-5000:]
+    assert sorted(os.listdir(half)) == sorted(["PRUNED", "actor_optim.deleting", "critic", "critic_optim", "rng",
+                                               "trainer_state.json"])  # neither COMPLETE nor its actor weights
+    assert os.path.exists(os.path.join(ckpts, "global_step_2", "COMPLETE"))
+    assert [m["step"] for m in metrics(cut_dir)] == [0, 1, 2]
+
+    resume_args = [a for a in args if not a.startswith("trainer.resume=")] + ["trainer.resume=auto"]
+    out = tripod_in_one_world([["train", "recipes/defaults.yaml", *resume_args]], 1)
+    assert f"tripod: resumed from {os.path.join(ckpts, 'global_step_2')} at step 2" in out, out[-3000:]
+    assert os.listdir(ckpts) == ["global_step_3"] and os.listdir(os.path.join(ref_dir, "checkpoints")) == \
+        ["global_step_3"]
+    want, got = metrics(ref_dir), metrics(cut_dir)
+    assert [m["step"] for m in got] == [0, 1, 2, 3]
+    assert [m.get("training/start_step") for m in got] == [None, 0, 0, 2]
+    for a, b in zip(want, got):
+        for k in COMPARED:
+            if k in a:
+                assert b[k] == a[k], (a["step"], k)
+    weights = final_actor_weights_of({ref_dir: 3, cut_dir: 3})
+    for name, tensor in weights[ref_dir].items():
+        assert torch.equal(tensor, weights[cut_dir][name]), name
+
+
 def test_bad_data_stops_the_cli_at_start_with_one_line(tmp_path):
     """The real `tripod train` process on bad data: exit code 2 and one line, before any rank process could print.
     Every other bad input is a row of tests/multiprocess/test_bad_inputs.py's table, checked in-process (this

@@ -76,6 +76,13 @@ def test_unknown_keys_and_bad_values_are_named(tmp_path):
         load_config(None, ["data.shuffle"])
     with pytest.raises(ConfigError, match=r"reward_model\.reward_fn_key: not a tripod key; .* set data\.reward_fn_key"):
         load_config(None, ["reward_model.reward_fn_key=source"])
+    # the profiler's keys are verl's (the seeds' `global_profiler.steps=[1,5,10]`); tripod's old spelling is refused
+    profiled = load_config(None, ["global_profiler.steps=[1,5,10]", "global_profiler.tool=torch"])
+    assert profiled.global_profiler.steps == [1, 5, 10] and profiled.global_profiler.tool == "torch"
+    for old, new in (("trainer.profile_steps=[1]", "global_profiler.steps"), ("trainer.profile_tool=nsys",
+                                                                             "global_profiler.tool")):
+        with pytest.raises(ConfigError, match=rf"{old.split('=')[0]}: not a tripod key; .* set {new} instead"):
+            load_config(None, [old])
     with pytest.raises(ConfigError, match="missing.yaml does not exist"):
         load_config(tmp_path / "missing.yaml", [])
 
@@ -127,9 +134,11 @@ def test_a_valid_config_passes(run_files):
      "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100 is below one full sequence"),
     (["actor_rollout_ref.actor.loss_agg_mode=mean"], 4, "actor_rollout_ref.actor.loss_agg_mode='mean'"),
     (["trainer.logger=[console,neptune]"], 4, "trainer.logger has unknown backends ['neptune']"),
-    (["trainer.profile_steps=[0,3]"], 4, "trainer.profile_steps=[0, 3] must hold PPO step numbers >= 1"),
-    (["trainer.profile_tool=nsys", "trainer.profile_steps=[2]"], 4,
-     "trainer.profile_tool=nsys records CUDA ranges; use trainer.profile_tool=torch on cpu"),
+    (["global_profiler.steps=[0,3]"], 4, "global_profiler.steps=[0, 3] must hold PPO step numbers >= 1"),
+    (["global_profiler.tool=nsys", "global_profiler.steps=[2]"], 4,
+     "global_profiler.tool=nsys records CUDA ranges; use global_profiler.tool=torch on cpu"),
+    (["trainer.max_actor_ckpt_to_keep=0"], 4, "trainer.max_actor_ckpt_to_keep=0 must be >= 1 (null: keep every"),
+    (["trainer.max_critic_ckpt_to_keep=-2"], 4, "trainer.max_critic_ckpt_to_keep=-2 must be >= 1"),
     (["trainer.log_val_generations=-1"], 4, "trainer.log_val_generations=-1 must be >= 0 (0: none)"),
     (["trainer.resume=/no/ckpt"], 4, "trainer.resume='/no/ckpt' is neither"),
     (["algorithm.kl_ctrl.type=pid"], 4, "algorithm.kl_ctrl.type='pid'"),

@@ -95,11 +95,12 @@ def test_engine_config_does_not_import_what_imports_it():
     ("algorithm.kl_penalty", "k4", "algorithm.kl_penalty='k4' is not one of ['abs', 'k1'"),
     ("actor_rollout_ref.actor.loss_agg_mode", "sum", "['token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean']"),
     ("trainer.logger", "[neptune]", "use any of ['console', 'tensorboard', 'jsonl', 'wandb', 'mlflow']"),
-    ("trainer.profile_tool", "perf", "trainer.profile_tool='perf' is not one of ['torch', 'nsys']"),
+    ("global_profiler.tool", "perf", "global_profiler.tool='perf' is not one of ['torch', 'nsys']"),
 ])
 def test_choice_lists_come_from_the_registries(key, value, expected):
     from tripod.engine.config import load_config
 
     cfg = load_config(None, [f"{key}={value}"])
-    problems = (cfg.algorithm.check() + cfg.actor_rollout_ref.actor.check() + cfg.trainer.check())
+    problems = (cfg.algorithm.check() + cfg.actor_rollout_ref.actor.check() + cfg.trainer.check()
+                + cfg.global_profiler.check(cfg.trainer.device))
     assert any(expected in p for p in problems), problems

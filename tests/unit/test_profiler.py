@@ -1,4 +1,4 @@
-"""StepProfiler (trainer.profile_steps): a chosen step writes one trace per rank holding a named range per stage and
+"""StepProfiler (global_profiler.steps): a chosen step writes one trace per rank holding a named range per stage and
 the ops run inside them; a step that is not chosen writes nothing, and a profiler with no steps opens no ranges.
 The trainer wiring (Timer ranges in a real PPO step) is tested in tests/multiprocess/test_operator_view.py."""
 import gzip
@@ -69,6 +69,6 @@ def test_unknown_tool_is_one_line():
     try:
         StepProfiler("unused", steps=[1], tool="perf")
     except ValueError as e:
-        assert str(e) == "trainer.profile_tool='perf' is not one of ['torch', 'nsys']"
+        assert str(e) == "global_profiler.tool='perf' is not one of ['torch', 'nsys']"
     else:
         raise AssertionError("an unknown profile tool was accepted")

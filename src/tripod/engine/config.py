@@ -809,6 +809,13 @@ class TrainerConfig:
     and the checkpoint becomes visible (renamed, COMPLETE) once every rank has written it; at most one save in
     flight. Costs the staged bytes per rank (`tripod plan`); off: a save writes from the live tensors, no copy
     (docs/operating.md). verl: actor_rollout_ref.actor.checkpoint.async_save."""
+    max_actor_ckpt_to_keep: Optional[int] = None
+    """Keep the actor's part (actor/, actor_optim/) in only the newest this many checkpoints; null: keep all. Older
+    parts are deleted once a new checkpoint is complete, never from the newest complete or GOOD one; a checkpoint
+    that lost a part is no longer resumed, and its directory goes once it holds no part (crash-safe:
+    engine/checkpoints/retention.py). verl: trainer.max_actor_ckpt_to_keep."""
+    max_critic_ckpt_to_keep: Optional[int] = None
+    """The same for the critic's part (critic/, critic_optim/); null: keep all. verl: trainer.max_critic_ckpt_to_keep."""
     test_freq: int = -1
     """Validate every this many PPO steps (and at the end); <= 0: only at the end. verl: trainer.test_freq."""
     val_before_train: bool = True
@@ -829,13 +836,6 @@ class TrainerConfig:
     log_val_generations: int = 0
     """Validation samples (prompt, response, score, reference answer) logged each validation to TensorBoard text,
     default_local_dir/val_generations.jsonl and wandb / MLflow tables; 0: none. verl: trainer.log_val_generations."""
-    profile_steps: list[int] = field(default_factory=list)
-    """PPO steps (1-based) to profile: one trace per rank per step under default_local_dir/profile/, with a named
-    range per stage of the step; empty: off (no cost). verl: global_profiler.steps."""
-    profile_tool: str = "torch"
-    """torch (torch.profiler, Chrome/Perfetto trace files; CPU and CUDA) or nsys (NVTX ranges and
-    cudaProfilerStart/Stop around the chosen steps for `nsys profile --capture-range=cudaProfilerApi`; CUDA only).
-    verl: global_profiler.tool."""
     n_gpus_per_node: int = 1
     """Ranks per node (on CPU: gloo processes). verl: trainer.n_gpus_per_node."""
     nnodes: int = 1
@@ -856,7 +856,6 @@ class TrainerConfig:
 
     def check(self, key: str = "trainer") -> list[str]:
         from tripod.engine.logging.experiment_trackers import missing_tracker_packages
-        from tripod.engine.logging.profiler import PROFILE_TOOLS
         from tripod.engine.logging.tracker import BACKENDS
 
         e = _positive({f"{key}.total_epochs": self.total_epochs})
@@ -872,11 +871,9 @@ class TrainerConfig:
         e += missing_tracker_packages(self.logger, f"{key}.logger")
         if self.log_val_generations < 0:
             e.append(f"{key}.log_val_generations={self.log_val_generations} must be >= 0 (0: none)")
-        if any(s < 1 for s in self.profile_steps):
-            e.append(f"{key}.profile_steps={list(self.profile_steps)} must hold PPO step numbers >= 1")
-        e += _choice(f"{key}.profile_tool", self.profile_tool, PROFILE_TOOLS)
-        if self.profile_tool == "nsys" and self.profile_steps and self.device != "cuda":
-            e.append(f"{key}.profile_tool=nsys records CUDA ranges; use {key}.profile_tool=torch on {self.device}")
+        for name in ("max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                e.append(f"{key}.{name}={getattr(self, name)} must be >= 1 (null: keep every checkpoint)")
         e += _choice(f"{key}.device", self.device, DEVICES)
         e += self.divergence_guard.check(f"{key}.divergence_guard")
         if self.divergence_guard.enabled and self.save_freq <= 0:
@@ -884,6 +881,28 @@ class TrainerConfig:
                      "(e.g. 10)")
         if self.resume not in ("auto", "disable") and not os.path.isdir(os.path.expanduser(self.resume)):
             e.append(f"{key}.resume={self.resume!r} is neither 'auto', 'disable' nor an existing checkpoint directory")
+        return e
+
+
+@dataclass
+class GlobalProfilerConfig:
+    """Traces of chosen PPO steps (engine/logging/profiler.py). verl's key names (global_profiler.*)."""
+    steps: Optional[list[int]] = None
+    """PPO steps (1-based) to profile: one trace per rank per step under trainer.default_local_dir/profile/, with a
+    named range per stage of the step; null or empty: off (no cost). verl: global_profiler.steps."""
+    tool: str = "torch"
+    """torch (torch.profiler, Chrome/Perfetto trace files; CPU and CUDA) or nsys (NVTX ranges and
+    cudaProfilerStart/Stop around the chosen steps for `nsys profile --capture-range=cudaProfilerApi`; CUDA only).
+    verl: global_profiler.tool."""
+
+    def check(self, device: str, key: str = "global_profiler") -> list[str]:
+        from tripod.engine.logging.profiler import PROFILE_TOOLS
+
+        e = _choice(f"{key}.tool", self.tool, PROFILE_TOOLS)
+        if any(s < 1 for s in self.steps or ()):
+            e.append(f"{key}.steps={list(self.steps)} must hold PPO step numbers >= 1")
+        if self.tool == "nsys" and self.steps and device != "cuda":
+            e.append(f"{key}.tool=nsys records CUDA ranges; use {key}.tool=torch on {device}")
         return e
 
 
@@ -954,6 +973,8 @@ class TripodConfig:
     """Reward scoring."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The loop: steps, validation, checkpoints, logging, world."""
+    global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
+    """Traces of chosen steps (off by default)."""
     rollout: RolloutPlacementConfig = field(default_factory=RolloutPlacementConfig)
     """The rollout's own ranks (asynchronous training); unset: colocated with the trainer."""
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
@@ -983,6 +1004,8 @@ MOVED_KEYS = {
     "actor_rollout_ref.rollout.prompt_length": "the prompt budget is data.max_prompt_length; set that instead",
     "reward_model.overlong_buffer.log": "tripod always logs the overlong penalty (reward/overlong_penalty_mean, "
                                         "reward/overlong_frac); drop the key",
+    "trainer.profile_steps": "tripod takes verl's name for it; set global_profiler.steps instead",
+    "trainer.profile_tool": "tripod takes verl's name for it; set global_profiler.tool instead",
 }
 
 

@@ -133,6 +133,7 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
         world_size = 1
     # each section's own checks; a model the run does not build is not checked
     e += d.check() + actor.check() + rollout.check() + alg.check() + cfg.reward_model.check() + tr.check()
+    e += cfg.global_profiler.check(tr.device)
     e += critic.check() if use_critic else []
     e += ref.check() if use_ref else []
 

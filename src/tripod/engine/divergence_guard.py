@@ -27,11 +27,10 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from tripod.engine.checkpoints.manager import REJECTED, checkpoint_steps
+from tripod.engine.checkpoints.manager import GOOD, REJECTED, checkpoint_steps
 from tripod.engine.config import DivergenceGuardConfig
 from tripod.engine.launch import TrainingStopped
 
-GOOD = "GOOD"
 GRAD_NORMS = ("actor/grad_norm", "critic/grad_norm")
 
 

@@ -152,12 +152,14 @@ class PPOTrainer(TrainerState):
             print(self.source.schedule.describe(), flush=True)
 
         self.run_dir = cfg.trainer.default_local_dir
-        self.ckpt = CheckpointManager(os.path.join(self.run_dir, "checkpoints"), self.arch, path)
+        self.ckpt = CheckpointManager(os.path.join(self.run_dir, "checkpoints"), self.arch, path,
+                                      keep={"actor": cfg.trainer.max_actor_ckpt_to_keep,
+                                            "critic": cfg.trainer.max_critic_ckpt_to_keep})
         self.perf = PerfCounter(self.arch, self.world)
         self.guard = DivergenceGuard(cfg.trainer.divergence_guard, actor_cfg, algo.kl_ctrl.target_kl, self.ckpt.root)
         if self.rank == 0:
             self.ckpt.on_complete.append(self.guard.mark_good)  # every checkpoint saved is of an accepted step
-        self.profiler = StepProfiler(self.run_dir, cfg.trainer.profile_steps, cfg.trainer.profile_tool, self.rank)
+        self.profiler = StepProfiler(self.run_dir, cfg.global_profiler.steps or (), cfg.global_profiler.tool, self.rank)
         self.val_samples: list[dict] = []  # of the last validation, for the tracker (trainer.log_val_generations)
         self.step = 0
         freeze_long_lived_objects()  # the models are built: the per-stage heap trims stop rescanning them
@@ -341,7 +343,7 @@ class PPOTrainer(TrainerState):
                 tracker.log(last_val, 0)
                 tracker.log_samples(self.val_samples, 0)
         while self.step < self.total_steps:
-            self.profiler.begin_step(self.step + 1)  # traces of trainer.profile_steps (logging/profiler.py)
+            self.profiler.begin_step(self.step + 1)  # traces of global_profiler.steps (logging/profiler.py)
             metrics = self.guard.run_step(self.checked_train_step)
             self.step += 1
             done = self.step >= self.total_steps
@@ -369,7 +371,9 @@ class PPOTrainer(TrainerState):
             if tracker:
                 tracker.log(metrics, self.step)
                 tracker.log_samples(self.val_samples if "val/reward_mean" in metrics else [], self.step)
+            self.ckpt.retain()  # old checkpoints go once a newer one is complete and its step logged
         last_save = self.ckpt.wait()  # the last asynchronous save (finished after the last step's metrics)
+        self.ckpt.retain()
         if last_save and self.rank == 0:
             print(f"tripod: checkpoint of step {self.step} written in {last_save['timing_s/checkpoint_write']:.1f} s", flush=True)
         self.profiler.end_step()

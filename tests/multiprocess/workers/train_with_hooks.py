@@ -253,7 +253,24 @@ def _slow_checkpoint_write() -> None:
     _patch(manager._InFlight, "write", slow)
 
 
-PLANTS = {"slow_checkpoint_write": _slow_checkpoint_write, "slow_decode": _slow_decode, "rollout_weights_stale": _stale_rollout_weights, "async_version_off_by_one": _version_off_by_one, "rollout_rank_dies": _rollout_dies,
+def _slow_checkpoint_delete() -> None:
+    """Not a bug: deleting an old checkpoint's actor optimizer state (its actor weights already gone) waits 120 s, so a
+    test can kill the run half-way through deleting a checkpoint (tests/multiprocess/test_trainer.py)."""
+    import time
+
+    from tripod.engine.checkpoints import retention
+
+    original = retention._remove_tree
+
+    def slow(path):
+        if path.endswith("actor_optim" + retention.DELETING):
+            time.sleep(120)
+        original(path)
+    _patch(retention, "_remove_tree", slow)
+
+
+PLANTS = {"slow_checkpoint_delete": _slow_checkpoint_delete,
+          "slow_checkpoint_write": _slow_checkpoint_write, "slow_decode": _slow_decode, "rollout_weights_stale": _stale_rollout_weights, "async_version_off_by_one": _version_off_by_one, "rollout_rank_dies": _rollout_dies,
           "lm_head_tp_split": _flip_lm_head_split, "pp_stage_grads": _drop_first_stage_grads,
           "expert_dp_grads": _sum_expert_dp_grads, "adam_step_shared": _share_adam_step,
           "adam_exp_avg_sq_on_load": _zero_exp_avg_sq_on_load, "expert_bias_frozen": _freeze_expert_bias,

@@ -13,6 +13,8 @@
 
 A save goes to `tmp_global_step_<k>` and is renamed when complete, so a run killed mid-save leaves only a
 `tmp_*` directory (or one without COMPLETE), which `resume="auto"` ignores. Every rank calls `save` / `load`.
+Once a checkpoint is complete and its step logged, `retain()` deletes older ones beyond
+`trainer.max_actor_ckpt_to_keep` / `max_critic_ckpt_to_keep`, crash-safely (engine/checkpoints/retention.py).
 
 Each rank writes its own files from the live tensors (parallel/megatron_patches/checkpoint_save.py; the optimizer's
 state a chunk at a time, engine/checkpoints/optimizer_state.py), so a save adds no copy of the state to a rank. An
@@ -35,9 +37,10 @@ import torch.distributed as dist
 
 COMPLETE = "COMPLETE"
 REJECTED = "REJECTED"  # written by the divergence guard (engine/divergence_guard.py) on checkpoints it rolled back past
+GOOD = "GOOD"  # written by the divergence guard on checkpoints of accepted steps (its rollback targets)
 STATE_FILE = "trainer_state.json"
 QUEUE_FILE = "async_queue.pt"
-_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
 def checkpoint_steps(root: str) -> list[tuple[int, str]]:
@@ -45,7 +48,7 @@ def checkpoint_steps(root: str) -> list[tuple[int, str]]:
     if not os.path.isdir(root):
         return []
     return sorted((int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root)
-                  if (m := _STEP_DIR.match(name)) and os.path.exists(os.path.join(root, name, COMPLETE)))
+                  if (m := STEP_DIR.match(name)) and os.path.exists(os.path.join(root, name, COMPLETE)))
 
 
 def latest_complete(root: str) -> str | None:
@@ -58,11 +61,18 @@ class CheckpointManager:
     """Saves and loads a trainer's state object (`PPOTrainer.state_dict()`) with the weights and optimizer states of
     the trainable models it is handed; it knows nothing else of the trainer."""
 
-    def __init__(self, root: str, arch, tokenizer_dir: str):
+    def __init__(self, root: str, arch, tokenizer_dir: str, keep: dict[str, int | None] | None = None):
+        """`keep`: {model: how many of its newest checkpoints to keep, None: all} (engine/checkpoints/retention.py)."""
+        from tripod.engine.checkpoints.retention import finish_interrupted
+
         self.root, self.arch, self.tokenizer_dir = root, arch, tokenizer_dir
+        self.keep = dict(keep or {})
         self.in_flight: _InFlight | None = None
         self.finished: dict[str, float] = {}
         self.on_complete: list = []  # called on rank 0 with each checkpoint's directory once it is complete
+        self.completed = False  # a checkpoint became complete since the last retain()
+        if dist.get_rank() == 0:
+            finish_interrupted(root)  # what a run killed while deleting old checkpoints left
 
     def save(self, step: int, state: dict[str, Any], models: dict[str, Any], asynchronous: bool = False) -> str:
         """Write `global_step_<step>`: every worker of `models` ({name: worker}), this rank's `state["rng"]`, and (rank 0)
@@ -134,6 +144,7 @@ class CheckpointManager:
             os.replace(job.tmp, job.final)
             for hook in self.on_complete:
                 hook(job.final)
+            self.completed = True
         dist.barrier()
         self.finished = {"checkpoint/step": float(job.step), "timing_s/checkpoint_write": written[1].item(),
                          "perf/checkpoint_staged_gb": written[0].item() / 2 ** 30 if job.thread else 0.0}
@@ -173,6 +184,15 @@ class CheckpointManager:
         if dist.get_rank() == 0:
             print(f"tripod: resumed from {path} at step {int(state['step'])}", flush=True)
         return state
+
+    def retain(self) -> None:
+        """Delete the checkpoints beyond `keep` (rank 0; the others return), when one became complete since the last
+        call: the trainer calls it once the step that saved is logged, so a run killed while deleting has logged it."""
+        from tripod.engine.checkpoints.retention import prune
+
+        if self.completed and dist.get_rank() == 0:
+            prune(self.root, self.keep)
+        self.completed = False
 
     def reject_after(self, step: int) -> None:
         """Mark every checkpoint newer than `step` REJECTED (the divergence guard rolled back past it). Every rank."""

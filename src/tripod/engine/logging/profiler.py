@@ -1,9 +1,9 @@
-"""`StepProfiler`: traces of chosen PPO steps (`trainer.profile_steps`, `trainer.profile_tool`).
+"""`StepProfiler`: traces of chosen PPO steps (`global_profiler.steps`, `global_profiler.tool`).
 
 The trainer calls `begin_step(k)` at the top of every step and `end_step()` after the loop; the step's `Timer` is
 built with `Timer(ranges=profiler.range)`, so every timed stage (reshard, gen, reward, old_log_prob, ref, values,
 adv, update_critic, update_actor, and the trainer's validation and checkpoint) is also a named range
-`tripod/<stage>` inside the trace. A step that is not chosen, or a run with no `profile_steps`, costs one set
+`tripod/<stage>` inside the trace. A step that is not chosen, or a run with no `global_profiler.steps`, costs one set
 lookup per step and a `nullcontext` per stage.
 
 Tools:
@@ -36,7 +36,7 @@ class StepProfiler:
 
     def __init__(self, run_dir: str, steps: Iterable[int] = (), tool: str = "torch", rank: int = 0) -> None:
         if tool not in PROFILE_TOOLS:
-            raise ValueError(f"trainer.profile_tool={tool!r} is not one of {list(PROFILE_TOOLS)}")
+            raise ValueError(f"global_profiler.tool={tool!r} is not one of {list(PROFILE_TOOLS)}")
         self.run_dir, self.steps, self.tool, self.rank = run_dir, frozenset(steps), tool, rank
         self.current: Optional[int] = None  # the chosen step being profiled now
         self._profile: Optional[torch.profiler.profile] = None
