@@ -85,9 +85,9 @@ def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    from tripod.parallel.megatron_patches.cpu_compat import apply_cpu_compat
+    from tripod.parallel.megatron_patches import apply_megatron_patches
 
-    apply_cpu_compat()
+    apply_megatron_patches(None if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 

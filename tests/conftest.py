@@ -24,6 +24,20 @@ if not _cuda_available():
 
 import pytest  # noqa: E402
 
+# What tripod's entry points do first (parallel/megatron_patches): the tests that import megatron in this process get
+# its import-time compilation deferred. `import tripod` alone patches nothing.
+from tripod.parallel.megatron_patches import apply_megatron_patches  # noqa: E402
+from tripod.parallel.megatron_patches.known_warnings import KNOWN  # noqa: E402
+
+apply_megatron_patches()
+
+
+def pytest_configure(config):
+    """The known third-party warnings quiet in pytest's summary too: pytest restores the warning filters around
+    conftest loading and each test, so they go in as its own `filterwarnings` lines."""
+    for message, _module, _why in KNOWN:
+        config.addinivalue_line("filterwarnings", f"ignore:{message}:UserWarning")
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread():

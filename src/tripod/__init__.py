@@ -4,14 +4,13 @@ The rooms are `tripod.engine` (training loop, workers, rollout, rewards, CLI), `
 building, conversion, the hybrid engine) and `tripod.kernels` (fused ops with plain-torch twins). They live here, in
 src/tripod, and the repository root shows them as symlinks (engine/, parallel/, kernels/); only `tripod` is
 importable once installed, so Hugging Face's hub package `kernels` can sit beside it.
+
+Importing tripod changes nothing in megatron-core: its patches are installed by the entry points (the CLI, each
+rank of a launched world, the tests' workers) through `tripod.parallel.megatron_patches.apply_megatron_patches()`.
 """
 __version__ = "0.1.0"
 
 from pathlib import Path as _Path
-
-from tripod.parallel.megatron_patches.import_cost import defer_megatron_import_cost as _defer
-
-_defer()  # before any tripod module imports megatron: its import-time torch.compile, on first use
 
 SRC_DIR = _Path(__file__).resolve().parent.parent
 """The directory that holds the `tripod` package (src/ in a checkout): what a second interpreter puts on sys.path."""

@@ -154,7 +154,8 @@ def run_torchrun(script: str | os.PathLike, nproc: int, *args: Any, timeout: flo
 
 
 def dist_worker(main: Callable[[], None]) -> None:
-    """Run a torchrun worker's `main()` on gloo with tripod's CPU compat applied.
+    """Run a torchrun worker's `main()` on gloo with tripod's megatron patches applied (the CPU ones where CUDA is
+    absent), as tripod's own ranks get them (engine/launch.py).
 
     Sets one thread per process, initialises the default process group, and on any exception
     prints the traceback with the rank and hard-exits (so torchrun tears the world down at once
@@ -168,8 +169,8 @@ def dist_worker(main: Callable[[], None]) -> None:
     try:
         from datetime import timedelta
         dist.init_process_group(backend="gloo", timeout=timedelta(minutes=3))
-        from tripod.parallel.megatron_patches.cpu_compat import apply_cpu_compat
-        apply_cpu_compat()
+        from tripod.parallel.megatron_patches import apply_megatron_patches
+        apply_megatron_patches(None if torch.cuda.is_available() else "cpu")
         main()
         dist.barrier()
         dist.destroy_process_group()

@@ -1,5 +1,5 @@
-"""parallel/megatron_patches/import_cost.py: importing megatron-core through tripod leaves torch's compiler stack
-unloaded (measured: ~3 s of CPU less per process), and what was deferred still runs as before on first use."""
+"""parallel/megatron_patches/import_cost.py: importing megatron-core after tripod's entry-point patches leaves torch's
+compiler stack unloaded (measured: ~3 s of CPU less per process), and what was deferred still runs as before on first use."""
 import json
 import subprocess
 import sys
@@ -10,7 +10,9 @@ from tests.helpers.common import REPO_ROOT
 
 PROBE = """
 import json, sys
-import tripod, megatron.core
+from tripod.parallel.megatron_patches import apply_megatron_patches
+apply_megatron_patches()  # what every entry point does first
+import megatron.core
 from megatron.core import jit
 from megatron.core.fusions import fused_bias_geglu
 loaded = lambda prefix: sorted(m for m in sys.modules if m.startswith(prefix))

@@ -206,8 +206,8 @@ def default_huge_page_allocations(env: MutableMapping[str, str] = os.environ) ->
     With THP_MEM_ALLOC_ENABLE=1 torch's CPU allocator aligns every allocation of 2 MB or more to 2 MB and marks it
     MADV_HUGEPAGE, so that the kernel backs it with 2 MB pages (transparent huge pages in "madvise" or "always"
     mode). Without it a fresh large tensor (activations, gradients, a matmul's output) takes one page fault per 4 KB
-    page on first touch, on every step: measured on the 2-core AMD EPYC (2026-12-02), torch.zeros(49152, 896)
-    95 -> 19 ms, a scalar multiply of it 102 -> 26 ms, the actor update of Qwen2.5-0.5B's shapes 10.8 -> 9.3-10.3 s.
+    page on first touch, on every step, which makes zeroing or first writing it several times slower and shows in
+    the update's time (bench/RESULTS.md).
     torch reads the variable once, at a process's first allocation, so it has to be in the environment when the
     process starts: `tripod` sets it before spawning its ranks and the bench's peers; recipes/launch_torchrun.sh and
     recipes/launch_slurm.sh export it. THP_MEM_ALLOC_ENABLE=0 turns it off."""
@@ -224,6 +224,9 @@ def _run_in_world(fn: Callable[..., Any], args: tuple) -> None:
     import torch
     import torch.distributed as dist
 
+    from tripod.parallel.megatron_patches import apply_megatron_patches
+
+    apply_megatron_patches()  # a spawned rank is a fresh interpreter: before `fn` imports megatron
     if not os.environ.get("TRIPOD_DEBUG"):
         import warnings
         warnings.filterwarnings("ignore")  # megatron's TE/apex fallbacks, torch DCP deprecations
@@ -242,10 +245,7 @@ def _run_in_world(fn: Callable[..., Any], args: tuple) -> None:
             store, rank, world = next(dist.rendezvous("env://"))
             dist.init_process_group(backend=backend, store=dist.PrefixStore(f"tripod/attempt_{attempt}", store),
                                     rank=rank, world_size=world)
-    from tripod.parallel.megatron_patches.cpu_compat import apply_cpu_compat
-
-    if device.type == "cpu":
-        apply_cpu_compat(force=True)
+    apply_megatron_patches(device)  # on a CPU rank, the CPU shims too
     try:
         fn(*args)
     finally:

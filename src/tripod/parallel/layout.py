@@ -22,8 +22,9 @@ megatron-core 0.16.1 reads process groups in two ways:
     cross entropy, `is_pipeline_last_stage` in older paths).
 Tripod is correct on both: it passes `pg_collection` wherever megatron accepts one, and it runs
 every piece of megatron work for a model inside `with layout.activate():`, which points the
-parallel_state globals at this layout's groups and restores the previous ones on exit. The
-training loop therefore never has to remember which megatron path reads what.
+parallel_state globals at this layout's groups and restores the previous ones on exit (which globals, and which it
+leaves alone: parallel/megatron_patches/parallel_state_groups.py, with its canary). The training loop therefore never
+has to remember which megatron path reads what.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from typing import Any, Iterator, Sequence
 
 import torch.distributed as dist
 
+from tripod.parallel.megatron_patches.parallel_state_groups import parallel_state_values, pointed_at
 from tripod.parallel.stages import StageSplit
 
 
@@ -281,61 +283,17 @@ class ParallelLayout:
 
         return P2PCommunicator(pp_group=self.pp_group, config=config)
 
-    def _parallel_state_values(self) -> dict[str, Any]:
-        g, r = _MissingIsNone(self._groups), _MissingIsNone(self._group_ranks)
-        return {
-            "_TENSOR_MODEL_PARALLEL_GROUP": g["tp"], "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": r["tp"],
-            "_PIPELINE_MODEL_PARALLEL_GROUP": g["pp"], "_PIPELINE_GLOBAL_RANKS": r["pp"],
-            "_MODEL_PARALLEL_GROUP": g["mp"], "_MODEL_PARALLEL_GLOBAL_RANKS": r["mp"],
-            "_EMBEDDING_GROUP": g["embd"], "_EMBEDDING_GLOBAL_RANKS": r["embd"],
-            "_POSITION_EMBEDDING_GROUP": g["pos_embd"], "_POSITION_EMBEDDING_GLOBAL_RANKS": r["pos_embd"],
-            "_DATA_PARALLEL_GROUP": g["dp"], "_DATA_PARALLEL_GROUP_GLOO": g["dp"],
-            "_DATA_PARALLEL_GLOBAL_RANKS": r["dp"],
-            "_DATA_PARALLEL_GROUP_WITH_CP": g["dp_cp"], "_DATA_PARALLEL_GROUP_WITH_CP_AG": g["dp_cp"],
-            "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": g["dp_cp"], "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": r["dp_cp"],
-            "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": g["dp_cp"],
-            "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": g["dp_cp"],
-            "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": g["dp_cp"],
-            "_CONTEXT_PARALLEL_GROUP": g["cp"], "_CONTEXT_PARALLEL_GLOBAL_RANKS": r["cp"],
-            "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": g["tp_cp"],
-            "_TENSOR_AND_DATA_PARALLEL_GROUP": g["tp_dp"],
-            "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": g["tp_dp_cp"],
-            "_EXPERT_MODEL_PARALLEL_GROUP": g["ep"], "_EXPERT_MODEL_PARALLEL_RANKS": r["ep"],
-            "_EXPERT_TENSOR_PARALLEL_GROUP": g["expt_tp"], "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": g["tp_ep"],
-            "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": g["tp_ep_pp"],
-            "_EXPERT_DATA_PARALLEL_GROUP": g["expt_dp"], "_EXPERT_DATA_PARALLEL_GROUP_GLOO": g["expt_dp"],
-            "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": g["expt_dp"],
-            "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": g["expt_dp"],
-            # cached sizes/ranks override the groups when set; clear them
-            "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE": None, "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": None,
-            "_MPU_DATA_PARALLEL_WORLD_SIZE": None, "_MPU_DATA_PARALLEL_RANK": None,
-            "_MPU_TENSOR_MODEL_PARALLEL_RANK": None, "_MPU_PIPELINE_MODEL_PARALLEL_RANK": None,
-            "_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE": None, "_MPU_EXPERT_MODEL_PARALLEL_RANK": None,
-            "_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE": None, "_MPU_EXPERT_TENSOR_PARALLEL_RANK": None,
-            "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK": None, "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": None,
-        }
-
     @contextlib.contextmanager
     def activate(self) -> Iterator["ParallelLayout"]:
         """Point megatron's global parallel_state at this layout for the duration of the block.
 
         Nests (restores whatever was active before). Run model building, forward/backward,
-        finalize_model_grads, DDP/optimizer construction and steps, and checkpointing inside it.
+        finalize_model_grads, DDP/optimizer construction and steps, and checkpointing inside it. Which globals it
+        writes, and which it leaves alone, is parallel/megatron_patches/parallel_state_groups.py's list.
         """
-        from megatron.core import parallel_state as ps
-
         self._check_member()
-        values = self._parallel_state_values()
-        saved = {k: getattr(ps, k) for k in values}
-        if ps._GLOBAL_MEMORY_BUFFER is None:
-            ps._set_global_memory_buffer()
-        for k, v in values.items():
-            setattr(ps, k, v)
-        try:
+        with pointed_at(parallel_state_values(self._groups, self._group_ranks)):
             yield self
-        finally:
-            for k, v in saved.items():
-                setattr(ps, k, v)
 
 
 def rank_groups(ranks: Sequence[int], tp: int, pp: int, dp: int, ep: int = 1,

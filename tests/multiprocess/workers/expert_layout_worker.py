@@ -6,11 +6,12 @@ what megatron's parallel_state says about its expert groups next to what the lay
 import torch.distributed as dist
 
 from tripod.parallel.layout import ParallelLayout
-from tripod.parallel.megatron_patches import cpu_compat  # noqa: F401  (megatron on CPU)
+from tripod.parallel.megatron_patches import apply_megatron_patches
 
 
 def main() -> None:
     dist.init_process_group("gloo")
+    apply_megatron_patches()  # parallel_state only: no model, so no CPU shims
     from megatron.core import parallel_state as ps
 
     me = dist.get_rank()

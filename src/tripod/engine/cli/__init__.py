@@ -38,6 +38,7 @@ from tripod.engine.launch import (
     error_line,
     is_rank_zero,
 )
+from tripod.parallel.megatron_patches import apply_megatron_patches
 
 NONZERO_RANK_EXIT_GRACE_S = 30.0
 
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    apply_megatron_patches()  # before any command imports megatron (parallel/megatron_patches)
     args = build_parser().parse_args(argv)
     default_huge_page_allocations()  # for the ranks and peers this command spawns (engine/launch.py)
     try:

@@ -113,8 +113,8 @@ class MegatronWorker:
         trim_host_heap(self.device)  # the HF load's transients
 
     def _move_params(self, device: torch.device) -> None:
-        """Every parameter's data to `device` (pinned on the host when CUDA is there): the frozen reference's
-        param_offload move (engine/offload.py)."""
+        """Every parameter's data to `device` (pinned on the host when CUDA is there): the reward model's move
+        between scorings (engine/workers/reward_model.py; the PPO phases' moves are engine/offload.py's)."""
         for p in (p for chunk in self.chunks for p in chunk.parameters()):
             if p.device != device:
                 p.data = p.data.to(device, non_blocking=True).pin_memory() if device.type == "cpu" and \
@@ -145,7 +145,7 @@ class MegatronWorker:
                 weight_decay=optim.weight_decay, adam_beta1=optim.betas[0], adam_beta2=optim.betas[1],
                 adam_eps=optim.eps, clip_grad=grad_clip, **prec.optimizer_overrides()), ddp,
                 use_gloo_process_groups=False, pg_collection=self.layout.pg_collection)
-            fuse_cpu_adam(opt)  # megatron builds torch's per-tensor loop on CPU: 7x slower (megatron_patches)
+            fuse_cpu_adam(opt)  # megatron builds torch's slow per-tensor loop on CPU (megatron_patches/cpu_adam.py)
             for chunk in chunks:
                 chunk.config.finalize_model_grads_func = finalize_model_grads
         return ddp, opt

@@ -29,24 +29,34 @@ import_cost: jit_fuser, wandb    megatron's import-time torch.compile of its    
                                    deferred to their first use
 checkpoint_save: plan_save       megatron's writer clones every view (the dist.     all          test_checkpoint_
                                    optimizer's params), forks writers (copies of                 save.py
-                                   the rank) and spawns a results Manager (~3.5 s
+                                   the rank) and spawns a results Manager (seconds
                                    per rank): the rank writes from the tensors
 cpu_adam: fuse_cpu_adam          megatron builds torch's AdamW unfused: on CPU a   CPU          test_cpu_adam.py
-                                   Python loop of ~10 kernels per tensor (7.5x
-                                   slower than torch's fused CPU kernel)
+                                   Python loop of ~10 kernels per tensor (several
+                                   times slower than torch's fused CPU kernel)
+parallel_state_groups:           megatron keeps one set of process groups in       all          unit/test_parallel_
+  pointed_at                       parallel_state globals: ParallelLayout.activate()                state_groups.py
+                                   swaps in each model's (the names it sets, clears
+                                   and leaves alone are listed there)
+known_warnings:                  megatron's "Transformer Engine and Apex are not   all          unit/test_megatron_
+  quiet_known_warnings             installed", four times per command                             patch_entry.py
 
-Where they are installed: `apply_cpu_compat()` by the launcher (engine/launch.py) and the test helpers when CUDA is
-absent (it also calls `apply_no_te_fixes()`, which the MoE / MLA layer specs call on GPU machines without TE);
-`install_inplace_gloo_collectives()` by a worker that uses the distributed optimizer; the gpt_model patches by
-engine/workers/megatron_worker.py on each model it builds; `defer_megatron_import_cost()` by `tripod/__init__.py`,
-before anything imports megatron; `plan_save` by every dist-checkpoint save (parallel/checkpoint.py, the
-optimizer's in engine/checkpoints/optimizer_state.py); `fuse_cpu_adam` by engine/workers/megatron_worker.py on each
-optimizer it builds.
+Where they are installed: the process-wide ones by `apply_megatron_patches()` (below), which the entry points call
+first: the CLI's `main` (engine/cli), each rank of a world (engine/launch.py's `_run_in_world`, with the rank's device)
+and the tests' worker bootstrap (tests/helpers/common.py's `dist_worker`, tests/conftest.py). `import tripod` patches
+nothing (canary: tests/unit/test_megatron_patch_entry.py). The rest where they act: `apply_no_te_fixes()` also by the
+MoE / MLA layer specs on GPU machines without TE; `install_inplace_gloo_collectives()` by a worker that uses the
+distributed optimizer; the gpt_model patches by engine/workers/megatron_worker.py on each model it builds; `plan_save`
+by every dist-checkpoint save (parallel/checkpoint.py, the optimizer's in engine/checkpoints/optimizer_state.py);
+`fuse_cpu_adam` by engine/workers/megatron_worker.py on each optimizer it builds; `pointed_at` by
+`ParallelLayout.activate()`.
 
 `transformer_engine_installed()` is the one answer to "does megatron see Transformer Engine" (it imports TE the way
 megatron's own modules do); parallel/model.py builds TE layer specs only when it is True and CUDA is present.
 """
 from __future__ import annotations
+
+from typing import Any
 
 
 def transformer_engine_installed() -> bool:
@@ -56,3 +66,22 @@ def transformer_engine_installed() -> bool:
     except ImportError:
         return False
     return True
+
+
+def apply_megatron_patches(device: Any = None) -> None:
+    """Install tripod's process-wide megatron patches (idempotent): the entry points call it before anything imports
+    megatron, and `import tripod` never does.
+
+    Always: `defer_megatron_import_cost()` (import_cost; a no-op once megatron.core.jit is imported) and
+    `quiet_known_warnings()` (known_warnings). With a CPU `device` ("cpu" or a torch.device), also `apply_cpu_compat`
+    (cpu_compat), forced: a CPU run chosen by trainer.device=cpu on a machine that has GPUs.
+    """
+    from tripod.parallel.megatron_patches.import_cost import defer_megatron_import_cost
+    from tripod.parallel.megatron_patches.known_warnings import quiet_known_warnings
+
+    defer_megatron_import_cost()
+    quiet_known_warnings()
+    if device is not None and str(getattr(device, "type", device)).split(":")[0] == "cpu":
+        from tripod.parallel.megatron_patches.cpu_compat import apply_cpu_compat
+
+        apply_cpu_compat(force=True)

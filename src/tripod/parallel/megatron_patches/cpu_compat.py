@@ -2,7 +2,7 @@
 
 `apply_cpu_compat()` installs seven shims, once per process, and only when CUDA is absent (it is a
 no-op on a GPU machine). Each shim is listed below with the megatron call sites that need it
-(paths under megatron/core/, line numbers of 0.16.1; measured in shared/probes/megatron-cpu):
+(paths under megatron/core/, line numbers of 0.16.1; found by running megatron on CPU):
 
   rng_tracker      tensor_parallel/random.py:235 `CudaRNGStatesTracker.add` calls
                    torch.cuda.get_rng_state(); `fork()` swaps CUDA RNG states. Replaced by a tracker
@@ -41,8 +41,8 @@ answers 'torch.cuda.BFloat16Tensor', which is the mixed-precision path megatron 
 Without Transformer Engine (never on CPU; optional on GPU) megatron-core 0.16.1 also breaks MoE and MLA
 models. `apply_no_te_fixes()` (called by `apply_cpu_compat`, and by build_gpt_model whenever the local spec is built,
 CPU or GPU) owns `sp_torch_norm` (above: every MoE run at TP > 1 forces SP) and the three
-workarounds found by shared/probes/moe (each has a canary in tests/multiprocess/test_megatron_no_te.py that fails once
-megatron fixes the bug, so the workaround can be dropped) and a fourth, found by tests/multiprocess/test_moe_training.py and
+workarounds found by running MoE models without TE (each has a canary in tests/multiprocess/test_megatron_no_te.py
+that fails once megatron fixes the bug, so the workaround can be dropped) and a fourth, found by tests/multiprocess/test_moe_training.py and
 checked against transformers' own gradients by tests/multiprocess/workers/mla_tp_grad_worker.py:
 
   moe_te_gemm      transformer/moe/moe_utils.py:23-39 leaves `te_general_gemm` undefined when TE is missing

@@ -3,16 +3,16 @@
 `import megatron.core` (0.16.1) spends most of its time where a training rank may never go: `megatron.core.jit.
 jit_fuser` is `torch.compile`, applied as a decorator to the fusion functions at import time (fused_bias_geglu,
 fused_bias_swiglu, ...), and each decoration builds a dynamo/inductor wrapper, which imports torch._dynamo and
-torch._inductor: ~3 s of CPU per process (measured on a 2-core EPYC: `import megatron.core, tripod.engine.trainer`
-9.0-9.7 s user before, 5.9-6.1 s after), paid even where the fusions are switched off, by every rank of every run.
+torch._inductor: seconds of CPU per process (bench/RESULTS.md), paid even where the fusions are switched off, by
+every rank of every run.
 
-`defer_megatron_import_cost()` (called by `tripod/__init__.py`, so before any tripod module imports megatron) makes
-megatron's `jit_fuser` a decorator that calls `torch.compile` on a function the first time the function is called:
-the same compiled code, later. A process that imported megatron before tripod keeps the eager behaviour.
+`defer_megatron_import_cost()` (called by `apply_megatron_patches()` at tripod's entry points, before they import
+megatron) makes megatron's `jit_fuser` a decorator that calls `torch.compile` on a function the first time the function
+is called: the same compiled code, later. A process that imported megatron before that keeps the eager behaviour.
 Canary: tests/unit/test_import_cost.py (a fresh interpreter's `import megatron.core` leaves torch._inductor and
 torch._dynamo unloaded, and a deferred fusion compiles once on its first call and computes the same values).
 
-Left as it is: megatron's `import wandb` (for a HAVE_WANDB flag; ~1 s). importlib's LazyLoader cannot defer it:
+Left as it is: megatron's `import wandb` (for a HAVE_WANDB flag). importlib's LazyLoader cannot defer it:
 torch's op registration walks sys.modules with `inspect.getmodule`, whose `hasattr(module, "__file__")` loads it.
 """
 from __future__ import annotations
