@@ -10,8 +10,14 @@ Steps, each timed and recorded (a failing step is recorded and the next one stil
              a tensor off the GPU)
   reshard    scripts/bench_reshard.py on CUDA tensors (4 local ranks over gloo on the one GPU: NCCL refuses two
              ranks per device)
+  offload    engine/offload.py's movers on CUDA (tests/multiprocess/workers/offload_movers_worker.py, one rank on
+             NCCL): two PPO steps of a tiny actor (bf16 / fp32, with and without the distributed optimizer) and the
+             reference with every offload kind on; each kind on the host has freed its device storage, comes back
+             bit for bit, and the weights and optimizer states after each update equal a twin's that never offloads
+             (within twice the update's own run-to-run difference: 0 when it is deterministic)
 Writes OUT/gpu_check.json and OUT/gpu_check.md. `--dry-run`: the same steps on CPU at tiny sizes (Triton through
 its interpreter, fp32 roofline, one PPO step), so everything up to the first CUDA call is known to work.
+`--steps offload,ppo` runs only those steps (a rerun of what failed).
 """
 from __future__ import annotations
 
@@ -145,6 +151,23 @@ def step_reshard(dry: bool) -> dict:
     return {k: r[k] for k in ("layout", "device", "traffic_ratio", "peak_memory_ratio", "time_ratio")}
 
 
+def step_offload(dry: bool, workdir: str) -> dict:
+    from tests.helpers.common import make_tiny_hf_model
+    hf_dir = make_tiny_hf_model(os.path.join(workdir, "offload"), "qwen2", seed=3, num_hidden_layers=2)
+    worker = os.path.join(REPO, "tests", "multiprocess", "workers", "offload_movers_worker.py")
+    env = _env({"TRIPOD_DEVICE": "cpu" if dry else "cuda", "OMP_NUM_THREADS": "1",
+                "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})  # cuBLAS's deterministic workspace, before CUDA starts
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                           worker, hf_dir], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=300)
+    rows = [json.loads(line[len("OFFLOAD "):]) for line in proc.stdout.splitlines() if line.startswith("OFFLOAD ")]
+    if proc.returncode != 0 or len(rows) != 5:
+        raise RuntimeError("offload_movers_worker failed:\n" + proc.stdout[-4000:])
+    if any(r["device"] != ("cpu" if dry else "cuda") for r in rows):
+        raise RuntimeError(f"the movers ran on {[r['device'] for r in rows]}")
+    return {r["case"]: {k: r[k] for k in ("released", "plan", "reload_checks", "twin_max_diff")} for r in rows}
+
+
 def markdown(result: dict) -> str:
     lines = [f"# GPU check ({'dry run on CPU' if result['dry_run'] else 'CUDA'}), {result['date']}", "",
              "| step | ok | seconds | summary |", "|---|---|---|---|"]
@@ -158,6 +181,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: everything up to the first CUDA call")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "gpu_check"), help="folder for the JSON + markdown")
+    p.add_argument("--steps", default=None, help="comma-separated steps to run (default: all)")
     args = p.parse_args()
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # Triton kernels through the interpreter on CPU tensors
@@ -166,8 +190,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="tripod-gpu-check-") as work:
         steps = [("env", lambda: step_env(args.dry_run)), ("roofline", lambda: step_roofline(args.dry_run)),
                  ("kernels", lambda: step_kernels(args.dry_run)), ("ppo", lambda: step_ppo(args.dry_run, work)),
-                 ("reshard", lambda: step_reshard(args.dry_run))]
-        for name, fn in steps:
+                 ("reshard", lambda: step_reshard(args.dry_run)), ("offload", lambda: step_offload(args.dry_run, work))]
+        wanted = args.steps.split(",") if args.steps else [name for name, _ in steps]
+        unknown = set(wanted) - {name for name, _ in steps}
+        if unknown:
+            p.error(f"--steps: unknown {sorted(unknown)}; the steps are {[name for name, _ in steps]}")
+        for name, fn in (step for step in steps if step[0] in wanted):
             t0 = time.perf_counter()
             try:
                 result["steps"][name] = {"ok": True, "result": fn()}

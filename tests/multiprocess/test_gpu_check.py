@@ -2,7 +2,8 @@
 wheels (for this interpreter's Python version: the only CPU torch on disk is cp311; the device bundle is the same
 script with --python 3.12), a fresh venv gets the CPU torch + Triton pinned in requirements.txt and nothing else, and
 `scripts/gpu_check.sh --dry-run` installs the bundle offline into it and runs every step on CPU at tiny sizes (Triton
-through its interpreter, one bf16 PPO step on trainer.device=cpu under the device guard, the reshard bench).
+through its interpreter, one bf16 PPO step on trainer.device=cpu under the device guard, the reshard bench, the
+offload movers' worker).
 A packaging check rather than a unit of the engine: `make test-gpu-bundle` runs it, and CI (.ci/run) calls that."""
 import json
 import os
@@ -56,10 +57,12 @@ def test_gpu_check_dry_run_from_the_bundle(tmp_path):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:]
     result = json.loads((out / "gpu_check.json").read_text())
-    assert result["dry_run"] and list(result["steps"]) == ["env", "roofline", "kernels", "ppo", "reshard"]
+    assert result["dry_run"] and list(result["steps"]) == ["env", "roofline", "kernels", "ppo", "reshard", "offload"]
     assert all(s["ok"] for s in result["steps"].values()), {k: s.get("error") for k, s in result["steps"].items()}
     assert result["steps"]["env"]["result"]["tripod"].startswith(str(venv))  # the bundle's tripod, not the checkout
     assert all(r["ok"] for r in result["steps"]["kernels"]["result"]["correctness"])
     assert result["steps"]["ppo"]["result"]["device_checked_steps"] == 1
     assert result["steps"]["reshard"]["result"]["traffic_ratio"] > 1  # micro-DP gather moves less than naive
-    assert (out / "gpu_check.md").read_text().count("| yes |") == 5
+    offload = result["steps"]["offload"]["result"]  # the movers' worker, on CPU here (test_offload_movers.py)
+    assert len(offload) == 5 and all(r["reload_checks"] > 0 and r["twin_max_diff"] == 0.0 for r in offload.values())
+    assert (out / "gpu_check.md").read_text().count("| yes |") == 6

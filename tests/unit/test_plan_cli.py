@@ -99,13 +99,14 @@ def test_phase_bytes_follow_the_offload_keys_and_the_verdict(tmp_path, capsys):
     c_p, c_g, c_o = critic["params"], critic["grads"], critic["main_params"] + critic["optim"]
     r_p = ref["params"]
     ph = _phases(out)
-    # (device without the phase's own working set, host); the working sets are checked below
-    assert ph["old_log_prob"] == (round((a_p + c_p + c_g) / mib, 1), round((a_g + a_o + c_o + r_p) / mib, 1))
-    assert ph["ref"] == (round((r_p + c_p + c_g) / mib, 1), round((a_p + a_g + a_o + c_o) / mib, 1))
-    assert ph["values"] == (round((c_p + c_g) / mib, 1), round((a_p + a_g + a_o + c_o + r_p) / mib, 1))
-    assert ph["update_critic"][1] == round((a_p + a_g + a_o + r_p) / mib, 1)
+    # (device without the phase's own working set, host); the working sets are checked below. The actor's offloaded
+    # gradient buffers are freed, not copied: on neither side
+    assert ph["old_log_prob"] == (round((a_p + c_p + c_g) / mib, 1), round((a_o + c_o + r_p) / mib, 1))
+    assert ph["ref"] == (round((r_p + c_p + c_g) / mib, 1), round((a_p + a_o + c_o) / mib, 1))
+    assert ph["values"] == (round((c_p + c_g) / mib, 1), round((a_p + a_o + c_o + r_p) / mib, 1))
+    assert ph["update_critic"][1] == round((a_p + a_o + r_p) / mib, 1)
     assert ph["update_actor"][1] == round((c_o + r_p) / mib, 1)
-    assert ph["checkpoint"] == (round((a_p + a_o + c_p + c_g + c_o) / mib, 1), round((a_g + r_p) / mib, 1))
+    assert ph["checkpoint"] == (round((a_p + a_o + c_p + c_g + c_o) / mib, 1), round(r_p / mib, 1))
     assert ph["rollout"][1] == ph["old_log_prob"][1]
     assert "verdict vs 1 GiB per device: fits" in out
     assert main(base + ["--gpu-memory-gb", "0.001"]) == 0  # no offload: every phase holds every model

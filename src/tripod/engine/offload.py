@@ -8,17 +8,20 @@ move) before the phase runs; the trainer enters the phases in the step's order (
 prints the same placement as bytes per phase (parallel/memory_phases.py).
 
 What moves (megatron-core 0.16, after verl's offload_megatron_model_to_cpu / offload_megatron_optimizer): parameters
-of a trained model are its DDP param buffers (copied to pinned host memory, device storage freed, views kept);
-of the frozen reference, each parameter's data; gradients are DDP's main_grad buffers (freed, reallocated zeroed:
-every update zeroes them first anyway); optimizer states are the Adam moments and, for 16-bit parameters, the fp32
-main weights (with fp32 parameters the optimizer updates the parameters themselves, which stay put).
+are the storages of every parameter (with the distributed optimizer megatron's DDP param buffers, without it each
+parameter's own: param_offload moves the same bytes either way); gradients are DDP's main_grad buffers (freed,
+reallocated zeroed: every update zeroes them first anyway); optimizer states are the Adam moments and, for 16-bit
+parameters, the fp32 main weights (with fp32 parameters the optimizer updates the parameters themselves, which stay
+put). Params and optimizer states move in place (`HostStash`): copied to pinned host memory, the device storage
+resized to 0 bytes, every tensor and view kept.
 On CPU runs every "device" tensor is already in host memory: the manager records the moves and touches nothing
-(config validation refuses the offload keys there; `actor_rollout_ref.ref.offload` stays accepted as a no-op).
+(config validation refuses the offload keys there; `actor_rollout_ref.ref.offload` stays accepted as a no-op). The
+movers themselves run on any device; tests/multiprocess/test_offload_movers.py runs them on CPU (docs/operating.md).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -105,19 +108,65 @@ class OffloadManager:
         self.history.append((phase, {m: dict(k) for m, k in self.where.items()}))
 
 
-# ---- the moves on CUDA (megatron-core's buffers and optimizers) ----------------------------------------
+# ---- the moves (run on CUDA; tests/multiprocess/test_offload_movers.py runs the same code on CPU) -----------
+class HostStash:
+    """Whole storages moved to host memory in place, as megatron's _ParamAndGradBuffer.offload_to_cpu moves its
+    param buffer: to the host, each distinct storage of `tensors()` is copied into a host buffer (pinned when the
+    storage is on CUDA) and resized to 0 bytes; the tensors and every view of them stay (reading one before the reload
+    reads freed memory and crashes, as with megatron's; never stale data); back, each storage is resized and filled
+    from its host buffer, which is dropped.
+    Identity is kept, so an optimizer's param groups and state dicts, main_grad views and the hybrid engine's aliases
+    of the actor's weights need no re-pointing. Storages are deduplicated (a tied weight moves once)."""
+
+    def __init__(self, tensors: Callable[[], Iterable[torch.Tensor]]):
+        self.tensors = tensors
+        self.held: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a tensor on the storage, its host copy)
+
+    def move(self, to: str) -> None:
+        self.offload() if to == HOST else self.reload()
+
+    def offload(self) -> int:
+        """Bytes released on the device."""
+        seen: set[int] = set()
+        released = 0
+        for t in self.tensors():
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen:  # empty, moved already, or shared
+                continue
+            seen.add(storage.data_ptr())
+            # on the compute stream: the device block is reused only after the copy, the copy back follows it
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
+            host.copy_(_as_bytes(storage), non_blocking=True)
+            released += storage.nbytes()
+            storage.resize_(0)
+            self.held.append((t, host))
+        return released
+
+    def reload(self) -> None:
+        for t, host in self.held:
+            storage = t.untyped_storage()
+            storage.resize_(host.numel())
+            _as_bytes(storage).copy_(host, non_blocking=True)
+        self.held.clear()
+
+
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 def _ddp_buffers(worker) -> list:
     return [b for chunk in worker.model for b in chunk.buffers + chunk.expert_parallel_buffers]
 
 
-def _move_trained_params(worker, to: str) -> None:
-    for buf in _ddp_buffers(worker):  # megatron's own: pinned host copy, device storage freed, views kept
-        buf.offload_to_cpu(move_params=True, move_grads=False) if to == HOST else \
-            buf.reload_from_cpu(move_params=True, move_grads=False)
+def model_parameters(worker) -> list[torch.Tensor]:
+    """What a params offload moves: every parameter's storage. With the distributed optimizer those are megatron's
+    DDP param buffers (one storage per buffer, the parameters views of it); without it (megatron allocates no param
+    buffer then) each parameter's own storage, so param_offload moves the same bytes with or without it."""
+    return [p for chunk in worker.chunks for p in chunk.parameters()]
 
 
 def _move_grads(worker, to: str) -> None:
-    for buf in _ddp_buffers(worker):  # freed on the host side, reallocated zeroed (update zeroes them anyway)
+    for buf in _ddp_buffers(worker):  # megatron's own: freed, reallocated zeroed (every update zeroes them first)
         buf.offload_to_cpu(move_params=False, move_grads=True) if to == HOST else \
             buf.reload_from_cpu(move_params=False, move_grads=True)
 
@@ -137,22 +186,14 @@ def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
     return out
 
 
-def _move_optimizer(worker, to: str) -> None:
-    for t in optimizer_state_tensors(worker.optimizer):
-        if to == HOST:  # into pinned memory, on the compute stream: the copy back is ordered after it
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t.data, non_blocking=True)
-            t.data = host
-        else:
-            t.data = t.data.to(worker.device, non_blocking=True)
-
-
 def worker_movers(worker) -> dict[str, Callable[[str], None]]:
-    """The movers of one MegatronWorker: params / grads / optim (a frozen worker has params only)."""
+    """The movers of one MegatronWorker: params / grads / optim (a frozen worker has params only). They run on any
+    device: the host side is pinned only when the storage is on CUDA."""
+    params = HostStash(lambda: model_parameters(worker))
     if not worker.trainable:
-        return {"params": lambda to: worker._move_params(torch.device("cpu") if to == HOST else worker._device)}
-    return {"params": lambda to: _move_trained_params(worker, to), "grads": lambda to: _move_grads(worker, to),
-            "optim": lambda to: _move_optimizer(worker, to)}
+        return {"params": params.move}
+    optim = HostStash(lambda: optimizer_state_tensors(worker.optimizer))  # Adam's state appears at the first step
+    return {"params": params.move, "grads": lambda to: _move_grads(worker, to), "optim": optim.move}
 
 
 def manager_for(workers: dict[str, Any], flags: dict[str, OffloadFlags], device: torch.device) -> OffloadManager:

@@ -37,7 +37,7 @@ from tripod.engine.workers.lr_schedule import build_lr_scheduler
 from tripod.engine.workers.moe_config import MOE_AUX_LOSS_NAMES
 from tripod.engine.workers.packing import pack_shared_prompts, pack_thd, pack_without_padding
 from tripod.parallel.arch import ModelArch
-from tripod.parallel.context_parallel import held_positions, padded_length, split_for_cp, sum_over_cp
+from tripod.parallel.context_parallel import held_positions, local_slots, padded_length, split_for_cp, sum_over_cp
 from tripod.parallel.megatron_patches.gpt_model import (
     bypass_output_layer,
     cast_floating_params,
@@ -57,7 +57,8 @@ class MegatronWorker:
                  total_steps: int = 1, seed: int = 1234, precision: PrecisionSettings | None = None,
                  sequence_parallel: bool = False, virtual_pipeline_size: int | None = None,
                  config_overrides: dict | None = None, share_prompt_prefix: bool = True, use_te: str = "auto",
-                 load_arch: ModelArch | None = None, remove_padding: bool = False, te_thd: bool = False):
+                 load_arch: ModelArch | None = None, remove_padding: bool = False, te_thd: bool = False,
+                 routing_replay: bool = False):
         """`optim`, `grad_clip` and `total_steps` (optimizer steps of the whole run, for the LR schedule) matter
         only when `trainable`. `config_overrides`: extra TransformerConfig fields (the MoE router's, from
         `moe_config_overrides`). `share_prompt_prefix`: run a prompt shared by several rows once per micro-batch
@@ -67,7 +68,9 @@ class MegatronWorker:
         `load_arch`: the arch `hf_dir` is read as, where it differs from the built model's (a reward model built with
         a score head from a causal LM's weights: the head stays freshly initialised). `te_thd`: a Transformer Engine
         model packs its rows without padding in THD format (packing.pack_thd, model.packed_seq_params; no shared
-        prompts there); off unless asked: that TE forward has not run yet (no GPU here)."""
+        prompts there); off unless asked: that TE forward has not run yet (no GPU here). `routing_replay`: an MoE
+        model's routers record and replay expert ids through megatron's RouterReplay (`self.routing`,
+        parallel/router_replay.py)."""
         from tripod.parallel.convert import load_hf_weights
         from tripod.parallel.model import build_model_chunks
 
@@ -76,6 +79,8 @@ class MegatronWorker:
         self.precision = precision or PrecisionSettings()
         self.device = current_device()  # engine/device.py decides; megatron allocates on the current device
         # one GPTModel per virtual pipeline stage; `module` is the last one (it holds the output layer)
+        if routing_replay and arch.moe is not None:
+            config_overrides = {**(config_overrides or {}), "moe_enable_routing_replay": True}
         self.chunks = build_model_chunks(arch, layout, virtual_pipeline_size=virtual_pipeline_size,
                                          value_head=value_head, params_dtype=self.precision.param_dtype, seed=seed,
                                          sequence_parallel=sequence_parallel, use_te=use_te,
@@ -89,6 +94,12 @@ class MegatronWorker:
         if not value_head and layout.is_last_stage:
             bypass_output_layer(model, layout.tp_group)
         self.module = model
+        self.routing = None
+        if routing_replay and arch.moe is not None:
+            from tripod.parallel.router_replay import RoutingReplay
+
+            self.routing = RoutingReplay(self.chunks, layout, arch.moe.num_experts, arch.moe.topk,
+                                         sum(arch.moe.layer_is_moe), sequence_parallel)
         # a packed prompt counts once, not once per row: that would change what the router's load-balancing loss and
         # expert-bias update see (both are statistics over the micro-batch's tokens), so those runs do not pack
         router_stats = (config_overrides or {}).get("moe_router_load_balancing_type", "none") != "none" or \
@@ -220,9 +231,14 @@ class MegatronWorker:
             rope = getattr(_unwrap(model), "rotary_pos_emb", None)
             if rope is not None and hasattr(rope, "tripod_positions"):
                 rope.tripod_positions = packed.positions if packed is not None and thd is None else None
+            if self.routing is not None:  # this micro-batch's expert ids, in the order the routers see its tokens
+                self.routing.before(model, mb, *ids.shape, local_slots(ids.shape[1], cp, self.layout.cp_rank)
+                                    if cp > 1 and thd is None else None)
             if thd is not None:  # TE's THD format, no mask (a TE model refuses CP > 1: parallel/model.py)
                 pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand_as(ids)
                 out = model(input_ids=ids, position_ids=pos, attention_mask=None, packed_seq_params=thd)
+                if self.routing is not None:
+                    self.routing.after(model)
                 return out, lambda output: loss_fn(output, mb)
             mask = packed.mask if packed is not None else causal[ids.shape[1]]
             if cp > 1:  # this rank's slots; RoPE takes their global positions
@@ -232,6 +248,8 @@ class MegatronWorker:
                     rope.tripod_positions = slots
             pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand_as(ids)
             out = model(input_ids=ids, position_ids=pos, attention_mask=mask)
+            if self.routing is not None:
+                self.routing.after(model)
             return out, lambda output: loss_fn(output, mb)
 
         if not forward_only:
