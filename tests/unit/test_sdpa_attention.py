@@ -116,17 +116,27 @@ def test_plan_counts_the_attention_that_runs():
         arch = arch_from_hf(json.load(f))
     eager = activation_bytes(arch, 4, 2, 4, 1536, torch.bfloat16, fused_attention=False)
     fused = activation_bytes(arch, 4, 2, 4, 1536, torch.bfloat16, fused_attention=True)
-    assert fused < eager / 2
+    # the [b, heads, s, s] probabilities are ~45% of the materialising attention's plan (the routed experts' rows,
+    # top-8 of 128, take most of the rest)
+    assert fused < 0.6 * eager
     assert activation_bytes(arch, 4, 2, 4, 1536, torch.bfloat16) == fused  # the default: what runs
     import contextlib
     import io
 
     from tripod.engine.cli import main
+    from tripod.engine.config import load_config
+    from tripod.parallel.activation_plan import activations_from_config
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         assert main(["plan", "recipes/qwen3/30b-a3b-gsm8k.yaml"]) == 0
-    actor = float(buf.getvalue().split("(longest sequences): actor ")[1].split(" MiB")[0])
+    actor = float(buf.getvalue().split("longest sequences): actor ")[1].split(" MiB")[0])
+    cfg = load_config(f"{REPO_ROOT}/recipes/qwen3/30b-a3b-gsm8k.yaml", [])
+    world, n = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes, cfg.actor_rollout_ref.rollout.n
+    seq = cfg.data.max_prompt_length + cfg.actor_rollout_ref.rollout.response_length
+    fused, eager = (activations_from_config(cfg.actor_rollout_ref.actor, arch, world, n, seq, torch.bfloat16,
+                                            fused_attention=f) for f in (True, False))
+    assert fused < eager
     assert actor == pytest.approx(fused / 2 ** 20, abs=0.1)  # the recipe runs on CUDA: the fused attention
 
 

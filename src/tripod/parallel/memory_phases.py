@@ -4,12 +4,16 @@ the verdict against the device memory (`tripod plan --gpu-memory-gb`).
 
 Per phase, on one rank (the largest PP stage of each model, parallel/memory_plan.py):
     device = the kinds `placement` keeps on the device (params; grads; optim = Adam moments + fp32 main weights)
-             + the phase's own working set: rollout = generation shard + KV cache; update_actor / update_critic =
-             one micro-batch's saved activations; the log-prob phases run forward-only (no saved activations;
+             + the phase's own working set: rollout = generation shard + the rollout engine's KV cache (SGLang's /
+             vLLM's reservation on CUDA); update_actor / update_critic = the update's peak saved activations
+             (parallel/activation_plan.py: the micro-batches in flight); the log-prob phases run forward-only (no saved activations;
              their transient logits chunks are not counted); checkpoint = the save after a step (params and
              optimizer states of the trained models on the device, gradients where grad_offload leaves them)
-    host   = the kinds on the host in that phase (pinned host memory on CUDA); with optimizer_cpu_offload a model's
-             optimizer states are there in every phase (megatron's HybridDeviceOptimizer updates on the host).
+    host   = the params and optimizer states on the host in that phase (pinned host memory on CUDA): the bytes
+             engine/offload.py's movers release, with or without the distributed optimizer
+             (tests/multiprocess/test_offload_movers.py measures them per kind); offloaded gradient buffers are freed,
+             not copied, so they count nowhere; with optimizer_cpu_offload a model's optimizer states are there in
+             every phase (megatron's HybridDeviceOptimizer updates on the host).
 Not counted: the CUDA context, NCCL buffers and the allocator's fragmentation (a few GiB on a real GPU).
 """
 from __future__ import annotations
@@ -57,9 +61,9 @@ def phase_memory(plan: MemoryPlan, offload: dict[str, OffloadFlags],
                 if where[kind] == DEVICE and not (kind == "optim" and m.name in cpu_optimizer):
                     pm.device += size
                     pm.parts[f"{m.name}.{kind}"] = size
-                else:
+                elif kind != "grads":  # offloaded gradient buffers are freed, not copied: they come back zeroed
                     pm.host += size
-        work = {"rollout": {"generation shard": plan.generation_shard, "KV cache": plan.kv_cache},
+        work = {"rollout": {"generation shard": plan.generation_shard, plan.kv_label.split(" (")[0]: plan.kv_cache},
                 "update_actor": {"activations": plan.activations.get("actor", 0)},
                 "update_critic": {"activations": plan.activations.get("critic", 0)}}.get(phase, {})
         for name, size in work.items():

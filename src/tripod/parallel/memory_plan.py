@@ -16,9 +16,12 @@ distributed optimizer shards the expert part over expert-DP (EDP = TP*DP / (EP*E
 
 and for the rollout: the generation shard (its rollout-TP slice of the whole model in the rollout dtype, every expert
 included; nothing when rollout TP == actor TP, PP == 1, EP == 1 and the dtypes agree: the engine then reads the
-actor's parameters) and the KV cache of one generate call (2 * layers * kv_heads/tg * head_dim * sequences *
-(prompt + response) * bytes; MLA caches the latent instead: layers * (kv_lora_rank + qk_rope_head_dim) per token,
-replicated over rollout TP).
+actor's parameters) and what the rollout engine that runs holds (`rollout_engine_bytes`): the embedded engine's KV
+cache of one generate call (2 * layers * kv_heads/tg * head_dim * sequences * (prompt + response) * bytes; MLA caches
+the latent instead: layers * (kv_lora_rank + qk_rope_head_dim) per token, replicated over rollout TP), SGLang's and
+vLLM's reservation of their fraction of the device on CUDA, vLLM's weights copy and KV cache on CPU.
+The trained models' activations at the peak of their update (the micro-batches megatron's pipeline schedule keeps in
+flight): parallel/activation_plan.py.
 `scripts/bench_memory.py` measures the same quantities on live objects; `tripod plan` prints this table.
 """
 from __future__ import annotations
@@ -27,11 +30,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tripod.parallel.activation_plan import (  # noqa: F401  (the plan's activations live there)
+    ActivationLayout,
+    activation_bytes,
+    activations_from_config,
+    fused_attention_saved_bytes,
+)
 from tripod.parallel.arch import ModelArch
 from tripod.parallel.convert.common import padded_vocab_size
 from tripod.parallel.families.spec import local_shape as split_local_shape
 from tripod.parallel.hybrid_engine.plan import actor_param_specs, local_shape
-from tripod.parallel.stages import StageSplit
 
 
 def _prod(shape) -> int:
@@ -69,64 +77,6 @@ def stage_numel_split(arch: ModelArch, tp: int, pp: int, *, value_head: bool = F
     if any(x % ep for x in experts):
         raise ValueError(f"expert_model_parallel_size={ep} must divide the number of experts")
     return [(d, x // ep) for d, x in zip(per_stage, experts)]
-
-
-def activation_bytes(arch: ModelArch, tp: int, pp: int, micro_batch: int, seq: int, dtype: torch.dtype, *,
-                     recompute: str | None = None, value_head: bool = False, fused_attention: bool | None = None,
-                     first: int | None = None, last: int | None = None, cp: int = 1) -> int:
-    """Bytes autograd saves for the backward of one micro-batch (`micro_batch` rows x `seq` tokens) on one rank of
-    the largest pipeline stage: megatron's local (non-TE) layer spec, no dropout, as scripts/bench_memory.py counts
-    them (torch.autograd.graph.saved_tensors_hooks). Per layer, with T = micro_batch * seq tokens, a = heads / tp,
-    d = head_dim, f = ffn / tp, e = bytes of the activation dtype:
-        each RMSNorm (torch's, computed in fp32): its input and x * rstd in fp32 2*T*h*4, rstd T*4, its output (the
-        next linear's input) T*h*e;
-        attention (megatron's DotProductAttention, `fused_attention` False): q, k and v expanded to a heads 3*T*a*d*e,
-        the softmax output in fp32 P*4 (P = micro_batch*a*seq^2;
-        megatron's attention_softmax_in_fp32) plus its cast P*e for a 16-bit matmul, the context (the out-projection's
-        input) T*a*d*e; RoPE's cos/sin for q and k 4*seq*d*e and the causal mask seq^2 (bool);
-        SwiGLU: fc1's output (gate|up) 2*T*f*e, silu(gate), the product and fc2's input 3*T*f*e.
-    recompute=full keeps each layer's input (T*h*e) plus one layer's set while it is recomputed; selective recomputes
-    core attention, which then keeps only its q, k, v inputs (T*a*d + 2*T*kv*d) instead of the expanded q, k, v
-    and the probabilities. Plus the token ids (int64), the final norm, and the head's input T*h*e (tripod's chunked
-    log-prob kernel never materialises the full logits).
-    `fused_attention`: SDPA's fused kernels (the local spec's core attention of non-MLA layers on every device,
-    parallel/sdpa_attention.py, or TE's fused attention): no [b, a, s, s] probabilities
-    (`fused_attention_saved_bytes`); False: megatron's materialising attention (above); None (default): what
-    build_gpt_model runs, fused unless the model uses MLA (megatron's attention). The stage with the most layers
-    counts (`first` / `last`: uneven stages).
-    `cp` (context_parallel_size): a rank runs seq / cp of each row's slots (parallel/context_parallel.py), so every
-    per-token term divides by cp; its queries meet all seq keys (K and V all-gathered: the expanded k and v are
-    seq long, the probabilities and the mask seq / cp x seq)."""
-    if fused_attention is None:
-        fused_attention = arch.mla is None
-    e = torch.empty((), dtype=dtype).element_size()
-    sq = -(-seq // cp)  # this rank's slots of a row
-    t, h, a, d, f = micro_batch * sq, arch.hidden_size, arch.num_heads // tp, arch.head_dim, arch.ffn_hidden_size // tp
-    tk = micro_batch * seq  # keys each query meets (after CP's all-gather)
-    kv = max(arch.num_kv_heads // tp, 1)
-    norm = 2 * t * h * 4 + t * 4 + t * h * e
-    probs = micro_batch * a * sq * seq
-    attention = (t + 2 * tk) * a * d * e + probs * 4 + (probs * e if e < 4 else 0)
-    if fused_attention:  # its context (SDPA's output) is saved, and so is the out-projection's input (a reshaped copy)
-        attention = fused_attention_saved_bytes(micro_batch, sq, a, d, e, keys=seq) - t * a * d * e
-    if recompute == "selective":
-        attention = (t * a * d + 2 * t * kv * d) * e
-    layer = 2 * norm + attention + t * a * d * e + 5 * t * f * e + 4 * sq * d * e + sq * seq
-    layers = max(StageSplit(arch.num_layers, pp, 1, first, last).stage_sizes()) if first or last else \
-        -(-arch.num_layers // pp)
-    stack = layers * t * h * e + layer if recompute == "full" else layers * layer
-    return stack + norm + t * h * e + t * 8
-
-
-def fused_attention_saved_bytes(micro_batch: int, seq: int, heads: int, head_dim: int, elem: int,
-                                keys: int | None = None) -> int:
-    """What SDPA's fused kernels save for the backward of one core attention (parallel/sdpa_attention.py): q, the
-    expanded k and v and the output 4*T*a*d*e, the per-row log-sum-exp in fp32 micro_batch*a*seq*4, and the additive
-    mask micro_batch*seq^2*e (T = micro_batch*seq; measured exactly on CPU by tests/unit/test_sdpa_attention.py).
-    `keys`: the key length where it differs from the query length (context parallelism: seq / cp queries, seq keys)."""
-    t, keys = micro_batch * seq, seq if keys is None else keys
-    return (2 * t + 2 * micro_batch * keys) * heads * head_dim * elem + micro_batch * heads * seq * 4 + \
-        micro_batch * seq * keys * elem
 
 
 @dataclass
@@ -186,10 +136,12 @@ class ModelMemory:
 class MemoryPlan:
     models: list[ModelMemory]
     generation_shard: int  # 0 when it aliases the actor's parameters (see generation_shard_aliased)
-    kv_cache: int
+    kv_cache: int  # the rollout engine's: `rollout_engine_bytes`
     generation_shard_aliased: bool = False
-    activations: dict[str, int] = field(default_factory=dict)  # per trainable model: one micro-batch's saved bytes
+    activations: dict[str, int] = field(default_factory=dict)  # per trainable model: its update's peak saved bytes
     runtime: int = 0  # the process itself (Python, torch, megatron, transformers), measured: runtime_rss()
+    kv_label: str = "KV cache"  # what kv_cache is (the embedded engine's KV cache, SGLang's / vLLM's reservation)
+    kv_resident: bool = False  # held for the whole run (vLLM on CPU), not only while generating
 
     def device_total(self) -> int:
         """Bytes on the compute device at the rollout peak (offloaded params excluded)."""
@@ -197,9 +149,11 @@ class MemoryPlan:
 
     def host_peak(self) -> int:
         """CPU runs: the process's peak RSS. Every model's tensors live in host memory for the whole step; on top of
-        them either the rollout (generation shard + KV cache) or one training micro-batch's activations."""
-        transient = max([self.generation_shard + self.kv_cache, *self.activations.values()])
-        return self.runtime + sum(m.total for m in self.models) + transient
+        them either the rollout (generation shard + the engine's KV cache) or a training pass's peak activations
+        (vLLM's weights copy and KV cache on CPU stay for the whole run)."""
+        rollout = self.generation_shard + (0 if self.kv_resident else self.kv_cache)
+        resident = self.kv_cache if self.kv_resident else 0
+        return self.runtime + sum(m.total for m in self.models) + resident + max([rollout, *self.activations.values()])
 
     def checkpoint_bytes(self) -> tuple[int, int]:
         """(synchronous, asynchronous) bytes a checkpoint save adds to a rank that writes (engine/checkpoints/): a
@@ -224,10 +178,10 @@ class MemoryPlan:
                          + ("  (host: offloaded)" if m.offloaded else ""))
         alias = " (views of the actor's parameters)" if self.generation_shard_aliased else ""
         lines.append(f"generation shard {self.generation_shard / mib:.1f} MiB{alias}, "
-                     f"KV cache {self.kv_cache / mib:.1f} MiB")
+                     f"{self.kv_label} {self.kv_cache / mib:.1f} MiB")
         lines.append(f"per rank on the compute device at the rollout peak: {self.device_total() / mib:.1f} MiB")
         if self.activations:
-            lines.append("activations of one training micro-batch (longest sequences): " + ", ".join(
+            lines.append("activations at the update's peak (the micro-batches in flight, longest sequences): " + ", ".join(
                 f"{name} {b / mib:.1f} MiB" for name, b in self.activations.items()))
         sync, staged = self.checkpoint_bytes()
         if staged:
@@ -236,7 +190,7 @@ class MemoryPlan:
                          "copy of what the rank writes, held until written)")
         if self.runtime:
             lines.append(f"on CPU, peak RSS per rank: {self.host_peak() / mib:.0f} MiB (process {self.runtime / mib:.0f}"
-                         f" MiB + models + the larger of rollout and one micro-batch's activations)")
+                         f" MiB + models + the larger of rollout and the update's activations)")
         return "\n".join(lines)
 
 
@@ -259,15 +213,41 @@ def kv_cache_bytes(arch: ModelArch, rollout_tp: int, sequences: int, seq_len: in
     return 2 * arch.num_layers * (arch.num_kv_heads // rollout_tp) * arch.head_dim * sequences * seq_len * es
 
 
+def rollout_engine_bytes(cfg, arch: ModelArch, sequences: int, dtype: torch.dtype, device: str,
+                         gpu_memory_gb: float | None) -> tuple[int, str, bool]:
+    """(bytes, what they are, held for the whole run) of the rollout engine that runs, on one rank: the embedded
+    engine's KV cache of one generate call (`kv_cache_bytes`); SGLang and vLLM on CUDA reserve their memory fraction
+    (rollout.gpu_memory_utilization / mem_fraction_static, or engine_kwargs' own) of the device (`gpu_memory_gb`,
+    80 GiB when None) for their weights and KV pool while they generate (released during training: memory saver /
+    sleep mode); vLLM with engine_kwargs.kv_cache_memory_bytes, and vLLM on CPU (1 GiB unless engine_kwargs say
+    otherwise), hold their weights copy and that KV cache, on CPU for the whole run (its CPU worker cannot sleep)."""
+    r = cfg.actor_rollout_ref.rollout
+    kw, name = r.engine_kwargs, r.name
+    if name == "vllm" and (device == "cpu" or "kv_cache_memory_bytes" in kw):
+        kv = int(kw.get("kv_cache_memory_bytes", 1 << 30))
+        return (generation_shard_bytes(arch, r.tensor_model_parallel_size, dtype) + kv,
+                f"vLLM weights copy + KV cache {kv / (1 << 20):.0f} MiB (kv_cache_memory_bytes)", device == "cpu")
+    if name in ("sglang", "vllm") and device == "cuda":
+        key = "mem_fraction_static" if name == "sglang" else "gpu_memory_utilization"
+        fraction = float(kw.get(key, r.mem_fraction_static))
+        gb = 80.0 if gpu_memory_gb is None else gpu_memory_gb
+        label = "SGLang" if name == "sglang" else "vLLM"
+        return (int(fraction * gb * (1 << 30)), f"{label} reservation ({key} {fraction:g} x {gb:g} GiB: its weights "
+                "and KV pool)", False)
+    return (kv_cache_bytes(arch, r.tensor_model_parallel_size, sequences,
+                           cfg.data.max_prompt_length + r.response_length, dtype), "KV cache", False)
+
+
 def generation_shard_bytes(arch: ModelArch, rollout_tp: int, dtype: torch.dtype) -> int:
     es = torch.empty((), dtype=dtype).element_size()
     return sum(_prod(local_shape(s, rollout_tp)) for s in actor_param_specs(arch, rollout_tp, 1)) * es
 
 
 def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelArch | None = None,
-                     reward_arch: ModelArch | None = None) -> MemoryPlan:
+                     reward_arch: ModelArch | None = None, gpu_memory_gb: float | None = None) -> MemoryPlan:
     """The memory plan of a (resolved) `TripodConfig` on `world_size` ranks (`critic_arch` / `reward_arch`: the
-    critic's and the reward model's checkpoints where they differ from the actor's)."""
+    critic's and the reward model's checkpoints where they differ from the actor's; `gpu_memory_gb`: the device
+    memory SGLang's / vLLM's fraction is of, 80 GiB when None)."""
     from tripod.engine.precision import resolve_precision, rollout_dtype
 
     arc = cfg.actor_rollout_ref
@@ -283,10 +263,6 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
                            cp=m.context_parallel_size).compute(own_arch or arch)
 
     seq = cfg.data.max_prompt_length + arc.rollout.response_length
-
-    def micro_rows(c) -> int:  # rows of one training micro-batch of the longest sequences
-        return max(c.ppo_max_token_len_per_gpu // seq, 1) if c.use_dynamic_bsz else c.ppo_micro_batch_size_per_gpu
-
     models = [model("actor", arc.actor.megatron, True, optimizer=arc.actor.optim.optimizer)]
     if cfg.uses_critic:
         models.append(model("critic", cfg.critic.megatron, True, value_head=True, optimizer=cfg.critic.optim.optimizer,
@@ -306,14 +282,13 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
     # parallel/hybrid_engine/engine.py: same TP, no PP, same dtype -> the engine reads the parameters themselves
     aliased = actor.pp == 1 and actor.tp == r.tensor_model_parallel_size and actor.param_dtype == gdt and \
         (actor.expert_numel == 0 or (actor.ep == 1 and actor.etp in (None, actor.tp)))
-    activations = {m.name: activation_bytes(critic_arch if m.value_head and critic_arch else arch, m.tp, m.pp,
-                                            micro_rows(c), seq, m.param_dtype, recompute=m.recompute,
-                                            value_head=m.value_head, first=m.first, last=m.last, cp=m.cp)
+    activations = {m.name: activations_from_config(c, critic_arch if m.value_head and critic_arch else arch,
+                                                   world_size, r.n, seq, m.param_dtype)
                    for m, c in zip(models, (arc.actor, cfg.critic)) if m.trainable}
+    engine, engine_label, engine_resident = rollout_engine_bytes(cfg, arch, sequences, gdt, device, gpu_memory_gb)
     return MemoryPlan(models, 0 if aliased else generation_shard_bytes(arch, r.tensor_model_parallel_size, gdt),
-                      kv_cache_bytes(arch, r.tensor_model_parallel_size, sequences,
-                                     cfg.data.max_prompt_length + r.response_length, gdt), aliased,
-                      activations=activations, runtime=runtime_rss() if device == "cpu" else 0)
+                      engine, aliased, activations=activations, runtime=runtime_rss() if device == "cpu" else 0,
+                      kv_label=engine_label, kv_resident=engine_resident)
 
 
 @dataclass

@@ -36,6 +36,9 @@ def bundled_model_names() -> list[str]:
 def plan_model_config(path: str, key: str = "actor_rollout_ref.model.path") -> str:
     """Where `tripod plan` reads the config.json of `path`: a local directory or config.json file, the local Hugging
     Face cache, or the architecture-only copy in recipes/model_configs/<org>--<name>.json (see its README)."""
+    if not path:
+        raise FileNotFoundError(f"{key} is not set; give the model on the command line ({key}=DIR) or in the recipe: a "
+                                "model directory, its config.json, or one of " + ", ".join(bundled_model_names()))
     if os.path.exists(path):
         return path
     try:
@@ -89,7 +92,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     reward_arch = arch_from_hf(plan_model_config(rm.model.path, "reward_model.model.path")) \
         if rm.enable and rm.model.path else None
     print("\nmemory per rank (parallel/memory_plan.py):")
-    memory = plan_from_config(cfg, world, arch, critic_arch, reward_arch)
+    arc, on_cuda = cfg.actor_rollout_ref, cfg.trainer.device == "cuda"
+    gpu_gb = args.gpu_memory_gb if args.gpu_memory_gb is not None else (80.0 if on_cuda else None)
+    memory = plan_from_config(cfg, world, arch, critic_arch, reward_arch, gpu_memory_gb=gpu_gb)
     print(memory.describe())
     if cfg.separate_rollout:  # the rollout on its own ranks (docs/async.md)
         from tripod.parallel.memory_plan import rollout_ranks_plan
@@ -100,11 +105,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         a = cfg.async_training
         pushes = StalenessSchedule(a.staleness_threshold, a.trigger_parameter_sync_step, 1).capacity
         print(own.describe(staged=own.generation_shard * pushes))
-    arc, on_cuda = cfg.actor_rollout_ref, cfg.trainer.device == "cuda"
     offload = {"actor": flags_of(arc.actor.megatron, True), "critic": flags_of(cfg.critic.megatron, True),
                "reference": flags_of(arc.ref.megatron, False, arc.ref.offload),
                "reward_model": flags_of(rm.megatron, False, rm.offload)} if on_cuda else {}
-    gpu_gb = args.gpu_memory_gb if args.gpu_memory_gb is not None else (80.0 if on_cuda else None)
     cpu_optimizer = frozenset(n for n, c in (("actor", arc.actor.megatron), ("critic", cfg.critic.megatron))
                               if on_cuda and c.optimizer_cpu_offload)
     print("\n" + describe_phases(memory, offload, gpu_gb, cpu_optimizer))
