@@ -46,3 +46,20 @@ def tiny_overrides(setup: dict, run_dir: str, world: int = 1, tp: int = 1, pp: i
         f"trainer.total_training_steps={steps}", f"trainer.n_gpus_per_node={world}",
         f"trainer.default_local_dir={run_dir}", "trainer.logger=[jsonl,tensorboard]", "trainer.resume=disable",
     ]
+
+
+def random_ppo_batch(vocab_size: int, n: int = 8, resp_len: int = 6, seed: int = 11):
+    """Fresh random prompts (4-8 tokens) and responses (2..resp_len tokens) with random advantages, the same on every
+    rank: the batch the worker-level update tests feed straight to the workers. Returns (batch, prompts,
+    responses, generator) so a caller can draw more from the same stream."""
+    import torch
+
+    from tripod.engine.workers.batch import build_ppo_batch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab_size, (int(k),), generator=g).tolist() for k in torch.randint(4, 9, (n,), generator=g)]
+    responses = [torch.randint(3, vocab_size, (int(k),), generator=g).tolist()
+                 for k in torch.randint(2, resp_len + 1, (n,), generator=g)]
+    batch = build_ppo_batch(prompts, responses, resp_len, 0, list(range(n)))
+    batch["advantages"] = torch.randn(n, resp_len, generator=g) * batch["response_mask"]
+    return batch, prompts, responses, g

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.common import dist_worker
+from tests.helpers.ppo_setup import random_ppo_batch
 
 PHASES = ["rollout", "old_log_prob", "ref", "values", "update_critic", "update_actor", "checkpoint"]
 
@@ -259,7 +260,6 @@ def padding(kinds: Kinds) -> int:
 
 def main() -> None:
     from tripod.engine.device import current_device
-    from tripod.engine.workers.batch import build_ppo_batch
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.layout import ParallelLayout
 
@@ -271,14 +271,8 @@ def main() -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
     arch = arch_from_hf(hf_dir)
     layout = ParallelLayout(tp=1, pp=1, name="model", arch=arch)
-    g = torch.Generator().manual_seed(11)
-    n, resp_len = 8, 6
-    prompts = [torch.randint(3, arch.vocab_size, (int(k),), generator=g).tolist()
-               for k in torch.randint(4, 9, (n,), generator=g)]
-    responses = [torch.randint(3, arch.vocab_size, (int(k),), generator=g).tolist()
-                 for k in torch.randint(2, resp_len + 1, (n,), generator=g)]
-    batch = build_ppo_batch(prompts, responses, resp_len, 0, list(range(n)))
-    batch["advantages"] = torch.randn(n, resp_len, generator=g) * batch["response_mask"]
+    n = 8
+    batch, _, _, _ = random_ppo_batch(arch.vocab_size, n)
     batch = batch.to(current_device())  # as the trainer hands it to the workers
     cases = [("actor_bf16_distopt", torch.bfloat16, True, True), ("actor_fp32_distopt", torch.float32, True, True),
              ("actor_bf16_plain", torch.bfloat16, False, True), ("actor_fp32_plain", torch.float32, False, True),

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.common import dist_worker
+from tests.helpers.ppo_setup import random_ppo_batch
 
 
 def build(kind, hf_dir, arch, layout, dtype, dist_opt, critic=False):
@@ -96,21 +97,14 @@ def logit_scales(hf_dir, prompts, responses, resp_len) -> dict:
 
 
 def main():
-    from tripod.engine.workers.batch import build_ppo_batch
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.layout import ParallelLayout
 
     hf_dir = sys.argv[1]
     arch = arch_from_hf(hf_dir)
     layout = ParallelLayout(tp=1, pp=1, name="model", arch=arch)
-    g = torch.Generator().manual_seed(11)  # fresh random prompts / responses / advantages, same on every rank
     n, resp_len = 8, 6
-    prompts = [torch.randint(3, arch.vocab_size, (int(k),), generator=g).tolist()
-               for k in torch.randint(4, 9, (n,), generator=g)]
-    responses = [torch.randint(3, arch.vocab_size, (int(k),), generator=g).tolist()
-                 for k in torch.randint(2, resp_len + 1, (n,), generator=g)]
-    batch = build_ppo_batch(prompts, responses, resp_len, 0, list(range(n)))
-    batch["advantages"] = torch.randn(n, resp_len, generator=g) * batch["response_mask"]
+    batch, prompts, responses, g = random_ppo_batch(arch.vocab_size, n, resp_len)
     batch["returns"] = torch.randn(n, resp_len, generator=g) * batch["response_mask"]
     out = logit_scales(hf_dir, prompts, responses, resp_len)
     for name, dtype, dist_opt in (("fp32", torch.float32, False), ("fp32_distopt", torch.float32, True),
