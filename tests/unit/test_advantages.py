@@ -209,3 +209,63 @@ def test_bad_inputs_name_the_argument():
         compute_advantage("grpo", rewards, mask, index=[0, 0, 1, 1], norm_by_sd=False)
     with pytest.raises(ValueError, match="at least 2 tokens"):
         compute_advantage("gae", rewards, torch.zeros_like(mask), values=values)
+
+
+# ---------------------------------------------------------------- group estimators after rollout correction's rejection
+def verl_group_reference(token_level_rewards, response_mask, index, estimator, norm_adv_by_std_in_grpo=True,
+                         epsilon=1e-6):
+    """float64 from verl's published core_algos.compute_grpo_outcome_advantage / compute_rloo_outcome_advantage: a
+    row's score is the sum of ALL its token rewards (whatever the response mask); per group, one row -> mean 0 (std
+    1); else the mean and the unbiased std of the group's scores; GRPO (score - mean) / (std + eps) (or score - mean),
+    RLOO (score - mean) * n / (n - 1); the per-row result times the response mask."""
+    scores = [sum(float(x) for x in row) for row in token_level_rewards]
+    out = []
+    for i, s in enumerate(scores):
+        group = [scores[j] for j in range(len(scores)) if index[j] == index[i]]
+        n = len(group)
+        mean = sum(group) / n if n > 1 else 0.0
+        std = (sum((g - mean) ** 2 for g in group) / (n - 1)) ** 0.5 if n > 1 else 1.0
+        if estimator == "grpo":
+            adv = (s - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else s - mean
+        else:
+            adv = (s - mean) * n / (n - 1) if n > 1 else s
+        out.append([adv * float(m) for m in response_mask[i]])
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("estimator,norm_by_std", [("grpo", True), ("grpo", False), ("rloo", True)])
+def test_group_advantages_after_rejection_are_verls(estimator, norm_by_std, sharded):
+    """The trainer's advantages after rollout correction rejected rows (the whole batch, and a batch sharded by DP
+    rank: RowShards.outcome_advantages after its recount) equal verl's estimator on the same rows: the rejected
+    rows' real scores stay in their groups' statistics, their advantages are 0; a group rejected whole and a step
+    rejected whole give 0 advantages and no error."""
+    from types import SimpleNamespace
+
+    from tripod.engine.workers.batch import PPOBatch, RowLengths
+    from tripod.engine.workers.row_shards import RowShards, step_advantages
+
+    gen = torch.Generator().manual_seed(21)
+    n_rows, width, index = 16, 6, [0] * 4 + [1] * 4 + [2] * 4 + [3] * 3 + [4]  # a group of one as well
+    lengths = torch.randint(1, width + 1, (n_rows,), generator=gen)
+    scored = (torch.arange(width)[None, :] < lengths[:, None]).float()
+    scores = torch.rand(n_rows, generator=gen).tolist()
+    rewards = torch.zeros(n_rows, width)
+    rewards[torch.arange(n_rows), lengths - 1] = torch.tensor(scores)  # at each response's last token, as the trainer
+    algo = SimpleNamespace(adv_estimator=estimator, norm_adv_by_std_in_grpo=norm_by_std, gamma=1.0, lam=1.0)
+    batch = PPOBatch({"input_ids": torch.zeros(n_rows, 2, dtype=torch.long), "index": torch.tensor(index)})
+    for rejected in ([1, 6, 7], [8, 9, 10, 11, 15], list(range(n_rows))):  # some rows; group 2 and the single; all
+        mask = scored.clone()
+        mask[rejected] = 0
+        shards = None
+        if sharded:
+            shards = RowShards(list(range(n_rows)), RowLengths.of_rollout([2] * n_rows, lengths.tolist(), index),
+                               None, 1)
+            shards.recount(mask)
+        adv, ret = step_advantages(algo, rewards, mask, batch, scores, shards, scored)
+        want = verl_group_reference(rewards.double(), mask, index, estimator, norm_by_std)
+        torch.testing.assert_close(adv.double(), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ret.double(), want, rtol=1e-5, atol=1e-6)
+        assert (adv[rejected] == 0).all()
+        kept = [i for i in range(n_rows) if i not in rejected and index.count(index[i]) > 1]
+        assert not kept or (adv[kept] != 0).any(), "the kept rows' advantages must be exercised"

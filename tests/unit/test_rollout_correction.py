@@ -94,38 +94,68 @@ def test_rejection_keeps_the_sequences_whose_mean_divergence_is_inside_the_bound
     assert 0 < sum(want_keep) < len(want_keep) - 1, "the draw must both keep and reject non-empty sequences"
 
 
-def test_correction_metrics_and_mask_match_the_formulas():
-    old, rollout, mask = _batch(7, rows=10, spread=0.2)
-    out = rollout_correction(old, rollout, mask, rollout_is="token", rollout_is_threshold=1.2,
-                             rollout_rs="seq_mean_k3", rollout_rs_threshold=0.015)
-    rows = _diffs(old, rollout, mask)
-    tokens = [d for row in rows for d in row]
-    n = len(tokens)
-    m = out.metrics
-    assert m["rollout_corr/kl"] == pytest.approx(sum(-d for d in tokens) / n, rel=REL)
-    assert m["rollout_corr/k3_kl"] == pytest.approx(sum(math.exp(d) - 1 - d for d in tokens) / n, rel=REL)
-    assert m["rollout_corr/abs_diff_max"] == pytest.approx(max(abs(d) for d in tokens), rel=REL)
-    assert m["rollout_corr/abs_diff_mean"] == pytest.approx(sum(abs(d) for d in tokens) / n, rel=REL)
-    assert m["rollout_corr/is_truncated_frac"] == pytest.approx(sum(math.exp(d) > 1.2 for d in tokens) / n, rel=REL)
-    assert m["rollout_corr/rollout_is_mean"] == pytest.approx(sum(min(math.exp(d), 1.2) for d in tokens) / n,
-                                                              rel=REL)
-    rejected = [bool(row) and sum(math.exp(d) - 1 - d for d in row) / len(row) > 0.015 for row in rows]
-    nonempty = [bool(row) for row in rows]
-    assert 0 < sum(rejected) < sum(nonempty)
-    assert m["rollout_corr/rs_rejected_frac"] == pytest.approx(sum(rejected) / sum(nonempty), rel=REL)
-    assert m["rollout_corr/rs_rejected_token_frac"] == pytest.approx(
-        sum(len(row) for row, r in zip(rows, rejected) if r) / n, rel=REL)
+def _verl_metrics(rows, is_level, is_threshold, rejected):
+    """float64 rollout_corr/* from verl's published formulas (rollout_corr_helper.py: compute_offpolicy_metrics,
+    compute_is_metrics before truncation, compute_rollout_rejection_mask's fractions), on the per-row lists of
+    (old, rollout) log-prob pairs `rows`: sequence means over every row (an empty row's mean log-prob is 0), token
+    means over every response token; `rejected` [rows] bool."""
+    tokens = [o - r for row in rows for o, r in row]
+    n, big_n = len(tokens), len(rows)
+    seq_old = [sum(o for o, _ in row) / len(row) if row else 0.0 for row in rows]
+    seq_roll = [sum(r for _, r in row) / len(row) if row else 0.0 for row in rows]
+    seq_sum = [sum(o - r for o, r in row) for row in rows]
+    out = {"training_ppl": sum(math.exp(-x) for x in seq_old) / big_n,
+           "rollout_ppl": sum(math.exp(-x) for x in seq_roll) / big_n,
+           "log_ppl_diff": sum(r - o for o, r in zip(seq_old, seq_roll)) / big_n,
+           "kl": sum(-d for d in tokens) / n, "k3_kl": sum(math.exp(d) - 1 - d for d in tokens) / n,
+           "chi2_token": sum(math.exp(2 * d) for d in tokens) / n - 1,
+           "chi2_seq": sum(math.exp(2 * s) for s in seq_sum) / big_n - 1,
+           "abs_diff_max": max(abs(d) for d in tokens), "abs_diff_mean": sum(abs(d) for d in tokens) / n}
+    if is_level is not None:
+        t = is_threshold
+        token_w = [math.exp(d) if is_level == "token" else math.exp(s)
+                   for row, s in zip(rows, seq_sum) for d in (o - r for o, r in row)]
+        ratio_w = token_w if is_level == "token" else [math.exp(s) for s in seq_sum]  # every sequence's weight
+        clamped = [min(max(w, 1 / t), t) for w in token_w]
+        mu = sum(clamped) / n
+        out.update({"rollout_is_mean": sum(token_w) / n, "rollout_is_max": max(ratio_w),
+                    "rollout_is_min": min(ratio_w),
+                    "rollout_is_std": math.sqrt(max(sum(c * c for c in clamped) / n - mu * mu, 0.0)),
+                    "rollout_is_ratio_fraction_high": sum(w > t for w in ratio_w) / len(ratio_w),
+                    "rollout_is_ratio_fraction_low": sum(w < 1 / t for w in ratio_w) / len(ratio_w)})
+    if rejected is not None:
+        out.update({"rollout_rs_masked_fraction": sum(len(row) for row, r in zip(rows, rejected) if r) / n,
+                    "rollout_rs_seq_masked_fraction": sum(rejected) / big_n})
+    return {f"rollout_corr/{k}": v for k, v in out.items()}
+
+
+def _pairs(old, rollout, mask):
+    return [list(zip(ro, rr)) for ro, rr in zip(_rows(old, mask), _rows(rollout, mask))]
+
+
+@pytest.mark.parametrize("level,threshold,spread", [("token", 1.2, 0.2), ("sequence", 1.1, 0.1)])
+def test_correction_metrics_and_mask_are_verls(level, threshold, spread):
+    """Every rollout_corr/* metric equals verl's formula (the IS ones of the weights before truncation, the rejection
+    shares over the response tokens and over every sequence); rejected rows leave the mask and carry no weight."""
+    old, rollout, mask = _batch(7, rows=10, spread=spread)
+    out = rollout_correction(old, rollout, mask, rollout_is=level, rollout_is_threshold=threshold,
+                             rollout_rs="seq_mean_k3", rollout_rs_threshold=0.015 * (spread / 0.2) ** 2)
+    rows = _pairs(old, rollout, mask)
+    bound = 0.015 * (spread / 0.2) ** 2  # k3 grows as the square of the log-ratio
+    rejected = [bool(row) and sum(math.exp(o - r) - 1 - (o - r) for o, r in row) / len(row) > bound for row in rows]
+    assert 0 < sum(rejected) < sum(bool(row) for row in rows), "the draw must both keep and reject sequences"
+    want = _verl_metrics(rows, level, threshold, rejected)
+    assert sorted(out.metrics) == sorted(want)
+    for k, v in want.items():
+        assert out.metrics[k] == pytest.approx(v, rel=REL, abs=1e-6), k
+    w = want  # the draw exercises the truncation: weights above the threshold, whose mean is not the truncated one's
+    assert w["rollout_corr/rollout_is_ratio_fraction_high"] > 0 and w["rollout_corr/rollout_is_max"] > threshold
+    assert w["rollout_corr/rollout_is_ratio_fraction_low"] > 0 and w["rollout_corr/rollout_rs_masked_fraction"] > 0
+    truncated_mean = float(out.is_weights.sum() / (out.is_weights > 0).sum())
+    assert not abs(truncated_mean - w["rollout_corr/rollout_is_mean"]) <= 1e-4
     for i, r in enumerate(rejected):  # rejected rows leave the mask and carry no weight; the others are unchanged
         assert torch.equal(out.response_mask[i], torch.zeros_like(mask[i]) if r else mask[i])
         assert (out.is_weights[i] == 0).all() if r else (out.is_weights[i][mask[i] == 0] == 0).all()
-
-
-def test_sequence_truncated_frac_counts_sequences():
-    old, rollout, mask = _batch(3, rows=9, spread=0.15)
-    m = rollout_correction(old, rollout, mask, rollout_is="sequence", rollout_is_threshold=1.1).metrics
-    rows = [row for row in _diffs(old, rollout, mask) if row]
-    want = sum(math.exp(sum(row)) > 1.1 for row in rows) / len(rows)
-    assert 0 < want < 1 and m["rollout_corr/is_truncated_frac"] == pytest.approx(want, rel=REL)
 
 
 def test_identical_log_probs_correct_nothing():
@@ -133,8 +163,12 @@ def test_identical_log_probs_correct_nothing():
     out = rollout_correction(old, old.clone(), mask, rollout_is="sequence", rollout_is_threshold=2.0,
                              rollout_rs="seq_mean_k1", rollout_rs_threshold=1.001)
     assert torch.equal(out.response_mask, mask) and torch.equal(out.is_weights, mask)
-    assert all(v == 0.0 for k, v in out.metrics.items() if k != "rollout_corr/rollout_is_mean")
-    assert out.metrics["rollout_corr/rollout_is_mean"] == 1.0
+    ones = {"rollout_is_mean", "rollout_is_max", "rollout_is_min", "training_ppl", "rollout_ppl"}
+    for k, v in out.metrics.items():
+        if k.removeprefix("rollout_corr/") not in ones:
+            assert v == 0.0, (k, v)
+    assert all(out.metrics[f"rollout_corr/{k}"] == 1.0 for k in ones - {"training_ppl", "rollout_ppl"})
+    assert out.metrics["rollout_corr/training_ppl"] == out.metrics["rollout_corr/rollout_ppl"] > 1.0
 
 
 def test_weighted_policy_loss_and_its_gradient_are_the_weighted_per_token_ones():
@@ -201,7 +235,7 @@ def test_rollout_log_probs_ride_along_with_their_responses():
         build_ppo_batch([[1]] * 2, [[5], [6, 7]], 4, 0, [0, 1], [torch.zeros(1), torch.zeros(1)])
 
 
-def test_correct_batch_writes_the_mask_and_weights_and_stops_when_everything_is_rejected():
+def test_correct_batch_writes_the_mask_and_weights_and_goes_on_when_everything_is_rejected():
     from types import SimpleNamespace
 
     from tripod.engine.workers.batch import PPOBatch
@@ -211,12 +245,16 @@ def test_correct_batch_writes_the_mask_and_weights_and_stops_when_everything_is_
                           rollout_rs_threshold=0.05)
     batch = PPOBatch({"input_ids": torch.zeros(6, 3, dtype=torch.long), "old_log_probs": old,
                       "rollout_log_probs": rollout, "response_mask": mask.clone()})
-    metrics = correct_batch(batch, cfg)
+    metrics, kept = correct_batch(batch, cfg)
     want = rollout_correction(old, rollout, mask, "sequence", 1.5, "seq_mean_k3", 0.05)
     assert torch.equal(batch["response_mask"], want.response_mask) and not torch.equal(want.response_mask, mask)
     assert torch.equal(batch["rollout_is_weights"], want.is_weights) and metrics == want.metrics
-    cfg.rollout_rs_threshold = 1e-9  # every non-empty sequence has a larger mean k3
-    with pytest.raises(RuntimeError, match="algorithm.rollout_correction.rollout_rs=seq_mean_k3 rejected every "
-                                           "sequence of this step"):
-        correct_batch(PPOBatch({"input_ids": torch.zeros(6, 3, dtype=torch.long), "old_log_probs": old,
-                                "rollout_log_probs": rollout, "response_mask": mask.clone()}), cfg)
+    assert kept == int(want.response_mask.sum()) > 0
+    cfg.rollout_rs_threshold = 1e-9  # every non-empty sequence has a larger mean k3: nothing is kept, no error
+    batch = PPOBatch({"input_ids": torch.zeros(6, 3, dtype=torch.long), "old_log_probs": old,
+                      "rollout_log_probs": rollout, "response_mask": mask.clone()})
+    metrics, kept = correct_batch(batch, cfg)
+    assert kept == 0 and not batch["response_mask"].any()
+    nonempty = int((mask.sum(-1) > 0).sum())  # verl's denominators: every token, every sequence (the empty one too)
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == 1.0
+    assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(nonempty / 6, rel=REL)

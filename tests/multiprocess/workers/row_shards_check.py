@@ -163,21 +163,23 @@ def _rollout_correction_both_ways(input_ids, indices, responses, log_probs, fini
             rewards = torch.zeros_like(batch["response_mask"])
             rewards[torch.arange(batch.size), (batch["response_mask"].sum(-1).long() - 1).clamp(min=0)] = \
                 torch.tensor([scores[i] for i in ids])
-            metrics = correct_batch(batch, cfg, sh)
+            scored = batch["response_mask"].clone()  # a rejected row keeps its score in its group (verl's)
+            metrics, _ = correct_batch(batch, cfg, sh)
             mask = batch["response_mask"]
             adv = {"gae": compute_advantage("gae", rewards, mask, values=batch["values"], gamma=0.99, lam=0.95,
                                             **({} if sh is None else {"whiten": sh.masked_whiten}))[0]}
             for name in ("grpo", "rloo"):
-                adv[name] = compute_advantage(name, rewards, mask, index=batch["index"])[0] if sh is None else \
+                adv[name] = compute_advantage(name, rewards, mask, index=batch["index"], score_mask=scored)[0] \
+                    if sh is None else \
                     sh.outcome_advantages(name, scores, mask)[0]
             out["part" if sh else "whole"] = (batch, metrics, adv)
         (w, w_metrics, w_adv), (p, p_metrics, p_adv) = out["whole"], out["part"]
         if cfg.rollout_rs is not None:
-            assert 0 < w_metrics["rollout_corr/rs_rejected_frac"] < 1, w_metrics
+            assert 0 < w_metrics["rollout_corr/rollout_rs_seq_masked_fraction"] < 1, w_metrics
             # the counted tokens every rank holds (the loss normalisers') are the whole batch's after the rejection
             assert torch.equal(p.shard.lengths.response_lens, RowLengths.of(w).response_lens), cfg
             assert torch.equal(shards.lengths.response_lens, p.shard.lengths.response_lens)
-        assert 0 < w_metrics["rollout_corr/is_truncated_frac"] < 1, w_metrics
+        assert 0 < w_metrics["rollout_corr/rollout_is_ratio_fraction_high"] < 1, w_metrics
         assert w_metrics.keys() == p_metrics.keys(), (sorted(w_metrics), sorted(p_metrics))
         for key, value in w_metrics.items():
             assert abs(p_metrics[key] - value) <= 1e-5 * max(1.0, abs(value)), (cfg, key, p_metrics[key], value)

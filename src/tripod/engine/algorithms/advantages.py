@@ -5,8 +5,11 @@ Every estimator maps token rewards [B, T] and a response mask [B, T] to (advanta
 both [B, T] and zero where the mask is 0. Add one with `@register_adv_est("name")`; list them with
 `list_adv_estimators()`; run one with `compute_advantage(name, ...)`.
 
-Outcome-level estimators (grpo, rloo, ++baseline) score a response as the sum of its counted token
-rewards. Their group (per-prompt) statistics use scatter ops (engine/algorithms/masked.py).
+Outcome-level estimators (grpo, rloo, ++baseline) score a response as the sum of its token rewards counted by
+`score_mask` (default: the mask) and broadcast the advantage over the mask: after rollout correction's rejection
+(engine/algorithms/rollout_correction.py) the trainer passes the mask from before it, so a rejected response keeps
+its real score in its group's statistics and gets no advantage, as verl's (which sums the token rewards whatever
+the mask). Their group (per-prompt) statistics use scatter ops (engine/algorithms/masked.py).
 Formulas follow verl (`core_algos.py`): GRPO eps 1e-6 with unbiased std and a group of one scored
 against mean 0 / std 1; RLOO score_i - mean of the other samples of its group; REINFORCE++ the
 discounted return whitened over the batch; REINFORCE++-baseline score minus group mean, whitened
@@ -65,6 +68,8 @@ def compute_advantage(
     if len(shape) != 2:
         raise ValueError(f"token_rewards must be [batch, response_len], got shape {tuple(shape)}")
     check_mask(mask, shape)
+    if options.get("score_mask") is not None:
+        check_mask(options["score_mask"], shape, "score_mask")
     accepted = inspect.signature(estimator).parameters
     unknown = sorted(k for k in options if k not in accepted)
     if unknown:
@@ -105,10 +110,10 @@ def gae_advantage(token_rewards, mask, *, values, index, gamma, lam, backend: st
 
 @register_adv_est("grpo")
 def grpo_advantage(token_rewards, mask, *, values, index, gamma, lam, norm_by_std: bool = True,
-                   eps: float = GRPO_EPS):
+                   eps: float = GRPO_EPS, score_mask=None):
     """(score - group mean) / (group std + eps); norm_by_std=False is Dr.GRPO (no std division)."""
     _require(index, "index", "grpo")
-    scores = _sequence_scores(token_rewards, mask)
+    scores = _sequence_scores(token_rewards, mask if score_mask is None else score_mask)
     ids, num_groups = group_ids(index, len(scores), scores.device)
     mean, std, _ = group_mean_std(scores, ids, num_groups)
     advantage = (scores - mean) / (std + eps) if norm_by_std else scores - mean
@@ -117,10 +122,10 @@ def grpo_advantage(token_rewards, mask, *, values, index, gamma, lam, norm_by_st
 
 
 @register_adv_est("rloo")
-def rloo_advantage(token_rewards, mask, *, values, index, gamma, lam):
+def rloo_advantage(token_rewards, mask, *, values, index, gamma, lam, score_mask=None):
     """score_i minus the mean score of the other samples of its group (a group of one keeps its score)."""
     _require(index, "index", "rloo")
-    scores = _sequence_scores(token_rewards, mask)
+    scores = _sequence_scores(token_rewards, mask if score_mask is None else score_mask)
     ids, num_groups = group_ids(index, len(scores), scores.device)
     mean, _, size = group_mean_std(scores, ids, num_groups)
     # score - (sum - score) / (n - 1) == n / (n - 1) * (score - mean); mean is 0 for a group of one
@@ -141,11 +146,12 @@ def reinforce_plus_plus_advantage(token_rewards, mask, *, values, index, gamma, 
 
 
 @register_adv_est("reinforce_plus_plus_baseline")
-def reinforce_plus_plus_baseline_advantage(token_rewards, mask, *, values, index, gamma, lam, whiten=masked_whiten):
+def reinforce_plus_plus_baseline_advantage(token_rewards, mask, *, values, index, gamma, lam, whiten=masked_whiten,
+                                           score_mask=None):
     """Score minus its group mean (0 for a group of one), broadcast over tokens, whitened over the batch (by
     `whiten(x, mask)`, as gae's)."""
     _require(index, "index", "reinforce_plus_plus_baseline")
-    scores = _sequence_scores(token_rewards, mask)
+    scores = _sequence_scores(token_rewards, mask if score_mask is None else score_mask)
     ids, num_groups = group_ids(index, len(scores), scores.device)
     mean, _, _ = group_mean_std(scores, ids, num_groups)
     m = mask.to(scores.dtype)

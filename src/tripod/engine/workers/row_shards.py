@@ -49,6 +49,8 @@ class RowShards:
     def __init__(self, rows: list[int], lengths: RowLengths, group, dp: int) -> None:
         self.rows, self.lengths, self.group, self.dp = rows, lengths, group, dp
         self.n = lengths.size
+        # rows with a response: scored in their groups, whatever a rejection later does to their counted tokens
+        self.responded = lengths.response_lens > 0
 
     @property
     def batch_shard(self) -> BatchShard:
@@ -110,14 +112,15 @@ class RowShards:
         """(advantages, returns) of this rank's rows (`mask`: their response mask) under a group estimator (grpo,
         rloo, reinforce_plus_plus_baseline) from every row's score: the estimator run on one token per row (the score
         where the row has a response), whose per-row result is what the whole batch's broadcasts over each row's
-        tokens; reinforce_plus_plus_baseline's (score minus group mean: Dr.GRPO's) then whitened over the ranks."""
+        tokens; reinforce_plus_plus_baseline's (score minus group mean: Dr.GRPO's) then whitened over the ranks. A row
+        rollout correction rejected keeps its score in its group (`responded`) and gets no advantage (`mask`)."""
         if name not in GROUP_ESTIMATORS:
             raise ValueError(f"outcome_advantages: {name!r} is not a group estimator a sharded batch computes")
         if name == "reinforce_plus_plus_baseline":
             centred, _ = self.outcome_advantages("grpo", scores, mask, norm_by_std=False)
             adv = self.masked_whiten(centred, mask) * mask.to(centred.dtype)
             return adv, adv
-        has = (self.lengths.response_lens > 0).to(torch.float32)[:, None]
+        has = self.responded.to(torch.float32)[:, None]
         rewards = torch.tensor(scores, dtype=torch.float32)[:, None] * has
         adv, ret = compute_advantage(name, rewards, has, index=self.lengths.index, **options)
         pick = torch.tensor(self.rows, dtype=torch.long)
@@ -179,15 +182,19 @@ class StepRows:
 
 
 def step_advantages(algo, token_rewards: torch.Tensor, mask: torch.Tensor, batch: PPOBatch, scores: list[float],
-                    shards: RowShards | None) -> tuple[torch.Tensor, torch.Tensor]:
+                    shards: RowShards | None, score_mask: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's (advantages, returns) under algorithm.adv_estimator: of every row, or of a sharded batch's rows
     (GAE and reinforce_plus_plus whitened over the ranks; a group estimator from every row's score, as a group's rows
-    may sit on other ranks: `RowShards.outcome_advantages`). `scores`: every row's sequence reward."""
-    grpo = {"norm_by_std": algo.norm_adv_by_std_in_grpo} if algo.adv_estimator == "grpo" else {}
+    may sit on other ranks: `RowShards.outcome_advantages`). `scores`: every row's sequence reward; `score_mask`: the
+    response mask before rollout correction's rejection (a group estimator scores the rejected rows by it)."""
+    options = {"norm_by_std": algo.norm_adv_by_std_in_grpo} if algo.adv_estimator == "grpo" else {}
     if shards is not None and algo.adv_estimator in GROUP_ESTIMATORS:
-        return shards.outcome_advantages(algo.adv_estimator, scores, mask, **grpo)
+        return shards.outcome_advantages(algo.adv_estimator, scores, mask, **options)
+    if score_mask is not None and algo.adv_estimator in GROUP_ESTIMATORS:
+        options["score_mask"] = score_mask
     return compute_advantage(algo.adv_estimator, token_rewards, mask, index=batch["index"],
-                             values=batch.tensors.get("values"), gamma=algo.gamma, lam=algo.lam, **grpo,
+                             values=batch.tensors.get("values"), gamma=algo.gamma, lam=algo.lam, **options,
                              **({"whiten": shards.masked_whiten} if shards is not None else {}))
 
 
