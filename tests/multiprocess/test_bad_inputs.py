@@ -89,6 +89,11 @@ def _garbage_header(d):
         f.write(b"\xff" * 16)
 
 
+def _bad_generation_config(d):
+    with open(os.path.join(d, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": "<eos>"}, f)
+
+
 def _no_column(e):
     import pyarrow as pa
     return _parquet(e, "nocol.parquet", pa.table({"prompt": ["1+1?"], "data_source": ["arithmetic"]}))
@@ -171,6 +176,11 @@ ROWS = {
     "rollout_tp_not_dividing": (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], LOCAL,
                                 "tensor_model_parallel_size"),
     "unknown_adv_estimator": (["algorithm.adv_estimator=ppo2"], LOCAL, "algorithm.adv_estimator"),
+    "stop_id_outside_vocab": (["actor_rollout_ref.rollout.stop_token_ids=[5,128]"], LOCAL,
+                              "actor_rollout_ref.rollout.stop_token_ids=[5, 128]: [128] outside the model's vocabulary"),
+    "generation_config_eos_not_ids": (lambda e: [
+        f"actor_rollout_ref.model.path={_model_copy(e, 'bad_generation_config', _bad_generation_config)}"], LOCAL,
+        "generation_config.json: eos_token_id='<eos>' must be a token id or a list of token ids"),
     "missing_parquet": (lambda e: [f"data.train_files={e['tmp']}/nowhere.parquet"], LOCAL, "nowhere.parquet"),
     "corrupt_parquet": (lambda e: [f"data.train_files={_parquet(e, 'corrupt.parquet', raw=os.urandom(2048))}"],
                         LOCAL, "corrupt.parquet is not a readable parquet"),

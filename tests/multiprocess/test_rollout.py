@@ -132,6 +132,149 @@ def test_eos_stop_and_max_new_tokens(llama):
     assert torch.equal(ignored.response_ids, free.response_ids)
 
 
+def test_generation_config_end_of_turn_id_stops_like_hf_generate(llama, checkpoints, tmp_path):
+    """A chat model lists its end-of-turn id in generation_config.json and only its EOS in config.json: the engine
+    stops at either, as HF `generate` (which reads generation_config.json) does; ignore_eos switches both off. The
+    planted reading of config.json only (what tripod did before) runs past the end of turn and differs from HF."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from tripod.parallel.arch import arch_from_hf
+
+    arch, _, engine = llama
+    prompts = ref.random_prompts(arch.vocab_size, [3, 9, 6], seed=8)
+    free = engine.generate(prompts, SamplingParams(max_new_tokens=9, greedy=True))
+    end_of_turn = free.responses()[0][3]
+    assert end_of_turn != ref.EOS_ID and ref.EOS_ID not in sum(free.responses(), [])
+    chat_dir = shutil.copytree(checkpoints["llama_rope_llama3"], tmp_path / "chat")
+    with open(chat_dir / "generation_config.json") as f:  # save_pretrained wrote it with config.json's ids
+        gen = json.load(f)
+    gen["eos_token_id"] = [ref.EOS_ID, end_of_turn]
+    with open(chat_dir / "generation_config.json", "w") as f:
+        json.dump(gen, f)
+    chat = arch_from_hf(chat_dir)
+    assert chat.eos_token_id == ref.EOS_ID and chat.eos_token_ids == tuple(sorted({ref.EOS_ID, end_of_turn}))
+    assert chat == arch  # the stop ids are not architecture: a checkpoint written without the file still matches
+
+    params = SamplingParams(max_new_tokens=9, greedy=True)
+    try:
+        engine.arch = chat
+        stopped = engine.generate(prompts, params)
+        ignored = engine.generate(prompts, dataclasses.replace(params, ignore_eos=True))
+        engine.arch = dataclasses.replace(chat, generation_eos_token_ids=())  # planted: config.json's EOS only
+        planted = engine.generate(prompts, params)
+    finally:
+        engine.arch = arch
+    hf = ref.hf_greedy(AutoModelForCausalLM.from_pretrained(chat_dir, dtype=torch.float32).eval(), prompts, 9,
+                       eos_id=None)
+    assert stopped.responses() == hf, (stopped.responses(), hf)
+    first = free.responses()[0].index(end_of_turn)
+    assert stopped.responses()[0] == free.responses()[0][: first + 1] and stopped.finish_reasons[0] == "stop"
+    assert torch.equal(ignored.response_ids, free.response_ids)
+    assert planted.responses() == free.responses() != hf, "the planted config.json-only reading stopped anyway"
+
+
+@pytest.fixture(scope="module")
+def char_model(tmp_path_factory):
+    """(tokenizer, TP=1 embedded engine) of a tiny Qwen2 whose vocabulary is the character tokenizer's (99 ids)."""
+    from tests.helpers.common import make_tiny_hf_model
+    from tripod.engine.data.char_tokenizer import char_tokenizer
+
+    tok = char_tokenizer()
+    model_dir = make_tiny_hf_model(tmp_path_factory.mktemp("char_model"), "qwen2", seed=5, num_hidden_layers=1,
+                                   vocab_size=len(tok))
+    arch, _, state = ref.load_hf(model_dir)
+    engine = make_rollout_engine("embedded", arch, None, tokenizer=tok)
+    engine.load_weights(ref.generation_shard(arch, state, 1, 0))
+    return tok, engine
+
+
+def _response_text(tok, prompt: list[int], response: list[int]) -> str:
+    """The response's text as the engines decode it: after the prompt's, special tokens skipped."""
+    skip = dict(skip_special_tokens=True)
+    return tok.decode(prompt + response, **skip)[len(tok.decode(prompt, **skip)):]
+
+
+def _text_stop_cut(tok, prompt: list[int], response: list[int], stops: list[str]) -> int:
+    """Reference by full re-decode: the length of the shortest prefix of `response` whose text contains a stop string;
+    len(response) if none does."""
+    for k in range(1, len(response) + 1):
+        if any(s in _response_text(tok, prompt, response[:k]) for s in stops):
+            return k
+    return len(response)
+
+
+def test_stop_strings_end_the_response_at_the_completing_token(char_model):
+    """A stop string spanning two tokens ends the response at the second one (kept, like an EOS), wherever the decoded
+    text first contains it (a full re-decode is the reference): greedy rows are their free run cut there, sampled
+    rows (n=2) each end at their own first match; without a tokenizer the engine refuses stop strings."""
+    tok, engine = char_model
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ("Hello", "2+2=", "abc", "The answer is")]
+    free = engine.generate(prompts, SamplingParams(max_new_tokens=12, greedy=True, ignore_eos=True))
+    row0 = free.responses()[0]
+    assert min(row0[2:4]) >= 3, row0  # two printable characters: the stop string spans two tokens
+    stops = [tok.decode(row0[2:4]), tok.decode(free.responses()[3][1:3]), "never seen"]
+    params = SamplingParams(max_new_tokens=12, greedy=True, ignore_eos=True, stop=stops)
+    out = engine.generate(prompts, params)
+    cuts = [_text_stop_cut(tok, p, r, stops) for p, r in zip(prompts, free.responses())]
+    assert cuts[0] <= 4 and cuts[3] <= 3 and sum(k < 12 for k in cuts) >= 3, cuts  # the test has stops to check
+    assert out.responses() == [r[:k] for r, k in zip(free.responses(), cuts)], (out.responses(), cuts)
+    assert out.finish_reasons == ["stop" if any(s in _response_text(tok, p, r) for s in stops) else "length"
+                                  for p, r in zip(prompts, out.responses())]
+
+    one = [tok.decode(row0[2:3])]
+    sampled = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=1.0, n=2, seed=4,
+                                                      ignore_eos=True, stop=one))
+    for row, response in enumerate(sampled.responses()):
+        prompt = prompts[int(sampled.prompt_index[row])]
+        assert _text_stop_cut(tok, prompt, response, one) == len(response), (row, response)
+        hit = one[0] in _response_text(tok, prompt, response)
+        assert sampled.finish_reasons[row] == ("stop" if hit else "length") and (hit or len(response) == 12)
+
+    bare = make_rollout_engine("embedded", engine.arch, None)
+    bare.load_weights(engine.decoder.weights)
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.rollout\.stop.*tokenizer"):
+        bare.generate(prompts, params)
+
+
+def test_training_rollouts_stop_at_every_configured_id(tmp_path):
+    """`tripod train` with the stop ids spread over their three sources, config.json's EOS (2), generation_config.json's
+    `eos_token_id` list (3 .. V-1) and actor_rollout_ref.rollout.stop_token_ids ([0, 1]), ends every response after
+    one token (response_length/mean 1, training and validation), and names the ids once at start; a stop string makes
+    the engine load the tokenizer (data.tokenizer, else the model directory). Reading config.json's EOS only (the
+    planted bug) gives longer responses."""
+    import json
+    import os
+
+    from transformers import AutoTokenizer
+
+    from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
+    from tests.helpers.trainer_runs import metrics, train
+
+    setup = make_ppo_setup(tmp_path)
+    with open(os.path.join(setup["model"], "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    with open(os.path.join(setup["model"], "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": list(range(3, vocab))}, f)
+    run_dir = str(tmp_path / "run")
+    proc = train(tiny_overrides(setup, run_dir, steps=1) + [
+        "actor_rollout_ref.rollout.stop_token_ids=[0,1]", "actor_rollout_ref.rollout.stop=['never said']",
+        "trainer.val_before_train=false", "trainer.log_val_generations=4"], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert [r["response_length/mean"] for r in metrics(run_dir) if "response_length/mean" in r] == [1.0]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("rollout stops at token ids ")]
+    assert lines == [f"rollout stops at token ids {list(range(vocab))} (config.json eos_token_id: 2; "
+                     f"generation_config.json eos_token_id: {list(range(3, vocab))}; "
+                     "actor_rollout_ref.rollout.stop_token_ids: [0, 1]) and at stop strings ['never said']"], lines
+    tok = AutoTokenizer.from_pretrained(setup["model"])
+    with open(os.path.join(run_dir, "val_generations.jsonl")) as f:
+        samples = [json.loads(line) for line in f]
+    assert len(samples) == 4 and all(len(tok.encode(x["response"], add_special_tokens=False)) <= 1 for x in samples), \
+        samples
+
+
 def test_release_and_resume_memory(llama):
     arch, _, engine = llama
     prompts = ref.random_prompts(arch.vocab_size, [5, 3], seed=9)

@@ -6,7 +6,9 @@ The model has head_dim 64 (vLLM's CPU attention has no kernel for the suite's us
 recomputed log-probs, and that a planted wrong update is caught (tests/multiprocess/workers/vllm_rollout_check.py);
 a 3-step PPO run through `tripod train` on 2 gloo ranks with the vLLM rollout generates with the weights it was pushed:
 every step's rollout log-probs within LOGPROB_ATOL of the trainer's recompute (rollout_corr/*, token TIS on), and the
-final validation's greedy tokens differ from the same prompts' before training.
+final validation's greedy tokens differ from the same prompts' before training. What ends a response (an end-of-turn id
+listed only in generation_config.json, stop strings) is the same on vLLM, the embedded engine and HF `generate`
+(tests/multiprocess/workers/vllm_stop_check.py).
 """
 from __future__ import annotations
 
@@ -75,11 +77,13 @@ def test_ppo_three_steps_with_vllm_rollout(tmp_path):
     for row in rows[1:]:
         assert row["response_length/mean"] > 0
         corr = {k: v for k, v in row.items() if k.startswith("rollout_corr/")}
-        assert {"kl", "k3_kl", "abs_diff_max", "abs_diff_mean", "is_truncated_frac", "rollout_is_mean"} == \
+        assert {"training_ppl", "rollout_ppl", "log_ppl_diff", "kl", "k3_kl", "chi2_token", "chi2_seq", "abs_diff_max",
+                "abs_diff_mean", "rollout_is_mean", "rollout_is_max", "rollout_is_min", "rollout_is_std",
+                "rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low"} == \
             {k.removeprefix("rollout_corr/") for k in corr}, (row["step"], sorted(corr))
         # fp32 on both sides: the weights are the actor's exactly, only the summation order differs
         assert corr["rollout_corr/abs_diff_max"] <= LOGPROB_ATOL, (row["step"], corr)
-        assert corr["rollout_corr/is_truncated_frac"] == 0.0, (row["step"], corr)
+        assert corr["rollout_corr/rollout_is_ratio_fraction_high"] == 0.0, (row["step"], corr)
         assert abs(corr["rollout_corr/rollout_is_mean"] - 1.0) <= LOGPROB_ATOL, (row["step"], corr)
     with open(os.path.join(run_dir, "val_generations.jsonl")) as f:
         samples = [json.loads(line) for line in f]
@@ -114,3 +118,32 @@ def test_rollout_on_its_own_rank_with_vllm(tmp_path):
             timeout=600).stdout
         equal = [f"ASYNC_REFERENCE {k} equal=True" in out for k in (2, 3)]
         assert equal == ([True, True] if name == "own_rank" else [True, False]), (name, out[-3000:])
+
+
+def test_stop_ids_and_strings_match_the_embedded_engine_and_hf(tmp_path):
+    """generation_config.json's end-of-turn id ends a response on vLLM where it does on the embedded engine and in HF
+    `generate` (planted config.json-only reading: it runs past), and stop strings end every row at the same token on
+    both engines (tests/multiprocess/workers/vllm_stop_check.py). The model's vocabulary is the character tokenizer's,
+    saved beside it, so vLLM detokenizes every id."""
+    from tripod.engine.data.char_tokenizer import char_tokenizer
+
+    tok = char_tokenizer()
+    model = make_tiny_hf_model(tmp_path, "llama", seed=7, num_hidden_layers=2, vocab_size=len(tok), **HEAD_DIM_64)
+    tok.save_pretrained(model)
+    proc = run_torchrun("vllm_stop_check.py", 1, model, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("VLLM_STOP ")]
+    assert [line.split()[1:3] for line in lines] == [["genconfig", "ok"], ["strings", "ok"]], proc.stdout[-3000:]
+    print("\n".join(lines))
+
+
+def test_stop_string_search_is_vllms():
+    """tripod's stop-string search (the embedded engine's) returns what vLLM's own `check_stop_strings` matches."""
+    from vllm.v1.engine.detokenizer import check_stop_strings
+
+    from tripod.engine.rollout.stop_strings import first_stop
+
+    stops = ["<stop>", "</a>", "a"]
+    for text in ("abc</a>", "xyz</a>b<stop>", "</", "q<stop>", "zzz"):
+        for new in range(1, len(text) + 1):
+            theirs = check_stop_strings(text, new, stops, include_in_output=True)
+            assert first_stop(text, new, stops) == (theirs[0] if theirs else None), (text, new, theirs)

@@ -181,6 +181,10 @@ def preflight(cfg, world: int) -> None:
     check_cp_config(arch, [("actor_rollout_ref.actor", m)] + ([("critic", cfg.critic.megatron)] if cfg.uses_critic
                                                               else []) + [("actor_rollout_ref.ref", arc.ref.megatron)])
     validate_rollout_tp(arch, arc.rollout.tensor_model_parallel_size)
+    from tripod.engine.rollout.factory import stop_problems
+
+    if stop_problems(arch, arc.rollout):
+        raise ValueError("; ".join(stop_problems(arch, arc.rollout)))
     if arc.rollout.name == "vllm":  # installed, tested release, a family / head size / TP it runs (no vLLM import)
         from tripod.engine.rollout.vllm_engine import require_vllm
         from tripod.parallel.hybrid_engine import reshard_plan_from_config

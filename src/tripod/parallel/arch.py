@@ -1,4 +1,5 @@
-"""Model architecture as tripod sees it: one typed record read from a Hugging Face `config.json`.
+"""Model architecture as tripod sees it: one typed record read from a Hugging Face `config.json`
+(plus the EOS ids of its `generation_config.json`, where the stop tokens of generation are declared).
 
 Every room that needs the shape of a model (Megatron model building, the weight converter, the
 embedded rollout engine, the resharding plan) reads it from `ModelArch`, so the HF config is parsed
@@ -45,6 +46,9 @@ class ModelArch:
     rope_parameters: dict[str, Any] = field(default_factory=dict)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # generation_config.json's eos_token_id (an int or a list, e.g. a chat model's end-of-turn ids), which HF
+    # `generate` and vLLM stop at besides config.json's; not part of the architecture (compare=False)
+    generation_eos_token_ids: tuple[int, ...] = field(default=(), compare=False)
     moe: MoEArch | None = None  # routed experts (None: dense MLP in every layer)
     mla: MLAArch | None = None  # multi-head latent attention (None: standard GQA attention)
     # an HF *ForSequenceClassification model with one label: a scalar `score` head [1, hidden] instead of an LM head
@@ -55,6 +59,13 @@ class ModelArch:
     @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every EOS id the model declares: config.json's `eos_token_id` and generation_config.json's, sorted."""
+        eos = self.eos_token_id
+        ids = set(self.generation_eos_token_ids) | ({eos} if isinstance(eos, int) else set(eos or ()))
+        return tuple(sorted(ids))
 
     @property
     def num_experts(self) -> int:
@@ -95,6 +106,27 @@ def read_hf_config(path_or_dict: str | os.PathLike | dict) -> dict[str, Any]:
                                 "(made with save_pretrained) or its config.json")
     with open(path) as f:
         return json.load(f)
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def read_generation_eos(path_or_dict: str | os.PathLike | dict) -> tuple[int, ...]:
+    """generation_config.json's `eos_token_id` next to the model's config.json (an int or a list of ints, as HF's
+    `GenerationConfig` and vLLM read it), as a tuple; () for a dict, or when the file or the key is absent."""
+    if isinstance(path_or_dict, dict):
+        return ()
+    path = os.fspath(path_or_dict)
+    path = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), GENERATION_CONFIG)
+    if not os.path.isfile(path):
+        return ()
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else [] if eos is None else [None]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{path}: eos_token_id={eos!r} must be a token id or a list of token ids; fix the file "
+                         "or delete the key")
+    return tuple(ids)
 
 
 def arch_from_hf(path_or_dict: str | os.PathLike | dict) -> ModelArch:
@@ -144,6 +176,7 @@ def arch_from_hf(path_or_dict: str | os.PathLike | dict) -> ModelArch:
         rope_parameters=rope,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=cfg.get("eos_token_id"),
+        generation_eos_token_ids=read_generation_eos(path_or_dict),
         moe=moe_from_hf(cfg),
         mla=mla,
         score_head=score_head,

@@ -63,19 +63,27 @@ def random_prompts(vocab_size: int, lengths: list[int], seed: int) -> list[list[
 
 
 @torch.no_grad()
-def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int = EOS_ID) -> list[list[int]]:
-    """HF `generate(do_sample=False)` on a left-padded batch; each response cut after its first EOS."""
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None = EOS_ID) -> list[list[int]]:
+    """HF `generate(do_sample=False)` on a left-padded batch; each response cut after its first EOS. `eos_id` None:
+    the model's own EOS ids (its generation_config.json's `eos_token_id`, an int or a list, as HF reads it)."""
     longest = max(map(len, prompts))
     ids = torch.full((len(prompts), longest), PAD_ID, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, longest - len(p):] = torch.tensor(p)
         mask[i, longest - len(p):] = 1
+    eos = {} if eos_id is None else dict(eos_token_id=eos_id)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=PAD_ID, eos_token_id=eos_id, top_k=None, top_p=None, temperature=None)
+                         pad_token_id=PAD_ID, top_k=None, top_p=None, temperature=None, **eos)
+    if eos_id is None:
+        eos_ids = model.generation_config.eos_token_id
+        stops = set([eos_ids] if isinstance(eos_ids, int) else eos_ids or [])
+    else:
+        stops = {eos_id}
     responses = []
     for row in out[:, longest:].tolist():
-        responses.append(row[: row.index(eos_id) + 1] if eos_id in row else row)
+        ends = [i for i, t in enumerate(row) if t in stops]
+        responses.append(row[: ends[0] + 1] if ends else row)
     return responses
 
 

@@ -91,7 +91,12 @@ def engine_placement(members: list[tuple[str, int]], engine_index: int) -> dict[
 
 
 def sglang_sampling_params(params: SamplingParams, arch: ModelArch, row: int) -> dict[str, Any]:
-    """SGLang's sampling_params dict for one request (row = its index, to give n samples distinct seeds)."""
+    """SGLang's sampling_params dict for one request (row = its index, to give n samples distinct seeds). SGLang keeps the
+    token that ends a sequence (stop id or the one completing a stop string) in output_ids, as the other backends do;
+    its ignore_eos skips stop_token_ids as well, so that combination is refused."""
+    if params.ignore_eos and params.stop_token_ids:
+        raise ValueError(f"SamplingParams(ignore_eos=True, stop_token_ids={list(params.stop_token_ids)}): SGLang's "
+                         "ignore_eos also ignores stop_token_ids; list the ids to stop at without ignore_eos")
     out: dict[str, Any] = {
         "max_new_tokens": params.max_new_tokens,
         "temperature": 0.0 if params.greedy else params.temperature,
@@ -100,6 +105,8 @@ def sglang_sampling_params(params: SamplingParams, arch: ModelArch, row: int) ->
         "stop_token_ids": sorted(params.stop_ids(arch)),
         "ignore_eos": params.ignore_eos,
     }
+    if params.stop:
+        out["stop"] = list(params.stop)
     if params.seed is not None and not params.greedy:
         out["sampling_seed"] = params.seed + row
     return out
@@ -140,12 +147,15 @@ def _control_group(tp_group: Any) -> tuple[Any, int]:
 
 
 class SGLangRolloutEngine(RolloutEngine):
-    """`model_path`: the HF checkpoint directory (config + initial weights) SGLang starts from."""
+    """`model_path`: the HF checkpoint directory (config + initial weights) SGLang starts from; `tokenizer`: the
+    directory SGLang loads its tokenizer from, needed for stop strings (None: SGLang skips it)."""
 
     def __init__(self, arch: ModelArch, tp_group: Any = None, *, model_path: str,
                  mem_fraction_static: float = 0.5, dtype: str = "bfloat16",
-                 update_bucket_bytes: int = 512 << 20, pad_token_id: int | None = None, **engine_kwargs: Any) -> None:
+                 update_bucket_bytes: int = 512 << 20, pad_token_id: int | None = None, tokenizer: str | None = None,
+                 **engine_kwargs: Any) -> None:
         super().__init__(arch, tp_group)
+        self.tokenizer = tokenizer  # a tokenizer directory: SGLang loads it to decode responses for stop strings
         require_sglang()
         self.tp_size, self.tp_rank = tp_size_and_rank(tp_group)
         validate_rollout_tp(arch, self.tp_size)
@@ -165,8 +175,10 @@ class SGLangRolloutEngine(RolloutEngine):
         if self.tp_rank == 0:
             import sglang
 
-            options = dict(model_path=model_path, skip_tokenizer_init=True, tp_size=self.tp_size,
+            options = dict(model_path=model_path, skip_tokenizer_init=tokenizer is None, tp_size=self.tp_size,
                            mem_fraction_static=mem_fraction_static, enable_memory_saver=True, dtype=dtype, **placement)
+            if tokenizer is not None:
+                options["tokenizer_path"] = tokenizer
             options.update(engine_kwargs)  # actor_rollout_ref.rollout.engine_kwargs wins
             self.engine = sglang.Engine(**options)
         self._barrier()
@@ -215,6 +227,9 @@ class SGLangRolloutEngine(RolloutEngine):
 
     # ---- generation -----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"actor_rollout_ref.rollout.stop={list(params.stop)}: stop strings need the tokenizer, and "
+                             "this SGLang engine was built without one; pass tokenizer=<its directory> to the engine")
         self._resume_kv_cache()  # a generate without load_weights still needs its KV cache
         result: list[Any] = [None]
         if self.tp_rank == 0:

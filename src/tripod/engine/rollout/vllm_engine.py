@@ -9,7 +9,8 @@ reachable and weights move in memory, never through a file (verl's SPMD rollout 
                          the model runner's `reload_weights` (vLLM's own loaders fuse q/k/v and gate/up and redo the
                          backend's weight processing); then the prefix cache is reset (its KV came from old weights).
   generate(...)       -> one request per response row (prompt i repeated n times, seed + row each, like the SGLang
-                         backend), the sampled token's log-prob per step (`logprobs=0`).
+                         backend), the sampled token's log-prob per step (`logprobs=0`); tripod's stop ids, and
+                         stop strings detokenized by vLLM (the tokenizer is loaded only when `tokenizer` is given).
   release_memory()    -> CUDA: `llm.sleep(level=2)` (weights and KV cache freed; the weights come back by the push).
                          CPU: nothing: vLLM's CPU worker ignores sleep / wake_up (its sleep mode needs CUDA's
                          allocator), so on CPU the engine keeps its weights copy and its KV cache (`kv_cache_memory_bytes`,
@@ -130,13 +131,14 @@ def vllm_sampling_params(params: SamplingParams, arch: ModelArch, row: int) -> A
     """vLLM's SamplingParams for one response row (row = its index, so that n samples get distinct seeds)."""
     from vllm import SamplingParams as VLLMSamplingParams
 
-    # vLLM reads EOS from the tokenizer, which is not loaded: the stop ids are always ours (EOS included unless
-    # ignore_eos), so vLLM's own EOS rule is switched off
+    # the stop ids are always ours (config.json's and generation_config.json's EOS included unless ignore_eos), so
+    # vLLM's own EOS rule (the tokenizer's EOS, when one is loaded) is switched off; stop strings need the text
     return VLLMSamplingParams(
         n=1, max_tokens=params.max_new_tokens, temperature=0.0 if params.greedy else params.temperature,
         top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0,
         seed=None if params.seed is None or params.greedy else params.seed + row,
-        stop_token_ids=sorted(params.stop_ids(arch)), ignore_eos=True, logprobs=0, detokenize=False)
+        stop_token_ids=sorted(params.stop_ids(arch)), ignore_eos=True, logprobs=0,
+        stop=list(params.stop) or None, detokenize=bool(params.stop))
 
 
 def output_from_vllm(results: list[Any], num_prompts: int, n: int, pad_token_id: int) -> RolloutOutput:
@@ -160,13 +162,15 @@ class VLLMRolloutEngine(RolloutEngine):
     """`model_path`: the HF checkpoint directory (config + initial weights) vLLM starts from.
 
     `mem_fraction_static` is vLLM's gpu_memory_utilization on CUDA (the trainer passes rollout.mem_fraction_static);
+    `tokenizer`: the directory vLLM loads its tokenizer from, needed for stop strings (None: vLLM skips it).
     `engine_kwargs` go to `vllm.LLM` as given and win over the defaults here."""
 
     def __init__(self, arch: ModelArch, tp_group: Any = None, *, model_path: str, dtype: str = "bfloat16",
                  mem_fraction_static: float = 0.5, max_model_len: int | None = None, seed: int = 0,
                  update_bucket_bytes: int = 512 << 20, pad_token_id: int | None = None,
-                 **engine_kwargs: Any) -> None:
+                 tokenizer: str | None = None, **engine_kwargs: Any) -> None:
         super().__init__(arch, tp_group)
+        self.tokenizer = tokenizer  # a tokenizer directory: vLLM loads it to detokenize for stop strings
         self.tp_size, self.tp_rank = tp_size_and_rank(tp_group)
         validate_rollout_tp(arch, self.tp_size)
         require_vllm(arch, self.tp_size, rollout_tp_groups=[group_ranks(tp_group)] if self.tp_size > 1 else None)
@@ -178,13 +182,15 @@ class VLLMRolloutEngine(RolloutEngine):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not an INFO line per weight reload in the run's log
         from vllm import LLM
 
-        options: dict[str, Any] = dict(model=model_path, skip_tokenizer_init=True, dtype=dtype, seed=seed,
+        options: dict[str, Any] = dict(model=model_path, skip_tokenizer_init=tokenizer is None, dtype=dtype, seed=seed,
                                        tensor_parallel_size=self.tp_size, enforce_eager=not self.on_cuda,
                                        logprobs_mode="processed_logprobs", generation_config="vllm")
         if self.tp_size > 1:  # every rank runs its own engine over vLLM's TP group of consecutive world ranks
             options["distributed_executor_backend"] = "external_launcher"
         if max_model_len is not None:
             options["max_model_len"] = max_model_len
+        if tokenizer is not None:
+            options["tokenizer"] = tokenizer
         if self.on_cuda:
             options.update(gpu_memory_utilization=mem_fraction_static, enable_sleep_mode=True)
         else:  # an explicit KV cache size: no warm-up forward to size it from the process's memory
@@ -228,6 +234,9 @@ class VLLMRolloutEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate(prompts=...): need a non-empty list of non-empty token-id lists")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"{KEY}.stop={list(params.stop)}: stop strings need the tokenizer, and this vLLM engine was "
+                             "built without one; pass tokenizer=<its directory> to the engine (the trainer does)")
         self._wake_kv_cache()
         if self.tp_size > 1 and params.seed is None and params.do_sample:
             params = dataclasses.replace(params, seed=self._group_seed())  # TP ranks must sample alike
