@@ -211,7 +211,8 @@ class MegatronConfig:
     param_offload: bool = False
     """Move this model's parameters to host memory between the phases that use them (engine/offload.py: the actor's
     are on the device for the rollout, its log-probs and its update; the critic's for its values and update; the
-    reference's for its log-probs). CUDA only: refused on CPU runs, where they already live in host memory.
+    reference's for its log-probs), with or without the distributed optimizer. CUDA only: refused on CPU runs, where
+    they already live in host memory.
     verl: actor_rollout_ref.actor.megatron.param_offload (critic.megatron., actor_rollout_ref.ref.megatron.)."""
     grad_offload: bool = False
     """Free this model's gradient buffers (megatron DDP's main_grad buffers) outside its update; they come back
@@ -354,6 +355,18 @@ class PPOModelConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    mode: str = "disabled"
+    """MoE routing replay (parallel/router_replay.py, through megatron-core's RouterReplay): disabled | R2 (the
+    experts the actor's old-log-prob forward chose are replayed in its update forwards) | R3 (the rollout engine's
+    choices, replayed in the old-log-prob, reference and update forwards; needs
+    actor_rollout_ref.rollout.enable_rollout_routing_replay). The routing weights still come from the live router,
+    which keeps learning. Refused with full activation recomputation. R2 replays nothing in a step that skips the old-log-prob forward (an exactly on-policy
+    update, or rollout_correction.bypass_mode): the update's own forward then routes as that pass would.
+    verl: actor.router_replay.mode."""
+
+
+@dataclass
 class ActorConfig(PPOModelConfig):
     clip_ratio: float = 0.2
     """PPO ratio clip epsilon (default of clip_ratio_low/high). verl: actor.clip_ratio."""
@@ -374,6 +387,8 @@ class ActorConfig(PPOModelConfig):
     verl: actor.kl_loss_type."""
     target_kl: Optional[float] = None
     """Stop the PPO epochs early when a mini-batch's approximate KL exceeds it; null: off. (Spinning Up's target_kl)"""
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    """MoE routing replay (R2 / R3). verl: actor.router_replay."""
 
     def check(self, key: str = "actor_rollout_ref.actor") -> list[str]:
         from tripod.engine.algorithms import list_kl_kinds
@@ -446,6 +461,22 @@ class RolloutConfig:
     """Sample (false: greedy). verl: rollout.do_sample."""
     response_length: int = "${data.max_response_length}"
     """Longest generated response, in tokens. verl: rollout.response_length."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a response (the id is its last token, in the loss like an EOS), besides the model's EOS ids:
+    config.json's and generation_config.json's `eos_token_id` (an int or a list), which always end one, as in HF
+    `generate` and vLLM. Every backend, training and validation; the ids in force are printed at start. verl: none;
+    NeMo-RL: policy.generation.stop_token_ids; slime: --rollout-stop-token-ids."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: a response ends at the token whose text completes one of them (that token is its last; the
+    decoded response keeps the string), by vLLM's rule on every backend (docs/rollout.md "Stopping"); the tokenizer is
+    data.tokenizer or the model's. verl: none; NeMo-RL: policy.generation.stop_strings; slime: --rollout-stop."""
+    enable_rollout_routing_replay: bool = False
+    """The rollout engine records every prompt and generated token's top-k experts per MoE layer (embedded engine,
+    colocated rollout, no dynamic sampling; engine/rollout/routing_record.py): what actor.router_replay.mode=R3
+    replays, and what moe/routing_mismatch_frac (per MoE layer: the share of tokens whose expert set differs between
+    the rollout and the old-log-prob pass, or the update's forwards in a step without that pass) is measured
+    against, logged every step.
+    verl: rollout.enable_rollout_routing_replay."""
     gpu_memory_utilization: float = 0.5
     """Device-memory fraction the generation engine may hold (SGLang, vLLM on CUDA). verl:
     rollout.gpu_memory_utilization."""
@@ -492,6 +523,10 @@ class RolloutConfig:
                      "(or null)")
         if self.decode_threads < 0:
             e.append(f"{key}.decode_threads={self.decode_threads} must be >= 0 (0: torch's thread setting)")
+        if any(t < 0 for t in self.stop_token_ids):
+            e.append(f"{key}.stop_token_ids={list(self.stop_token_ids)} must be token ids (>= 0)")
+        if not all(self.stop):
+            e.append(f"{key}.stop={list(self.stop)} must not contain an empty string (it would end every response)")
         return e
 
 
@@ -581,8 +616,8 @@ class FilterGroupsConfig:
 class RolloutCorrectionConfig:
     """The train / rollout mismatch (engine/algorithms/rollout_correction.py; verl's algorithm.rollout_correction,
     decoupled mode): each sample's rollout log-probs are kept in the PPO batch beside the recomputed old ones, and
-    every step that recomputes them logs rollout_corr/* (kl, k3_kl, abs_diff_max, abs_diff_mean, and the shares
-    truncated / rejected). All off by default; docs/config.md says where tripod differs from verl."""
+    every step logs rollout_corr/* under verl's names (the gap, the IS weights before truncation, the rejected
+    shares). All off by default; docs/config.md says where tripod differs from verl."""
     rollout_is: Optional[str] = None
     """Truncated importance sampling of the policy loss: token (weight min(pi_old / pi_rollout, threshold) per
     token), sequence (min(product of the sequence's ratios, threshold) for all its tokens) or null (off). The weight
@@ -658,13 +693,25 @@ class AlgorithmConfig:
     by default). Follows verl's decoupled mode: its key names; the IS weight exp(old - rollout) per token or
     exp(sum over the sequence) per sequence, clamped at rollout_is_threshold and detached, multiplying the per-token PG
     loss; rejected sequences leaving the response mask before the advantages; verl's kl and k3_kl metric names.
+    Rejected sequences keep their real scores in their groups' statistics (GRPO, RLOO, REINFORCE++-baseline) and get
+    no advantage; a step that rejects every sequence logs its metrics and goes on. rollout_corr/* every step the
+    rollout returns log-probs, with verl's names and formulas: training_ppl, rollout_ppl, log_ppl_diff, kl, k3_kl,
+    chi2_token, chi2_seq; with rollout_is rollout_is_mean / max / min (weights before truncation), rollout_is_std
+    (of the weights clamped to [1/threshold, threshold]) and rollout_is_ratio_fraction_high / low; with rollout_rs
+    rollout_rs_masked_fraction (of the response tokens) and rollout_rs_seq_masked_fraction (of every sequence).
     Differs: thresholds are numbers (no "lower_upper" IcePop strings, no rollout_is_batch_normalize); rollout_rs is
-    one of seq_mean_k1 / seq_mean_k3 (not a comma list of verl's twelve modes); bypass_mode is verl's ppo_clip
-    loss_type only (no reinforce) and is refused with rollout_is / rollout_rs (verl recomputes those inside the loss
-    against pi_theta); verl's rollout_is defaults to sequence once the section is given, tripod's to null. The
-    mismatch is logged on every step that recomputes the old log-probs (always when rollout_is / rollout_rs is set;
-    with bypass_mode it is actor/ppo_kl, the update's KL to the rollout's log-probs). Added by tripod:
-    rollout_corr/abs_diff_max and abs_diff_mean (|old - rollout| per token), is_truncated_frac, rs_rejected_frac."""
+    one of seq_mean_k1 / seq_mean_k3 (not a comma list of verl's twelve modes), so verl's per-mode
+    rollout_rs_<mode>_* metrics are not logged, nor verl's ESS, seq_* breakdowns, training_log_ppl,
+    rollout_log_ppl, log_ppl_abs_diff, log_ppl_diff_max / min and ppl_ratio (the gap is in the names above);
+    bypass_mode is verl's ppo_clip loss_type only (no reinforce) and is refused with rollout_is / rollout_rs (verl
+    recomputes those inside the loss against pi_theta); verl's rollout_is defaults to sequence once the section is
+    given, tripod's to null. Without a recompute (an exactly on-policy step, bypass_mode) the gap is measured on the
+    actor update's first mini-batch forward (the step's starting weights; verl logs it against pi_theta on every
+    micro-batch of the update, mixing in the update's own drift), and not at all while the actor sits out
+    trainer.critic_warmup. k3_kl clamps the log-ratio to +-20 before exp as the other estimators do (verl's does not:
+    it overflows instead). A step that rejects every sequence skips the actor and critic updates (verl runs the
+    optimizer on an all-zero mask, where Adam's moments and weight decay still move the weights). Added by tripod:
+    rollout_corr/abs_diff_max and abs_diff_mean (|old - rollout| per token: the largest and the typical gap)."""
 
     def check(self, key: str = "algorithm") -> list[str]:
         from tripod.engine.algorithms import list_adv_estimators, list_kl_kinds
@@ -843,7 +890,9 @@ class TrainerConfig:
     critic_warmup: int = 0
     """First PPO steps that train only the critic. verl: trainer.critic_warmup."""
     seed: int = 1
-    """Seed of rollout sampling (combined with the step and the replica). verl: actor_rollout_ref.rollout.seed."""
+    """Seed of rollout sampling (combined with the step, the generation batch and the replica; every replica, row
+    and sample draws from a seed of its own: engine/rollout/factory.py's replica_seed). verl:
+    actor_rollout_ref.rollout.seed."""
     device: str = "cpu"
     """cpu | cuda. Chosen once per rank by engine/device.py (cuda: cuda:LOCAL_RANK, set as the current device);
     models, batches, masks, the rollout engine and the kernels all follow it."""

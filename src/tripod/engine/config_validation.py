@@ -149,6 +149,9 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
 
     e += _dapo_problems(cfg)
     e += _async_problems(cfg)
+    from tripod.parallel.router_replay import replay_problems  # MoE routing replay keys
+
+    e += replay_problems(cfg)
 
     # models and layouts
     _check_model(e, "actor_rollout_ref.model.path", arr.model.path)

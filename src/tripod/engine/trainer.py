@@ -40,7 +40,8 @@ from tripod.engine.rewards import RewardPool, registered_data_sources
 from tripod.engine.rewards.overlong import OverlongShaper
 from tripod.engine.rewards.replica_scoring import pool_workers, score_where_generated
 from tripod.engine.rollout import SamplingParams, make_rollout_engine
-from tripod.engine.rollout.factory import engine_kwargs, step_sampling_params
+from tripod.engine.rollout.factory import describe_stops, engine_kwargs, step_sampling_params
+from tripod.engine.rollout.routing_record import attach_rollout_routing, gather_rollout_routing
 from tripod.engine.rollout.weight_sync import WeightSync
 from tripod.engine.throughput import PerfCounter
 from tripod.engine.trainer_state import TrainerState
@@ -51,6 +52,7 @@ from tripod.engine.workers.reward_model import build_reward_model, combine_rewar
 from tripod.engine.workers.row_shards import StepRows, step_advantages, step_batch
 from tripod.parallel.arch import arch_from_hf
 from tripod.parallel.hybrid_engine.engine import HybridEngine
+from tripod.parallel.router_replay import routed, stage_metrics
 
 
 class PPOTrainer(TrainerState):
@@ -104,12 +106,15 @@ class PPOTrainer(TrainerState):
                                   optim=actor_cfg.optim, grad_clip=actor_cfg.grad_clip,
                                   share_prompt_prefix=actor_cfg.share_prompt_prefix,
                                   remove_padding=arc.model.use_remove_padding,
+                                  routing_replay=actor_cfg.router_replay.mode != "disabled"
+                                  or arc.rollout.enable_rollout_routing_replay,  # R2 / R3, or the mismatch metric
                                   total_steps=max(self.total_steps - cfg.trainer.critic_warmup, 1) * updates(actor_cfg),
                                   **model_options(actor_cfg.megatron, actor_layout, "actor_rollout_ref.actor",
                                                    self.arch, True, actor_cfg.optim.optimizer))
         ref_layout = layout_of(arc.ref.megatron, "reference", self.arch)
         self.ref = (PolicyWorker("reference", self.arch, ref_layout, path, trainable=False, seed=arc.ref.megatron.seed,
                                  share_prompt_prefix=actor_cfg.share_prompt_prefix,
+                                 routing_replay=actor_cfg.router_replay.mode == "R3",
                                  remove_padding=arc.model.use_remove_padding,
                                  **model_options(arc.ref.megatron, ref_layout, "actor_rollout_ref.ref", self.arch,
                                                   False))
@@ -142,6 +147,9 @@ class PPOTrainer(TrainerState):
                                                      self.hybrid.rollout_tp_order))
         if rollout.name == "embedded":
             engine.decode_threads = rollout.decode_threads
+            engine.record_routing = rollout.enable_rollout_routing_replay  # each token's experts (R3, the metric)
+        if self.rank == 0:
+            print(describe_stops(self.arch, rollout), flush=True)
         self.weight_sync = WeightSync(self.hybrid, engine, self.actor.model)  # owns resume/load/generate/release
         # where each step's scored batch comes from: this engine now, or the rollout ranks' queue
         self.source = ColocatedRollout(self) if placement is None else \
@@ -225,6 +233,12 @@ class PPOTrainer(TrainerState):
                                        rollout.rollout_log_probs, rollout.finish_reasons, all_scores,
                                        arc.rollout.response_length, self.pad_id, shards)
             batch, rollout = batch.to(self.device), None  # the rollout's rows live on in the batch only
+            replay = arc.actor.router_replay.mode
+            if arc.rollout.enable_rollout_routing_replay and self.arch.moe is not None:  # the rollout's experts per token, laid out as the rows
+                routing_bytes = attach_rollout_routing(
+                    batch, gather_rollout_routing(self.weight_sync.last_routed, self.hybrid.plan.rollout_tp_groups,
+                                                  self.arch.moe),
+                    shards.rows if shards is not None else range(batch.size), self.arch.moe)
             mask = batch["response_mask"]
             with timer("reward"):
                 token_rewards = torch.zeros_like(mask)
@@ -235,12 +249,12 @@ class PPOTrainer(TrainerState):
             if bypass:  # verl's bypass mode: the rollout's log-probs are the old ones, nothing is recomputed
                 batch["old_log_probs"] = batch["rollout_log_probs"]
             elif not self.on_policy_update(len(all_scores)):  # else the update takes them from its own forward
-                with phase("old_log_prob"):
+                with phase("old_log_prob"), routed(self.actor, batch, "old", replay):  # R2 records, R3 replays
                     batch["old_log_probs"], _ = self.actor.compute_log_probs(
                         batch, ro.log_prob_micro_batch_size_per_gpu or batch.size, temperature,
                         token_budget=ro.log_prob_max_token_len_per_gpu if ro.log_prob_use_dynamic_bsz else None)
             if self.ref is not None:
-                with phase("ref"):
+                with phase("ref"), routed(self.ref, batch, "ref", replay):
                     batch["ref_log_probs"], _ = self.ref.compute_log_probs(
                         batch, ref.log_prob_micro_batch_size_per_gpu or batch.size, temperature,
                         token_budget=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None)
@@ -250,6 +264,10 @@ class PPOTrainer(TrainerState):
                         batch, critic.ppo_micro_batch_size_per_gpu or batch.size,
                         token_budget=critic.forward_max_token_len_per_gpu if critic.use_dynamic_bsz else None)
             metrics = dict(reward_metrics)
+            metrics.update(stage_metrics(self.actor))  # moe/routing_mismatch_frac (rollout vs the old-log-prob pass)
+            if arc.rollout.enable_rollout_routing_replay and self.arch.moe is not None:
+                metrics["moe/routed_experts_bytes"] = float(routing_bytes)  # this rank's rows
+            updates = True  # False when rollout correction rejected every row: the step then updates nothing
             with timer("adv"):
                 if algo.use_kl_in_reward:
                     token_rewards, kl = apply_kl_penalty(token_rewards, batch["old_log_probs"], batch["ref_log_probs"],
@@ -259,17 +277,23 @@ class PPOTrainer(TrainerState):
                                     self.kl_ctrl.value})
                     self.kl_ctrl.update(float(kl), n_steps=cfg.data.train_batch_size)
                 batch["token_rewards"] = token_rewards
+                scored = mask  # rejected rows keep their scores in their groups' statistics, as verl's
                 if batch.recomputed_old_log_probs and not bypass and "rollout_log_probs" in batch.tensors:
-                    metrics.update(correct_batch(batch, algo.rollout_correction, shards))  # may reject sequences
-                    mask = batch["response_mask"]
-                adv, ret = step_advantages(algo, token_rewards, mask, batch, all_scores, shards)
+                    corr, kept = correct_batch(batch, algo.rollout_correction, shards)  # may reject sequences
+                    metrics.update(corr)
+                    mask, updates = batch["response_mask"], kept > 0
+                adv, ret = step_advantages(algo, token_rewards, mask, batch, all_scores, shards, scored) if updates \
+                    else (torch.zeros_like(token_rewards),) * 2
                 batch["advantages"], batch["returns"] = adv, ret
-            if self.critic is not None:
+            if self.critic is not None and updates:
                 with phase("update_critic"):
                     metrics.update(self.critic.update(batch, cfg.critic, n))
-            if self.step >= cfg.trainer.critic_warmup:
-                with phase("update_actor"):
-                    metrics.update(self.actor.update(batch, arc.actor, temperature, n))
+            if self.step >= cfg.trainer.critic_warmup and updates:
+                # without a recompute, the rollout / train gap is measured on the update's first forward
+                gap = "rollout_log_probs" in batch.tensors and (bypass or not batch.recomputed_old_log_probs)
+                with phase("update_actor"), routed(self.actor, batch, "update", replay):
+                    metrics.update(self.actor.update(batch, arc.actor, temperature, n, rollout_gap=gap))
+                metrics.update(stage_metrics(self.actor))  # the mismatch where no old-log-prob pass ran
         timings = timer.metrics()
         metrics.update(batch_metrics(batch, all_scores, shards))
         metrics.update(timings)

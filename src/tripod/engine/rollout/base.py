@@ -24,13 +24,17 @@ import torch
 from tripod.parallel.arch import ModelArch
 
 ROLLOUT_NAMES = ("embedded", "sglang", "vllm")
-FINISH_STOP = "stop"      # sampled EOS or one of stop_token_ids (the stop token is part of the response)
+FINISH_STOP = "stop"      # an EOS / stop id sampled, or a stop string completed (that token ends the response)
 FINISH_LENGTH = "length"  # reached max_new_tokens
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to decode. `greedy=True` (or temperature == 0) means argmax; `do_sample` is its negation."""
+    """How to decode. `greedy=True` (or temperature == 0) means argmax; `do_sample` is its negation.
+
+    A response ends at the first token that is one of `stop_ids(arch)` or whose addition makes the response's decoded
+    text contain one of `stop` (vLLM's rule, docs/rollout.md "Stopping"); that token is the response's last.
+    """
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -40,7 +44,8 @@ class SamplingParams:
     seed: int | None = None
     greedy: bool = False
     stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False  # when True only stop_token_ids / max_new_tokens end a sequence
+    ignore_eos: bool = False  # when True only stop_token_ids / stop / max_new_tokens end a sequence
+    stop: tuple[str, ...] = ()  # stop strings (the engine needs the tokenizer to decode the response)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -54,6 +59,10 @@ class SamplingParams:
         if self.n < 1:
             raise ValueError(f"SamplingParams.n={self.n}: must be >= 1 samples per prompt")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"SamplingParams.stop={self.stop!r}: must be non-empty strings")
+        object.__setattr__(self, "stop", stop)
         if self.temperature == 0:
             object.__setattr__(self, "greedy", True)
 
@@ -62,11 +71,11 @@ class SamplingParams:
         return not self.greedy
 
     def stop_ids(self, arch: ModelArch) -> set[int]:
-        """Token ids that end a sequence: stop_token_ids plus the model's EOS id(s) unless ignore_eos."""
+        """Token ids that end a sequence: stop_token_ids plus, unless ignore_eos, the model's EOS ids (config.json's
+        and generation_config.json's `eos_token_id`: `ModelArch.eos_token_ids`), as HF `generate` and vLLM stop."""
         ids = set(self.stop_token_ids)
-        if not self.ignore_eos and arch.eos_token_id is not None:
-            eos = arch.eos_token_id
-            ids.update([eos] if isinstance(eos, int) else eos)
+        if not self.ignore_eos:
+            ids.update(arch.eos_token_ids)
         return ids
 
 
@@ -87,6 +96,8 @@ class RolloutOutput:
     log_probs: torch.Tensor
     finish_reasons: list[str]
     pad_token_id: int = 0
+    # MoE with routing replay (R3): per row [prompt_len + response_len, L, k] expert ids (engine/rollout/routing_record.py)
+    routed_experts: list[torch.Tensor] | None = None
 
     @classmethod
     def from_rows(cls, token_rows: list[list[int]], logprob_rows: list[list[float]], finish_reasons: list[str],

@@ -2,13 +2,13 @@
 
 Every rank of the rollout TP group runs `generate` together. Prompts are left-padded into one batch and
 prefilled in one forward pass (each prompt once: its KV cache rows and last logits are then copied to its n
-samples), then decoded one token per step. A finished row (stop token or max_new_tokens) is no longer sampled;
-its cache row is dropped from the batch once at most half of the rows are live (until then it rides along: a CPU
-decode step streams all the weights whatever its row count, and every compaction copies the whole cache); the loop
-ends when no row is live. The draws are those of dropping each finished row at once (one per live row and step,
-in the same order), up to the float rounding of other batch sizes. Sampling runs on every rank with the same
-seeded generator and rank 0's tokens are broadcast, so the TP ranks always agree. Works in fp32 on CPU (tests,
-demo) and in bf16 on GPU.
+samples), then decoded one token per step. A finished row (stop token, stop string: stop_strings.py, or
+max_new_tokens) is no longer sampled; its cache row is dropped from the batch once at most half of the rows are
+live (until then it rides along: a CPU decode step streams all the weights whatever its row count, and every
+compaction copies the whole cache); the loop ends when no row is live. The draws are those of dropping each
+finished row at once (one per live row and step, in the same order), up to the float rounding of other batch
+sizes. Sampling runs on every rank with the same seeded generator and rank 0's tokens are broadcast, so the TP ranks
+always agree. Works in fp32 on CPU (tests, demo) and in bf16 on GPU.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from tripod.engine.rollout.base import (
     validate_rollout_tp,
 )
 from tripod.engine.rollout.sampling import sample_next_token
+from tripod.engine.rollout.stop_strings import StopStrings, load_tokenizer
 from tripod.engine.rollout.tp_decoder import KVCache
 from tripod.parallel.arch import ModelArch
 from tripod.parallel.families import get_family
@@ -67,9 +68,11 @@ class EmbeddedRolloutEngine(RolloutEngine):
 
     def __init__(self, arch: ModelArch, tp_group: Any = None, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", pad_token_id: int | None = None,
-                 tp_order: list[int] | None = None) -> None:
+                 tp_order: list[int] | None = None, tokenizer: Any = None) -> None:
         """`tp_order`: the TP group's global ranks in TP-slice order (entry j holds slice j), when that is not the
-        ranks' sorted order (the hybrid engine's `rollout_tp_order`); None: slice j on the group's j-th rank."""
+        ranks' sorted order (the hybrid engine's `rollout_tp_order`); None: slice j on the group's j-th rank.
+        `tokenizer` (a transformers tokenizer or its directory, loaded on first use) decodes the responses for stop
+        strings (`SamplingParams.stop`); None: a request with stop strings is refused."""
         super().__init__(arch, tp_group)
         self.tp_size, self.tp_rank = tp_size_and_rank(tp_group)
         slice_owner = None
@@ -83,6 +86,7 @@ class EmbeddedRolloutEngine(RolloutEngine):
         self.dtype, self.device = dtype, torch.device(device)
         self._fp32_names: set[str] | None = None
         self.pad_token_id = pad_token_id if pad_token_id is not None else self._default_pad_id(arch)
+        self.tokenizer = tokenizer
         self.decoder = decoder_class(arch)(arch, tp_group, self.tp_size, self.tp_rank)
         self.decoder.slice_owner = slice_owner
         self._weights_loaded = False
@@ -94,6 +98,7 @@ class EmbeddedRolloutEngine(RolloutEngine):
         # it loaded new weights, after which the live sequences' KV cache is recomputed under them
         self.between_tokens: Callable[[int], bool] | None = None
         self.recompute_after_switch = True  # False keeps the old weights' keys and values (tests show the difference)
+        self.record_routing = False  # MoE: return each token's routed experts (R3, engine/rollout/routing_record.py)
 
     @staticmethod
     def _default_pad_id(arch: ModelArch) -> int:
@@ -207,6 +212,10 @@ class EmbeddedRolloutEngine(RolloutEngine):
         ids, prompt_mask = self._left_pad(prompts, 1)
         prompt_len, total = ids.shape[1], len(prompts) * params.n
         stop_ids = torch.tensor(sorted(params.stop_ids(self.arch)), dtype=torch.long, device=self.device)
+        text_stops = None
+        if params.stop:
+            self.tokenizer = load_tokenizer(self.tokenizer)
+            text_stops = StopStrings(self.tokenizer, params.stop, [p for p in prompts for _ in range(params.n)])
         generator = self._make_generator(params.seed)
 
         out_ids = torch.full((total, params.max_new_tokens), self.pad_token_id, dtype=torch.long)
@@ -218,6 +227,10 @@ class EmbeddedRolloutEngine(RolloutEngine):
         cache = self.decoder.allocate_cache(len(prompts), prompt_len + params.max_new_tokens, self.dtype, self.device)
         self.kv_cache = cache
         cache.valid[:, :prompt_len] = prompt_mask
+        recorder = None
+        if self.record_routing and self.arch.moe is not None:
+            from tripod.engine.rollout.routing_record import RoutingRecorder
+            recorder = RoutingRecorder(self.decoder, self.arch.moe, total, prompt_len + params.max_new_tokens)
         # position of a real token = number of real tokens before it (HF: cumsum(mask) - 1)
         positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
         samples = torch.arange(len(prompts), device=self.device).repeat_interleave(params.n)
@@ -226,6 +239,8 @@ class EmbeddedRolloutEngine(RolloutEngine):
         active = torch.arange(total)  # batch entries still generating (the others ride along until compaction)
         try:
             logits = self.decoder.forward(ids, positions, cache)
+            if recorder is not None:
+                recorder.prefill_ran(samples)
             if params.n > 1:
                 cache.keep_rows(samples)
                 logits = logits[samples]
@@ -242,6 +257,8 @@ class EmbeddedRolloutEngine(RolloutEngine):
                 out_logp[mine, step] = logp.cpu()
                 lengths[mine] += 1
                 stopped = torch.isin(tokens, stop_ids).cpu()
+                if text_stops is not None:
+                    stopped |= torch.tensor(text_stops.update(mine.tolist(), tokens.tolist()), dtype=torch.bool)
                 for r in mine[stopped].tolist():
                     finish[r] = FINISH_STOP
                 if step + 1 == params.max_new_tokens or bool(stopped.all()):
@@ -263,15 +280,22 @@ class EmbeddedRolloutEngine(RolloutEngine):
                                                           prompt_mask[samples[rows.to(self.device)]],
                                                           out_ids[rows, : step + 1].to(self.device),
                                                           prompt_len + params.max_new_tokens)
+                    if recorder is not None:
+                        recorder.forward_ran(rows, 0)
                 else:
                     cache.valid[:, cache.length] = True
                     with _torch_threads(self.decode_threads):
                         logits = self.decoder.forward(feed[:, None], next_position[:, None], cache)
+                    if recorder is not None:
+                        recorder.forward_ran(rows, cache.length - 1)
                 next_position = next_position + 1
         finally:
             self.kv_cache = None
+            if recorder is not None:
+                recorder.close()
 
         return RolloutOutput(prompt_index=torch.arange(len(prompts)).repeat_interleave(params.n),
                              response_ids=out_ids[:, : int(lengths.max())], response_lengths=lengths,
                              log_probs=out_logp[:, : int(lengths.max())], finish_reasons=finish,
-                             pad_token_id=self.pad_token_id)
+                             pad_token_id=self.pad_token_id, routed_experts=None if recorder is None else
+                             recorder.per_row(prompt_mask, lengths, samples))

@@ -61,6 +61,8 @@ class MoEDecoder(TPDecoder):
     def __init__(self, arch: ModelArch, tp_group: Any, tp_size: int, tp_rank: int) -> None:
         super().__init__(arch, tp_group, tp_size, tp_rank)
         self.moe, self.mla = arch.moe, arch.mla
+        # a list: each MoE layer's expert ids [N, S, k] of every forward are appended (engine/rollout/routing_record.py)
+        self.routing_log: list[torch.Tensor] | None = None
         self.softmax_scale = None
         if self.mla is not None:  # RoPE (incl. YaRN) over the qk_rope_head_dim dims: ModelArch.head_dim is that
             from tripod.parallel.families.deepseek import softmax_scale
@@ -124,6 +126,10 @@ class MoEDecoder(TPDecoder):
         tokens = x.reshape(-1, shape[-1])
         probs, routing_map = route(linear(tokens.float(), w[p + "router.weight"].float()), self.moe,
                                    w.get(p + "router.expert_bias"))
+        if self.routing_log is not None:
+            from tripod.engine.rollout.routing_record import topk_ids
+
+            self.routing_log.append(topk_ids(routing_map, self.moe.topk).view(*shape[:-1], self.moe.topk))
         out = torch.zeros_like(tokens)
         for e in routing_map.any(0).nonzero().flatten().tolist():
             rows = routing_map[:, e].nonzero().flatten()

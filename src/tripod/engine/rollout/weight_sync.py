@@ -37,6 +37,7 @@ class WeightSync:
     def __init__(self, hybrid, engine: RolloutEngine, actor_model: torch.nn.Module):
         self.hybrid, self.engine, self.actor_model = hybrid, engine, actor_model
         self.events: list[str] = []  # the life cycle as it happened (tests and debugging read it)
+        self.last_routed: list[torch.Tensor] | None = None  # the last generate's per-row experts (routing_record.py)
         self._release()  # training runs first: start with nothing reserved
 
     def _release(self) -> None:
@@ -69,6 +70,7 @@ class WeightSync:
             with timed("gen"):
                 out = engine.generate(prompts, params)
             self.events.append("generate")
+        self.last_routed = out.routed_experts  # MoE: this replica's rows' experts, when the engine records them
         return out
 
     def generate_all(self, prompts: list[list[int]], params: SamplingParams, timer=None) -> list[list[int]]:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tripod.engine.algorithms import agg_norm, entropy_loss, kl_loss, masked_mean, policy_loss, value_loss
+from tripod.engine.algorithms.rollout_correction import GroupReduce, mismatch_metrics
 from tripod.engine.data.batching import balanced_partition, split_by_token_budget
 from tripod.engine.workers.batch import BatchShard, PPOBatch, RowLengths, split_rows
 from tripod.engine.workers.megatron_worker import MegatronWorker
@@ -233,6 +234,10 @@ class PolicyWorker(MegatronWorker):
             return logp.sum() * 0.0, out
 
         outs = self.run(mbs, loss_fn, forward_only=True)
+        if self.routing is not None and self.routing.mode == "record":  # R2: the ids this pass routed to, per row
+            from tripod.parallel.router_replay import recorded_rows
+            self.recorded_routing = recorded_rows(self, sum(mb.size for mb in mbs), order,
+                                                  batch["input_ids"].shape[1], batch.shard is not None)
         logp = _in_row_order(torch.cat([o["logp"] for o in outs]) if outs else None, order)
         ent = _in_row_order(torch.cat([o["entropy"] for o in outs]) if outs and with_entropy else None, order)
         sharded = batch.shard is not None
@@ -241,18 +246,31 @@ class PolicyWorker(MegatronWorker):
             ent = self.rows_of_stages(ent, (r,), n) if sharded else self.gather_rows(ent, (r,), n)
         return logp, ent
 
-    def update(self, batch: PPOBatch, cfg, temperature: float, n_samples: int) -> dict[str, float]:
+    def update(self, batch: PPOBatch, cfg, temperature: float, n_samples: int,
+               rollout_gap: bool = False) -> dict[str, float]:
         """The PPO actor update (`run_ppo_epochs`), stopped early once a mini-batch's actor/ppo_kl > target_kl (rank 0
-        says so, with the numbers)."""
+        says so, with the numbers). `rollout_gap`: also log rollout_corr/* (`mismatch_metrics`) of the first
+        mini-batch's forward (the weights the step began with) against the batch's "rollout_log_probs": the gap
+        where no old log-probs were recomputed (an exactly on-policy step: every row; bypass_mode)."""
         last: dict[str, float] = {}
+        first: list | None = [] if rollout_gap else None
+        gap: dict[str, float] = {}
 
         def stop(metrics: dict[str, float]) -> bool:
             last.update(metrics)
             return metrics["actor/ppo_kl"] > cfg.target_kl
 
-        out, stopped, updates = run_ppo_epochs(self, batch, cfg, n_samples,
-                                               lambda mini: self._update_mini_batch(mini, cfg, temperature),
-                                               "actor", None if cfg.target_kl is None else stop)
+        def mini_batch(mini: PPOBatch) -> dict[str, float]:
+            nonlocal first
+            metrics = self._update_mini_batch(mini, cfg, temperature, first)
+            if first is not None:
+                gap.update(self._rollout_gap(first))
+                first = None
+            return metrics
+
+        out, stopped, updates = run_ppo_epochs(self, batch, cfg, n_samples, mini_batch, "actor",
+                                               None if cfg.target_kl is None else stop)
+        out.update(gap)
         if stopped and dist.get_rank() == 0:
             print(f"actor: PPO epochs stopped early after {updates} of {cfg.ppo_epochs} x "
                   f"{batch.lengths.size // (cfg.ppo_mini_batch_size * n_samples)} optimizer steps: "
@@ -261,7 +279,25 @@ class PolicyWorker(MegatronWorker):
         out["actor/num_updates"] = float(updates)
         return out
 
-    def _update_mini_batch(self, mini: PPOBatch, cfg, temperature: float) -> dict[str, float]:
+    def _rollout_gap(self, parts: list[tuple[torch.Tensor, ...]]) -> dict[str, float]:
+        """`mismatch_metrics` of the (log-probs, rollout log-probs, mask) micro-batches the last pipeline stage kept,
+        over the DP ranks, on every rank of the layout."""
+        lay = self.layout
+        src = lay.group_ranks("pp")[-1]
+        box: list = [None]
+        if dist.get_rank() == src:
+            if parts:
+                old, rollout, mask = (torch.cat(p) for p in zip(*parts))
+            else:  # no row of this mini-batch on this DP rank: it still joins the reductions
+                old = rollout = mask = torch.zeros(0, 1, device=self.device)
+            reduce = GroupReduce(lay.dp_group, lay.dp)
+            box[0] = mismatch_metrics(old, rollout, mask, reduce.mean, reduce.max_of)
+        if lay.pp > 1:
+            dist.broadcast_object_list(box, src=src, group=lay.pp_group)
+        return box[0]
+
+    def _update_mini_batch(self, mini: PPOBatch, cfg, temperature: float,
+                           first: list | None = None) -> dict[str, float]:
         agg = cfg.loss_agg_mode
         micro, norm, tokens, scale = _split_mini_batch(self, mini, cfg)
         need_entropy = True  # logged always; cheap next to the forward
@@ -271,6 +307,8 @@ class PolicyWorker(MegatronWorker):
             logp, ent = self.token_logprobs(output, mb, temperature, need_entropy)
             # exactly on-policy (the trainer skipped the recompute): old log-probs are this forward's, detached
             old = mb["old_log_probs"] if mb.recomputed_old_log_probs else logp.detach()
+            if first is not None:  # the rollout / train gap of this forward (`update`'s rollout_gap)
+                first.append((logp.detach(), mb["rollout_log_probs"], mask))
             pg, m = policy_loss(old, logp, mb["advantages"], mask, cfg.clip_ratio_low, cfg.clip_ratio_high,
                                 cfg.clip_ratio_c, agg, global_norm=norm,
                                 weights=mb.tensors.get("rollout_is_weights"))  # rollout correction's IS weights
