@@ -144,7 +144,7 @@ def test_kv_cache_is_the_engines_that_runs(tmp_path):
     and kv_cache_memory_bytes, held for the whole run."""
     from tripod.engine.config import load_config
     from tripod.parallel.arch import arch_from_hf
-    from tripod.parallel.memory_plan import generation_shard_bytes, kv_cache_bytes, plan_from_config
+    from tripod.parallel.memory_plan import generation_shard_bytes, kv_cache_bytes, plan_from_config, rollout_ranks_plan
 
     hf_dir = make_tiny_hf_model(tmp_path, "qwen2", vocab_size=256)
     arch = arch_from_hf(hf_dir)
@@ -166,3 +166,12 @@ def test_kv_cache_is_the_engines_that_runs(tmp_path):
     assert plan.kv_cache == generation_shard_bytes(arch, 1, torch.float32) + (1 << 20) and plan.kv_resident
     assert plan.host_peak() - plan.runtime - sum(m.total for m in plan.models) == \
         plan.kv_cache + max(plan.generation_shard, *plan.activations.values())
+    # the rollout on ranks of its own holds the same engine memory as the colocated one
+    own = [f"actor_rollout_ref.model.path={hf_dir}", "trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=1",
+           "data.train_batch_size=4", "trainer.device=cuda", "actor_rollout_ref.rollout.name=sglang",
+           "actor_rollout_ref.rollout.gpu_memory_utilization=0.25"]
+    ranks = rollout_ranks_plan(load_config(None, own), arch, gpu_memory_gb=40)
+    assert ranks.kv_cache == 10 << 30 and "SGLang reservation" in ranks.describe(0), ranks.describe(0)
+    ranks = rollout_ranks_plan(load_config(None, own[:4]), arch)
+    assert ranks.kv_cache == kv_cache_bytes(arch, 1, cfg.data.gen_batch_size * cfg.actor_rollout_ref.rollout.n, seq,
+                                            torch.float32) and "+ KV cache" in ranks.describe(0)

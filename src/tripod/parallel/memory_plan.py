@@ -294,12 +294,14 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
 @dataclass
 class RolloutRankMemory:
     """A rollout rank of its own (rollout.nnodes, engine/async_rollout/): its generation shard (kept between batches),
-    the KV cache of one generate call, the reused bucket buffer of the weight receive, the process."""
+    the rollout engine's memory (`rollout_engine_bytes`: the embedded engine's KV cache of one generate call, or
+    SGLang's / vLLM's reservation), the reused bucket buffer of the weight receive, the process."""
     ranks: int
     generation_shard: int
     kv_cache: int
     bucket: int
     runtime: int = 0
+    kv_label: str = "KV cache"
 
     def total(self) -> int:
         return self.generation_shard + self.kv_cache + self.bucket + self.runtime
@@ -307,7 +309,7 @@ class RolloutRankMemory:
     def describe(self, staged: int) -> str:
         mib = 1 << 20
         return (f"rollout ranks ({self.ranks}, rollout.nnodes x rollout.n_gpus_per_node): generation shard "
-                f"{self.generation_shard / mib:.1f} MiB + KV cache {self.kv_cache / mib:.1f} MiB + weight-receive "
+                f"{self.generation_shard / mib:.1f} MiB + {self.kv_label} {self.kv_cache / mib:.1f} MiB + weight-receive "
                 f"bucket {self.bucket / mib:.1f} MiB" + (f" + process {self.runtime / mib:.0f} MiB" if self.runtime
                                                          else "") + f" = {self.total() / mib:.1f} MiB per rank\n"
                 f"trainer ranks: the plan above (its rollout engine only validates), plus {staged / mib:.1f} MiB of "
@@ -315,8 +317,10 @@ class RolloutRankMemory:
                 "push the rollout has not taken yet, at most the schedule's capacity)")
 
 
-def rollout_ranks_plan(cfg, arch: ModelArch, bucket_bytes: int = 64 << 20) -> RolloutRankMemory:
-    """The memory of each of a config's own rollout ranks (`cfg.rollout`), see RolloutRankMemory."""
+def rollout_ranks_plan(cfg, arch: ModelArch, bucket_bytes: int = 64 << 20,
+                       gpu_memory_gb: float | None = None) -> RolloutRankMemory:
+    """The memory of each of a config's own rollout ranks (`cfg.rollout`), see RolloutRankMemory (`gpu_memory_gb`:
+    the device memory SGLang's / vLLM's fraction is of, 80 GiB when None)."""
     from tripod.engine.precision import rollout_dtype
 
     r, device = cfg.actor_rollout_ref.rollout, "cuda" if cfg.trainer.device == "cuda" else "cpu"
@@ -324,6 +328,6 @@ def rollout_ranks_plan(cfg, arch: ModelArch, bucket_bytes: int = 64 << 20) -> Ro
     ranks = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
     sequences = -(-cfg.data.gen_batch_size * r.n // max(ranks // r.tensor_model_parallel_size, 1))
     shard = generation_shard_bytes(arch, r.tensor_model_parallel_size, gdt)
-    return RolloutRankMemory(ranks, shard, kv_cache_bytes(arch, r.tensor_model_parallel_size, sequences,
-                                                          cfg.data.max_prompt_length + r.response_length, gdt),
-                             min(bucket_bytes, shard), runtime_rss() if device == "cpu" else 0)
+    engine, label, _ = rollout_engine_bytes(cfg, arch, sequences, gdt, device, gpu_memory_gb)
+    return RolloutRankMemory(ranks, shard, engine, min(bucket_bytes, shard), runtime_rss() if device == "cpu" else 0,
+                             label)

@@ -99,7 +99,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if cfg.separate_rollout:  # the rollout on its own ranks (docs/async.md)
         from tripod.parallel.memory_plan import rollout_ranks_plan
 
-        own = rollout_ranks_plan(cfg, arch, int(args.bucket_mb * (1 << 20)))
+        own = rollout_ranks_plan(cfg, arch, int(args.bucket_mb * (1 << 20)), gpu_gb)
         from tripod.engine.async_rollout.schedule import StalenessSchedule
 
         a = cfg.async_training
