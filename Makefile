@@ -67,7 +67,7 @@ test-peers: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
-# a reward model trained on arithmetic preference pairs, then PPO on it alone: the held-out rule reward rises (~15 min)
+# a reward model trained on arithmetic preference pairs, then PPO on it alone: the held-out rule reward rises (~9 min)
 demo-rm: $(STAMP)
 	$(BIN)/python scripts/demo_rm.py
 
