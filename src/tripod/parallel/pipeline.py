@@ -11,6 +11,7 @@ its input activations belong to.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -62,3 +63,17 @@ def model_config(model: torch.nn.Module):
     while not hasattr(model, "config") and hasattr(model, "module"):
         model = model.module
     return model.config
+
+
+@contextlib.contextmanager
+def variable_shapes(chunks, on: bool):
+    """megatron's `variable_seq_lengths` for one pipeline call: the stages send each activation's shape before it."""
+    configs = list({id(c): c for c in (model_config(chunk) for chunk in chunks)}.values()) if on else []
+    before = [c.variable_seq_lengths for c in configs]
+    for c in configs:
+        c.variable_seq_lengths = True
+    try:
+        yield
+    finally:
+        for c, b in zip(configs, before):
+            c.variable_seq_lengths = b

@@ -23,7 +23,6 @@ translation in engine/workers/moe_config.py.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
@@ -35,7 +34,7 @@ from tripod.engine.precision import PrecisionSettings
 from tripod.engine.workers.batch import PPOBatch, split_rows
 from tripod.engine.workers.lr_schedule import build_lr_scheduler
 from tripod.engine.workers.moe_config import MOE_AUX_LOSS_NAMES
-from tripod.engine.workers.packing import pack_shared_prompts, pack_thd, pack_without_padding
+from tripod.engine.workers.packing import pack_shared_prompts, pack_thd, pack_without_padding, pad_rows_to
 from tripod.parallel.arch import ModelArch
 from tripod.parallel.context_parallel import held_positions, local_slots, padded_length, split_for_cp, sum_over_cp
 from tripod.parallel.megatron_patches.gpt_model import (
@@ -197,7 +196,7 @@ class MegatronWorker:
         Returns the dicts from the last stage (one per micro-batch); [] on other stages.
         """
         from tripod.parallel.model import packed_seq_params
-        from tripod.parallel.pipeline import run_pipeline
+        from tripod.parallel.pipeline import run_pipeline, variable_shapes
 
         dev = self.device
         mbs = [PPOBatch(to_device(mb.tensors, dev), mb.meta) for mb in microbatches]
@@ -220,7 +219,7 @@ class MegatronWorker:
         elif sp_tp > 1:  # megatron splits the sequence evenly over TP
             seqs = [-(-seq // sp_tp) * sp_tp for seq in seqs]
         for i, (mb, p) in enumerate(zip(mbs, packs)):
-            mbs[i] = _pad_to(mb, seqs[i]) if p is None else mb
+            mbs[i] = pad_rows_to(mb, seqs[i]) if p is None else mb
             mbs[i].packed = p.padded_to(seqs[i]) if p is not None else None
         causal = {seq: torch.ones(seq, seq, dtype=torch.bool, device=dev).triu(1)[None, None] for seq in set(seqs)}
 
@@ -263,7 +262,7 @@ class MegatronWorker:
                 self.optimizer.zero_grad()
         shapes = {(mb.packed.input_ids.shape[0] if mb.packed is not None else mb.size, seq) for mb, seq in zip(mbs, seqs)}
         rows, seq = max(shapes)
-        with _variable_shapes(self.model, self.layout.pp > 1 and len(shapes) > 1):
+        with variable_shapes(self.model, self.layout.pp > 1 and len(shapes) > 1):
             return run_pipeline(self.model, self.layout, mbs, forward_step, forward_only=forward_only,
                                 seq_length=seq, micro_batch_size=rows)
 
@@ -387,29 +386,3 @@ class MegatronWorker:
         if lay.dp > 1:
             dist.all_reduce(t, group=lay.dp_group)
         return dict(zip(keys, t.tolist()))
-
-
-@contextlib.contextmanager
-def _variable_shapes(chunks, on: bool):
-    """megatron's `variable_seq_lengths` for one pipeline call: the stages send each activation's shape before it."""
-    from tripod.parallel.pipeline import model_config
-
-    configs = list({id(c): c for c in (model_config(chunk) for chunk in chunks)}.values()) if on else []
-    before = [c.variable_seq_lengths for c in configs]
-    for c in configs:
-        c.variable_seq_lengths = True
-    try:
-        yield
-    finally:
-        for c, b in zip(configs, before):
-            c.variable_seq_lengths = b
-
-
-def _pad_to(mb: PPOBatch, seq: int) -> PPOBatch:
-    ids = mb["input_ids"]
-    if ids.shape[1] == seq:
-        return mb
-    out = dict(mb.tensors)
-    out["input_ids"] = torch.nn.functional.pad(ids, (0, seq - ids.shape[1]))
-    out["attention_mask"] = torch.nn.functional.pad(mb["attention_mask"], (0, seq - ids.shape[1]))
-    return PPOBatch(out, mb.meta)

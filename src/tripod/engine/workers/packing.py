@@ -217,3 +217,14 @@ def _lay_out(mb: PPOBatch, groups: list[list[int]], unit_lens: list[int], rows: 
     visible = causal[None] & same_unit & sees
     visible |= torch.eye(seq, dtype=torch.bool, device=dev)[None]              # no query row is empty
     return PackedRows(input_ids, ~visible[:, None], positions, gather)
+
+
+def pad_rows_to(mb: PPOBatch, seq: int) -> PPOBatch:
+    """`mb` with input_ids and attention_mask right-padded to `seq` tokens (unpacked rows of a fixed-shape call)."""
+    ids = mb["input_ids"]
+    if ids.shape[1] == seq:
+        return mb
+    out = dict(mb.tensors)
+    out["input_ids"] = torch.nn.functional.pad(ids, (0, seq - ids.shape[1]))
+    out["attention_mask"] = torch.nn.functional.pad(mb["attention_mask"], (0, seq - ids.shape[1]))
+    return PPOBatch(out, mb.meta)
