@@ -233,12 +233,11 @@ class PPOTrainer(TrainerState):
                                        rollout.rollout_log_probs, rollout.finish_reasons, all_scores,
                                        arc.rollout.response_length, self.pad_id, shards)
             batch, rollout = batch.to(self.device), None  # the rollout's rows live on in the batch only
-            replay = arc.actor.router_replay.mode
-            if arc.rollout.enable_rollout_routing_replay and self.arch.moe is not None:  # the rollout's experts per token, laid out as the rows
-                routing_bytes = attach_rollout_routing(
-                    batch, gather_rollout_routing(self.weight_sync.last_routed, self.hybrid.plan.rollout_tp_groups,
-                                                  self.arch.moe),
-                    shards.rows if shards is not None else range(batch.size), self.arch.moe)
+            replay, moe = arc.actor.router_replay.mode, self.arch.moe
+            routing_bytes = attach_rollout_routing(  # the rollout's experts per token, laid out as the rows
+                batch, gather_rollout_routing(self.weight_sync.last_routed, self.hybrid.plan.rollout_tp_groups, moe),
+                shards.rows if shards is not None else range(batch.size), moe) \
+                if arc.rollout.enable_rollout_routing_replay and moe is not None else None
             mask = batch["response_mask"]
             with timer("reward"):
                 token_rewards = torch.zeros_like(mask)
@@ -265,7 +264,7 @@ class PPOTrainer(TrainerState):
                         token_budget=critic.forward_max_token_len_per_gpu if critic.use_dynamic_bsz else None)
             metrics = dict(reward_metrics)
             metrics.update(stage_metrics(self.actor))  # moe/routing_mismatch_frac (rollout vs the old-log-prob pass)
-            if arc.rollout.enable_rollout_routing_replay and self.arch.moe is not None:
+            if routing_bytes is not None:
                 metrics["moe/routed_experts_bytes"] = float(routing_bytes)  # this rank's rows
             updates = True  # False when rollout correction rejected every row: the step then updates nothing
             with timer("adv"):
