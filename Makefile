@@ -35,7 +35,7 @@ test-launch: $(STAMP)
 	bash scripts/slurm_local.sh start
 	$(BIN)/python -m pytest -q -m slurm tests/multiprocess/test_slurm.py
 
-# the GPU bundle's wheels built and installed offline into a fresh venv, and the GPU check's CPU dry run (~3 min)
+# the GPU bundle's wheels installed offline into a fresh venv with the GPU box's versions, and the GPU check's CPU dry run (~4 min)
 test-gpu-bundle: $(STAMP)
 	$(BIN)/python -m pytest -q -m bundle tests/multiprocess/test_gpu_check.py
 

@@ -19,7 +19,8 @@ the same code runs on both and what it does is observable on CPU:
   plan          the bytes released per kind equal the memory plan's (parallel/memory_phases.py kind_bytes of
                 parallel/memory_plan.py ModelMemory), up to megatron's padding with the distributed optimizer
 Cases: the actor in bf16 / fp32, with and without the distributed optimizer (param_offload without it moves each
-parameter's own storage), and the frozen reference. Prints one `OFFLOAD <json>` line per case.
+parameter's own storage), and the frozen reference. Prints one `OFFLOAD <json>` line per case, then one `DISTOPT <json>` line per
+dtype: the largest difference between the parameters after two updates with and without the distributed optimizer.
 
 TRIPOD_TEST_OFFLOAD_CASES=<case,...> runs only those cases. TRIPOD_TEST_OFFLOAD_PLANT=<bug> plants one bug in the
 movers, to show the checks fail:
@@ -42,6 +43,7 @@ import torch.distributed as dist
 from tests.helpers.common import dist_worker
 from tests.helpers.ppo_setup import random_ppo_batch
 
+FINAL: dict[str, list[torch.Tensor]] = {}  # each case's parameters after its two updates (the distributed optimizer check)
 PHASES = ["rollout", "old_log_prob", "ref", "values", "update_critic", "update_actor", "checkpoint"]
 
 
@@ -246,6 +248,7 @@ def run_case(name, hf_dir, arch, layout, batch, dtype, dist_opt, trainable, cuda
     for k, n in released.items():
         assert 0 < plan[k] <= n <= plan[k] + bound[k], \
             f"{name}: {k} released {n} bytes, the memory plan says {plan[k]} (+ at most {bound[k]} of padding)"
+    FINAL[name] = [t.detach().double().cpu() for t in twin_kinds.of("params")]  # the twin: never offloaded
     return {"case": name, "released": released, "plan": {k: plan[k] for k in released},
             "padding": {k: bound[k] for k in released}, **stats}
 
@@ -285,6 +288,12 @@ def main() -> None:
                        dist_opt, trainable, cuda)
         if dist.get_rank() == 0:
             print("OFFLOAD " + json.dumps({"device": "cuda" if cuda else "cpu", **out}), flush=True)
+    for dtype in ("bf16", "fp32"):  # the distributed optimizer against megatron's plain one: the same updates
+        on, off = FINAL.get(f"actor_{dtype}_distopt"), FINAL.get(f"actor_{dtype}_plain")
+        if on and off and dist.get_rank() == 0:
+            diff = max((a - b).abs().max().item() for a, b in zip(on, off))
+            print("DISTOPT " + json.dumps({"dtype": dtype, "params": len(on), "max_abs_diff": diff,
+                                           "max_abs": max(t.abs().max().item() for t in off)}), flush=True)
 
 
 def run_on_cuda(fn) -> None:
