@@ -170,8 +170,8 @@ ROWS = {
                                  "tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size"),
     "cp_with_transformer_engine": (["actor_rollout_ref.actor.megatron.context_parallel_size=2",
                                     "actor_rollout_ref.actor.megatron.use_te=true", "trainer.n_gpus_per_node=2"],
-                                   LOCAL, "actor_rollout_ref.actor.megatron.context_parallel_size=2 runs tripod's "
-                                   "all-gather CP attention on the local spec"),
+                                   LOCAL, "actor_rollout_ref.actor.megatron.context_parallel_size=2 with use_te=true "
+                                   "runs Transformer Engine's CP attention, which needs TE and CUDA"),
     "mini_batch_not_dividing": (["actor_rollout_ref.actor.ppo_mini_batch_size=3"], LOCAL, "ppo_mini_batch_size"),
     "rollout_tp_not_dividing": (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], LOCAL,
                                 "tensor_model_parallel_size"),

@@ -77,3 +77,21 @@ def test_triton_logprobs_on_cuda_split_vocab():
     for a, c in zip(tri if isinstance(tri, tuple) else (tri,), ref if isinstance(ref, tuple) else (ref,)):
         if a is not None:  # fp32 ieee dots on both sides: reduction order only
             torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+
+
+def test_unpacked_rows_take_the_flash_kernel_on_cuda():
+    """Causal rows without a mask and grouped-query heads run in SDPA's flash kernel (sdpa_kernel allows only flash:
+    torch raises if the inputs are not flash-eligible) and equal the masked path (bf16: 2e-2, as above); the masked
+    path runs too, through whichever fused kernel takes it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tripod.parallel.sdpa_attention import causal_mask, sdpa_core_attention
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    s, b = 256, 2
+    q, k, v = (torch.randn(s, b, h, 64, device="cuda", generator=g, dtype=torch.bfloat16) for h in (8, 2, 2))
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        flash = sdpa_core_attention(q, k, v, None, 64 ** -0.5).float()
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        masked = sdpa_core_attention(q, k, v, causal_mask(s, "cuda"), 64 ** -0.5).float()
+    torch.testing.assert_close(flash, masked, rtol=2e-2, atol=2e-2)

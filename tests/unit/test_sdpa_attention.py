@@ -7,7 +7,8 @@ no [b, heads, s, s] activations, with the memory plan counting what it keeps.
   context-parallel rank's part (its 6 query rows of 12, every key). Bound 1e-5: fp32 (eps 1.2e-7)
   softmax and two matmuls over <= 16-element reductions differ by reduction order only, a few ulps at these scales.
 * The bytes autograd saves for one SDPA core attention on CPU (torch's fused CPU kernel, like CUDA's memory-efficient
-  one) equal memory_plan.fused_attention_saved_bytes exactly, in fp32 and bf16.
+  one) equal memory_plan.fused_attention_saved_bytes exactly, in fp32 and bf16, with a mask and without (causal
+  rows), K / V at their group count (SDPA's grouped-query attention).
 * `tripod plan` of the Qwen3-30B-A3B recipe (trainer.device=cuda) counts the fused attention: less than half the
   activations of the materialising one at its 1.5k-token sequences. On CPU (tripod's defaults) the plan counts the
   fused attention too for a non-MLA model (Qwen2.5-0.5B), and megatron's materialising one for an MLA model
@@ -84,15 +85,16 @@ def test_sdpa_core_attention_matches_megatrons():
     assert proc.returncode == 0 and "SDPA_MATCHES_MEGATRON" in proc.stdout, proc.stdout[-3000:]
 
 
+@pytest.mark.parametrize("masked", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sdpa_saved_bytes_are_the_planned_ones(dtype):
+def test_sdpa_saved_bytes_are_the_planned_ones(dtype, masked):
     from tripod.parallel.memory_plan import fused_attention_saved_bytes
     from tripod.parallel.sdpa_attention import sdpa_core_attention
 
     s, b, a, groups, d = 64, 2, 4, 2, 16
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(s, b, h, d, generator=g).to(dtype).requires_grad_() for h in (a, groups, groups))
-    mask = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None].expand(b, 1, s, s).clone()
+    mask = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None].expand(b, 1, s, s).clone() if masked else None
     storages: dict[int, int] = {}
 
     def pack(t):
@@ -102,7 +104,7 @@ def test_sdpa_saved_bytes_are_the_planned_ones(dtype):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         sdpa_core_attention(q, k, v, mask, d ** -0.5)
     e = torch.empty((), dtype=dtype).element_size()
-    assert sum(storages.values()) == fused_attention_saved_bytes(b, s, a, d, e)
+    assert sum(storages.values()) == fused_attention_saved_bytes(b, s, a, d, e, kv_heads=groups, mask=masked)
     assert all(t != b * a * s * s * 4 for t in storages.values())  # no fp32 [b, a, s, s] probabilities among them
 
 

