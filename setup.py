@@ -21,6 +21,7 @@ setup(
         "transformers>=5,<6",
         "safetensors",
         "omegaconf",
+        "pydantic>=2",  # engine/agent: verl's OpenAI tool-schema models
         "pyarrow",
         "tensorboard",
         "rich",
