@@ -68,8 +68,9 @@ def schemas() -> list[tuple[str, type]]:
     """(command, root dataclass) of every recipe schema the docs cover."""
     from tripod.engine.config import TripodConfig
     from tripod.engine.reward_training.config import RMTrainConfig
+    from tripod.engine.sft.config import SFTConfig
 
-    return [("tripod train", TripodConfig), ("tripod train-rm", RMTrainConfig)]
+    return [("tripod train", TripodConfig), ("tripod train-rm", RMTrainConfig), ("tripod train-sft", SFTConfig)]
 
 
 def undocumented() -> list[str]:
@@ -113,8 +114,14 @@ def render() -> str:
     rm_defaults = OmegaConf.to_container(OmegaConf.structured(RMTrainConfig), resolve=False)
     rm = ["", "## `tripod train-rm RECIPE`: reward-model training (Bradley-Terry)", "",
           "The recipe schema of `tripod train-rm` (engine/reward_training/config.py; docs/reward_model.md)."]
+    from tripod.engine.sft.config import SFTConfig
+
+    sft = ["", "## `tripod train-sft RECIPE`: supervised fine-tuning on chat rows", "",
+           "The recipe schema of `tripod train-sft` (engine/sft/config.py; every key with its default: "
+           "recipes/sft/defaults.yaml)."]
+    sft_defaults = OmegaConf.to_container(OmegaConf.structured(SFTConfig), resolve=False)
     return "\n".join(lines + _section(TripodConfig, "", defaults, 2) + rm
-                     + _section(RMTrainConfig, "", rm_defaults, 3)) + "\n"
+                     + _section(RMTrainConfig, "", rm_defaults, 3) + sft + _section(SFTConfig, "", sft_defaults, 3)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

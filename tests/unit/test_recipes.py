@@ -1,5 +1,5 @@
 """The shipped recipes: every YAML under recipes/ loads and passes the config checks (a `tripod train-rm` recipe,
-named `*reward-model.yaml`, against train-rm's schema), and the Qwen3-8B dense recipe plans to fit one 8 x 80 GB node
+named `*reward-model.yaml`, against train-rm's schema; a `tripod train-sft` one, `*-sft.yaml`, against train-sft's), and the Qwen3-8B dense recipe plans to fit one 8 x 80 GB node
 with the architecture from recipes/model_configs/ (no weights, no hub), its parameter rows checked against an
 independent count."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ from tests.helpers.common import REPO_ROOT
 
 ALL = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "recipes").rglob("*.yaml") if p.name != "defaults.yaml")
 RM_RECIPES = [r for r in ALL if r.endswith("reward-model.yaml")]  # tripod train-rm's (engine/reward_training/config.py)
-RECIPES = [r for r in ALL if r not in RM_RECIPES]
+SFT_RECIPES = [r for r in ALL if r.endswith("-sft.yaml")]  # tripod train-sft's (engine/sft/config.py)
+RECIPES = [r for r in ALL if r not in RM_RECIPES + SFT_RECIPES]
 # what a recipe leaves to the machine it runs on: its data files and model directory (missing here, or given on the
 # command line by the script that runs the recipe: scripts/demo.py, `tripod bench`)
 ENVIRONMENT = ("does not exist", "has no config.json", "is empty", "is not set")
@@ -37,6 +38,19 @@ def test_every_train_rm_recipe_loads_and_validates(recipe):
     from tripod.engine.reward_training.config import load_rm_config
 
     cfg = load_rm_config(str(REPO_ROOT / recipe), [])
+    try:
+        cfg.check(cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes)
+    except ConfigError as e:
+        problems = [p for p in str(e).split("\n  - ")[1:] if not any(s in p for s in ENVIRONMENT)]
+        assert problems == [], problems
+
+
+@pytest.mark.parametrize("recipe", SFT_RECIPES)
+def test_every_train_sft_recipe_loads_and_validates(recipe):
+    from tripod.engine.config_loading import ConfigError
+    from tripod.engine.sft.config import load_sft_config
+
+    cfg = load_sft_config(str(REPO_ROOT / recipe), [])
     try:
         cfg.check(cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes)
     except ConfigError as e:

@@ -4,6 +4,7 @@
     tripod export CKPT_DIR HF_DIR [--tp --pp --ep --etp]          tripod checkpoint -> safetensors + config.json (export.py)
     tripod train RECIPE [key=value ...]           PPO training (train.py)
     tripod train-rm RECIPE [key=value ...]        reward-model training on preference pairs (train_rm.py)
+    tripod train-sft RECIPE [key=value ...]       supervised fine-tuning on chat rows (train_sft.py)
     tripod plan RECIPE|MODEL [key=value ...] [--per-rank] [--gpu-memory-gb G]   resharding + memory plan (plan.py)
     tripod bench RECIPE [key=value ...] --steps N --out DIR [--baseline trl hf]   throughput vs peers (bench.py)
     tripod report RUN_DIR [--out PNG]             dashboard PNG + health verdict from metrics.jsonl (report.py)
@@ -30,6 +31,7 @@ from tripod.engine.cli.plan import add_plan_command
 from tripod.engine.cli.report import add_report_command
 from tripod.engine.cli.train import add_train_command
 from tripod.engine.cli.train_rm import add_train_rm_command
+from tripod.engine.cli.train_sft import add_train_sft_command
 from tripod.engine.launch import (
     USER_ERRORS,
     CommandFailed,
@@ -43,8 +45,8 @@ from tripod.parallel.megatron_patches import apply_megatron_patches
 NONZERO_RANK_EXIT_GRACE_S = 30.0
 
 SUBCOMMANDS: list[Callable[[Any], None]] = [add_convert_command, add_export_command, add_train_command,
-                                             add_train_rm_command, add_plan_command, add_bench_command,
-                                             add_report_command]
+                                             add_train_rm_command, add_train_sft_command, add_plan_command,
+                                             add_bench_command, add_report_command]
 
 
 def build_parser() -> argparse.ArgumentParser:

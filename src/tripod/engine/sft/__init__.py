@@ -1,0 +1,1 @@
+"""Supervised fine-tuning (`tripod train-sft`): config schema, chat-row data with assistant masks, the SFT loop."""
