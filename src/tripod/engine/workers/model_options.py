@@ -3,6 +3,7 @@ section. Shared by the PPO trainer (actor, critic, reference, reward model) and 
 from __future__ import annotations
 
 from tripod.engine.precision import resolve_precision
+from tripod.engine.workers.lora_options import lora_settings, reference_pass  # noqa: F401 (reference_pass re-exported)
 from tripod.engine.workers.moe_config import moe_config_overrides
 from tripod.parallel.layout import ParallelLayout
 
@@ -20,9 +21,11 @@ def layout_of(m, name: str, arch) -> ParallelLayout:
                           last_stage_layers=m.num_layers_in_last_pipeline_stage)
 
 
-def model_options(m, layout: ParallelLayout, key: str, arch, trainable: bool = True, optimizer: str = "adam") -> dict:
+def model_options(m, layout: ParallelLayout, key: str, arch, trainable: bool = True, optimizer: str = "adam",
+                  lora=None) -> dict:
     """Worker keyword arguments from the `{key}.megatron` config section: precision, sequence parallel, virtual
-    stages, the MoE router's load balancing."""
-    return dict(sequence_parallel=m.sequence_parallel, virtual_pipeline_size=m.virtual_pipeline_model_parallel_size,
+    stages, the MoE router's load balancing; `lora`: the model's `model.lora` section (its adapters, if rank > 0)."""
+    extra = {"lora": lora_settings(lora, key.split(".")[0] + ".model.lora", m.seed)} if lora is not None else {}
+    return dict(**extra, sequence_parallel=m.sequence_parallel, virtual_pipeline_size=m.virtual_pipeline_model_parallel_size,
                 precision=resolve_precision(m, layout.dp * layout.cp, trainable, optimizer), use_te=m.use_te,
                 config_overrides=moe_config_overrides(m, arch, key))

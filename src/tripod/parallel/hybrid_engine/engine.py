@@ -24,7 +24,11 @@ def train_shard_from_model(model, layout, arch: ModelArch, plan: ReshardPlan) ->
 
     `model` is the actor's GPTModel or its list of virtual-pipeline chunks (DDP-wrapped or not)."""
     wanted = {s.name for s in plan.owned_specs(_global_rank()) + plan.owned_expert_specs(_global_rank())}
-    shard = {name: p.data for name, p in global_params(model).items() if name in wanted}
+    params = global_params(model)
+    shard = {name: p.data for name, p in params.items() if name in wanted}
+    if any(".lora." in name for name in params):  # LoRA: the rollout gets W + scale * B @ A (parallel/lora/merge.py)
+        from tripod.parallel.lora.merge import merge_into_shard
+        shard = merge_into_shard(model, shard, {id(p): name for name, p in params.items()})
     missing = sorted(wanted - set(shard))
     if missing:
         raise ValueError(f"actor model on rank {_global_rank()} lacks parameters the rollout needs: {missing[:6]}")
@@ -90,6 +94,10 @@ class HybridEngine:
         p = self.plan
         same_experts = not p.expert_specs or (p.ep == 1 and (p.etp or p.tp) == p.tp)
         dtypes = p.generation_dtypes()
+        from tripod.parallel.convert import model_chunks
+        from tripod.parallel.lora import lora_adapters
+        if any(True for _ in lora_adapters(model_chunks(model))):  # merged LoRA weights are new tensors, not views
+            return False
         return p.pp == 1 and p.tp == p.rollout_tp and same_experts and all(
             t.dtype == dtypes[n] for n, t in train_shard_from_model(model, self.layout, self.arch, p).items())
 

@@ -1,0 +1,86 @@
+"""torchrun worker (2 ranks, EP2 x DP2): LoRA on a tiny Qwen3-MoE's experts (one adapter per expert, on its EP rank)
+and on its dense MLP layer, against the HF model with the adapters merged into its weights (float64 merge).
+
+argv: case.pt from the pytest side: hf_dir, input_ids (DP rank 1 takes them flipped), the merged model's logits of
+both batches, the loss weights, the adapters (peft names) and the adapters' expected gradients of the DP-mean loss.
+Through megatron's DDP (expert adapters reduced over the expert-data-parallel group only, like the experts).
+Prints `LORA_MOE_LOGITS rank <r> maxdiff <x>`, `LORA_MOE_GRAD rank <r> maxrel <x>` and, with the expert adapters
+marked as dense parameters (DDP then averages different experts' gradients over DP), `PLANTED_MOE rank <r> maxrel`.
+"""
+import sys
+
+import torch
+
+from tests.helpers.common import dist_worker
+
+
+def _build(case, layout, plant: bool):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from tripod.parallel.arch import arch_from_hf
+    from tripod.parallel.convert import load_hf_weights
+    from tripod.parallel.families import get_family
+    from tripod.parallel.lora import LoraSettings, apply_lora
+    from tripod.parallel.lora.state import load_peft_state
+    from tripod.parallel.model import build_gpt_model
+
+    arch = arch_from_hf(case["hf_dir"])
+    model = build_gpt_model(arch, layout)
+    assert not load_hf_weights(model, case["hf_dir"], arch, layout)
+    adapters = apply_lora([model], arch, LoraSettings(rank=case["rank"], alpha=case["alpha"],
+                                                      target_modules=["linear_fc1", "linear_fc2"]))
+    assert sum(a.spec.expert is not None for a in adapters) == 2 * 3 * 2  # 3 MoE layers x 2 local experts x fc1/fc2
+    load_peft_state(adapters, case["adapters"], get_family(arch.family).hf_layer_prefix, "case")
+    if plant:
+        for a in adapters:
+            for p in a.parameters():
+                p.allreduce = True
+    with layout.activate():
+        ddp = DistributedDataParallel(config=model.config, module=model, pg_collection=layout.pg_collection,
+                                      ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+    model.config.finalize_model_grads_func = finalize_model_grads
+    return model, ddp, adapters, arch
+
+
+def _grad_error(adapters, grads) -> float:
+    from tripod.parallel.families import get_family
+    from tripod.parallel.lora.apply import local_piece
+    from tripod.parallel.lora.state import adapter_names
+
+    worst = 0.0
+    for a in adapters:
+        prefix = get_family("qwen3_moe").hf_layer_prefix
+        for name, (key, which) in adapter_names(a, prefix).items():
+            param = (a.lora_A if which == "A" else a.lora_B)[key]
+            want = local_piece(a, which, grads[name]).float()
+            err = ((param.main_grad - want).abs().max() / want.abs().max()).item()
+            worst = err if not err <= worst else worst
+    return worst
+
+
+def main() -> None:
+    from tests.helpers.model_forward import forward_logits
+    from tests.multiprocess.workers.lora_parity_worker import _loss_grads
+    from tripod.parallel.layout import ParallelLayout
+
+    case = torch.load(sys.argv[1])
+    layout = ParallelLayout(tp=1, pp=1, ep=2, etp=1, dp=2, ranks=[0, 1], name="EP2DP2")
+    rank = layout.dp_rank
+    ids, weight = case["input_ids"], case["weight"]
+    ref = case["ref_logits"][rank]
+    if rank == 1:
+        ids, weight = ids.flip(0), weight.flip(0)
+    for plant in (False, True):
+        model, ddp, adapters, arch = _build(case, layout, plant)
+        if not plant:
+            with torch.no_grad():
+                logits = forward_logits(model, layout, ids)
+            print(f"LORA_MOE_LOGITS rank {rank} maxdiff {(logits - ref).abs().max().item():.3e}", flush=True)
+        ddp.zero_grad_buffer()
+        _loss_grads(ddp, layout, ids, weight, arch.vocab_size)
+        what = "PLANTED_MOE" if plant else "LORA_MOE_GRAD"
+        print(f"{what} rank {rank} maxrel {_grad_error(adapters, case['grads']):.3e}", flush=True)
+
+
+if __name__ == "__main__":
+    dist_worker(main)
