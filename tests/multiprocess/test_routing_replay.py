@@ -58,3 +58,20 @@ def test_r2_is_the_trainers_own_routing(output):
     assert all(v == 0 for v in _values(output, "r2_vs_unreplayed_maxdiff").values())
     assert len(re.findall(r"^RR \S+ fp32 mismatch 0\.0 r2_vs_r3_maxdiff 0\.0$", output, re.M)) == 2, output[-3000:]
     assert all(v > 0 for v in _values(output, "router_weight_moved").values())
+
+
+def test_replay_with_expert_tensor_parallel_and_virtual_stages(tmp_path):
+    """4 ranks: ETP2 (experts split over 2 ranks that run attention as DP ranks) and PP2 with 2 virtual stages
+    (tests/multiprocess/workers/routing_replay_layouts_check.py: the checks above, the planted layer shift too)."""
+    from tests.helpers.common import run_torchrun
+
+    out = run_torchrun("routing_replay_layouts_check.py", 4, near_tied_moe_model(tmp_path, "qwen3_moe", 3),
+                       timeout=600).stdout
+    assert "RRL-OK" in out, out[-3000:]
+    for quantity, ok in (("mismatch_without_replay", lambda v: v > 0), ("mismatch_with_replay", lambda v: v == 0),
+                         ("planted_mismatch", lambda v: v > 0), ("r2_vs_unreplayed_maxdiff", lambda v: v == 0),
+                         ("router_weight_moved", lambda v: v > 0)):
+        values = _values(out, quantity)
+        assert set(values) == {("qwen3_moe", "ETP2"), ("qwen3_moe", "VPP2")} and all(map(ok, values.values())), \
+            (quantity, values)
+

@@ -7,7 +7,8 @@ trained 3 steps in bf16 (actor and embedded rollout) with the rollout recording 
   onpolicy one mini-batch without KL in reward: no old-log-prob pass, the update's forward is measured
 each step logging the mismatch fraction, `moe/routed_experts_bytes` and the rollout/trainer log-prob gap
 (`rollout_corr/abs_diff_mean`, the old-log-prob pass against the rollout's). The config checks refuse R3 without the
-rollout's record and replay under full recomputation. Prints `RRT <run> step=<k> <metric>=<value>` lines
+rollout's record and replay under full recomputation. R3 also where the record travels with the rollout ranks' queued
+batches and under dynamic sampling (the kept rows' records). Prints `RRT <run> step=<k> <metric>=<value>` lines
 (bench/RESULTS.md quotes them)."""
 import os
 
@@ -75,22 +76,74 @@ def test_replay_in_training(runs):
     assert runs["onpolicy"][0]["moe/routing_mismatch_frac"] == runs["measure"][0]["moe/routing_mismatch_frac"]
 
 
+OWN_RANKS = ["rollout.nnodes=1", "rollout.n_gpus_per_node=1", "async_training.require_batches=2"]  # mini-batch 2
+DAPO = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+        "algorithm.filter_groups.max_num_gen_batches=8", "reward_model.num_workers=1"]
+
+
+@pytest.mark.dist
+def test_replay_with_the_rollout_on_its_own_ranks_and_dynamic_sampling(tmp_path):
+    """The record travels in the rollout ranks' queued ScoredBatch and dynamic sampling keeps groups of several
+    generation batches (tests/helpers/dapo_reward.py: odd answers keep their group), staleness 0:
+      own          R3, 2 trainer ranks + 1 rollout rank: the mismatch is 0 every step
+      measure      no replay (1 + 1 ranks): the trainer's own routing against the record that came with its rows,
+                   bf16 flips only (a record of other rows would differ in most tokens)
+    Planted, each must show: layer i's ids replayed into layer i+1 under R3 (TRIPOD_PLANT_REPLAY_LAYER_SHIFT);
+    dynamic sampling keeping the first rows' records instead of the kept rows' (train_with_hooks.py's
+    routing_rows_not_kept), which R3's own mismatch cannot see (it compares the routers with the ids they were
+    given), the measured one does."""
+    from tests.helpers import dapo_reward
+    from tripod.engine.data import make_arithmetic_rows, write_prompt_parquet
+
+    setup = make_ppo_setup(tmp_path, family="qwen3_moe", max_digits=1)
+    _near_tie(setup["model"])
+    rows = make_arithmetic_rows(32, seed=0, max_digits=1, instruction="Answer as #### N.")
+    for row in rows:
+        row["data_source"] = dapo_reward.DATA_SOURCE
+    setup["train"] = str(tmp_path / "train_odd.parquet")
+    write_prompt_parquet(rows, setup["train"])
+    common = ["actor_rollout_ref.actor.megatron.param_dtype=bf16", "actor_rollout_ref.rollout.dtype=bf16",
+              "actor_rollout_ref.rollout.enable_rollout_routing_replay=true", "data.max_response_length=8",
+              "trainer.val_before_train=false", "trainer.test_freq=-1", "algorithm.adv_estimator=grpo",
+              *OWN_RANKS, *DAPO]
+    runs = {"own": (2, "R3"), "own_planted": (1, "R3"), "measure": (1, "disabled"), "measure_planted": (1, "disabled")}
+    dirs = {name: str(tmp_path / name) for name in runs}
+    train_together({name: tiny_overrides(setup, dirs[name], world=world, steps=2) + common +
+                    [f"actor_rollout_ref.actor.router_replay.mode={mode}"] for name, (world, mode) in runs.items()},
+                   str(tmp_path), run_envs={"own_planted": {"TRIPOD_PLANT_REPLAY_LAYER_SHIFT": "1"},
+                                            "measure_planted": {"TRIPOD_TEST_PLANT": "routing_rows_not_kept"}})
+    out = {name: [m for m in metrics(d) if "moe/routed_experts_bytes" in m] for name, d in dirs.items()}
+    for name, steps in out.items():
+        for m in steps:
+            print(f"RRT {name} step={m['step']} " + " ".join(
+                f"{k}={m[k]:.6g}" for k in ("moe/routing_mismatch_frac", "rollout_corr/abs_diff_mean",
+                                            "moe/routed_experts_bytes", "train/num_gen_batches") if k in m))
+        assert len(steps) == 2 and all(m["moe/routed_experts_bytes"] > 0 for m in steps), (name, steps)
+        # groups were dropped and batches drawn again: kept rows of several generation batches
+        assert sum(m["train/num_gen_batches"] for m in steps) > 2, (name, steps)
+    frac = {name: [m["moe/routing_mismatch_frac"] for m in steps] for name, steps in out.items()}
+    assert frac["own"] == [0, 0] and all(v > 0 for v in frac["own_planted"]), frac
+    # bf16 flips measured 0.004-0.012 of the tokens; the planted misaligned record 0.10-0.25 (the arithmetic prompts
+    # share most of their tokens, which route alike in any row)
+    assert all(planted > 0.05 >= clean for clean, planted in zip(frac["measure"], frac["measure_planted"])), frac
+
+
 def test_config_refuses_what_replay_cannot_do():
     from types import SimpleNamespace as NS
 
     from tripod.parallel.router_replay import replay_problems
 
-    def cfg(mode, record, recompute=None, name="embedded", filter_groups=False, separate=False):
+    def cfg(mode, record, recompute=None, name="embedded", multi_turn=False):
         actor = NS(router_replay=NS(mode=mode), megatron=NS(recompute_granularity=recompute))
-        rollout = NS(enable_rollout_routing_replay=record, name=name)
-        return NS(actor_rollout_ref=NS(actor=actor, rollout=rollout),
-                  algorithm=NS(filter_groups=NS(enable=filter_groups)), separate_rollout=separate)
+        rollout = NS(enable_rollout_routing_replay=record, name=name, multi_turn=NS(enable=multi_turn))
+        return NS(actor_rollout_ref=NS(actor=actor, rollout=rollout))
 
     assert replay_problems(cfg("R3", True)) == [] and replay_problems(cfg("R2", False)) == []
     assert "enable_rollout_routing_replay" in replay_problems(cfg("R3", False))[0]
     assert "recompute_granularity" in replay_problems(cfg("R2", False, "full"))[0]
     assert "one of disabled, R2, R3" in replay_problems(cfg("R4", False))[0]
     assert "rollout.name=vllm" in replay_problems(cfg("R3", True, name="vllm"))[0]
-    assert "filter_groups" in replay_problems(cfg("disabled", True, filter_groups=True))[0]
+    assert replay_problems(cfg("R3", True, name="sglang")) == []  # SGLang's return_routed_experts
+    assert "multi_turn" in replay_problems(cfg("disabled", True, multi_turn=True))[0]
     from tripod.parallel.router_replay import routing_dtype
     assert routing_dtype(254) == torch.uint8 and routing_dtype(255) == torch.int16 and routing_dtype(256) == torch.int16

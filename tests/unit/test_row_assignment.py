@@ -15,10 +15,12 @@ from tests.unit.test_token_budget import _batch
 from tripod.engine.workers import ppo_workers
 from tripod.engine.workers.batch import BatchShard, RowLengths, split_rows
 
+DENSE = SimpleNamespace(config=SimpleNamespace(num_moe_experts=None))  # a dense model: no token exchange
+
 
 def _worker(dp: int, dp_rank: int, pack: bool) -> SimpleNamespace:
     return SimpleNamespace(share_prompt_prefix=pack, can_pack=True, model=[None], remove_padding=False,
-                           layout=SimpleNamespace(pp=1, dp=dp, dp_rank=dp_rank),
+                           layout=SimpleNamespace(pp=1, dp=dp, dp_rank=dp_rank), module=DENSE, device=torch.device("cpu"),
                            dp_rows=lambda n: split_rows(n, dp)[dp_rank])
 
 

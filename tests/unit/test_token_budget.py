@@ -16,7 +16,8 @@ from tripod.engine.workers.batch import build_ppo_batch
 def _worker(pack: bool, pp: int = 1, chunks: int = 1, dp: int = 1, dp_rank: int = 0,
             remove_padding: bool = False) -> SimpleNamespace:
     return SimpleNamespace(share_prompt_prefix=pack, can_pack=True, model=[None] * chunks, remove_padding=remove_padding,
-                           layout=SimpleNamespace(pp=pp, dp=dp, dp_rank=dp_rank))
+                           layout=SimpleNamespace(pp=pp, dp=dp, dp_rank=dp_rank), device=torch.device("cpu"),
+                           module=SimpleNamespace(config=SimpleNamespace(num_moe_experts=None)))  # dense: no token exchange
 
 
 def _batch(seed: int, prompts: int, n: int):

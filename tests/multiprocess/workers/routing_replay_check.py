@@ -2,8 +2,8 @@
 
 argv: hf_dir ... (tiny MoE checkpoints). For each model:
   - the embedded engine generates in bf16 from an fp32 generation shard, recording every token's experts (R3);
-  - a bf16 megatron actor at EP2 (DP2), PP2 (shared-prompt packing), TP2 with sequence parallelism and DP2 with
-    padding-free packing computes (tripod runs MoE models without context parallelism) the log-probs of those rows, without replay (its routers
+  - a bf16 megatron actor at EP2 (DP2), PP2, TP2 with sequence parallelism (all three with shared-prompt packing)
+    and DP2 with padding-free packing computes (tripod runs MoE models without context parallelism) the log-probs of those rows, without replay (its routers
     choose: `moe/routing_mismatch_frac` > 0) and replaying the rollout's ids (mismatch 0, a smaller gap to the
     rollout's log-probs); its own record (R2) replayed gives its own unreplayed log-probs exactly; one update under
     replay moves the router weights (the routing weights come from the live router);
@@ -68,7 +68,7 @@ def forward(actor, batch, mode, micro=4):
     return logp, actor.routing.metrics()
 
 
-def check_layout(name, hf_dir, arch, batch, layout_kw, model, **worker_kw):
+def check_layout(name, hf_dir, arch, batch, layout_kw, model, micro=4, **worker_kw):
     from tripod.engine.config import ActorConfig, OptimConfig
     from tripod.engine.precision import PrecisionSettings
     from tripod.engine.workers.ppo_workers import PolicyWorker
@@ -76,17 +76,16 @@ def check_layout(name, hf_dir, arch, batch, layout_kw, model, **worker_kw):
     from tripod.parallel.router_replay import ROUTED_EXPERTS_KEY
 
     layout = ParallelLayout(name=name, arch=arch, **layout_kw)
-    # EP: megatron's allgather dispatcher gathers equal token counts over the EP ranks, which shared-prompt packing
-    # of different DP ranks' rows does not give (unequal packed shapes); the plain rows have one width
-    actor = PolicyWorker(name, arch, layout, hf_dir, routing_replay=True,
-                         share_prompt_prefix=layout_kw.get("ep", 1) == 1, **worker_kw,
+    # shared-prompt packing on (the default) everywhere: at EP2 the DP ranks' packed shapes differ and
+    # MegatronWorker.run pads them to one (engine/workers/moe_shapes.py)
+    actor = PolicyWorker(name, arch, layout, hf_dir, routing_replay=True, **worker_kw,
                          precision=PrecisionSettings(param_dtype=torch.bfloat16),
                          optim=OptimConfig(optimizer="sgd", lr=0.5, weight_decay=0.0, lr_warmup_steps=0),
                          grad_clip=1e9)
     say = lambda what, v: dist.get_rank() == 0 and print(f"RR {model} {name} {what} {v}", flush=True)  # noqa: E731
-    logp_free, m_free = forward(actor, batch, "record")
+    logp_free, m_free = forward(actor, batch, "record", micro)
     recorded = actor.recorded_routing
-    logp_r3, m_r3 = forward(actor, batch, "replay")
+    logp_r3, m_r3 = forward(actor, batch, "replay", micro)
     g_free, g_r3 = gap(logp_free, batch), gap(logp_r3, batch)
     say("mismatch_without_replay", m_free["moe/routing_mismatch_frac"])
     say("mismatch_with_replay", m_r3["moe/routing_mismatch_frac"])
@@ -101,7 +100,7 @@ def check_layout(name, hf_dir, arch, batch, layout_kw, model, **worker_kw):
     # R2: the pass's own record, replayed, is the pass itself (record -> batch layout -> router order round trip)
     r2 = batch.select(slice(0, batch.size))
     r2[ROUTED_EXPERTS_KEY] = recorded
-    logp_r2, m_r2 = forward(actor, r2, "replay")
+    logp_r2, m_r2 = forward(actor, r2, "replay", micro)
     diff = float(((logp_r2 - logp_free).abs() * batch["response_mask"]).max())
     say("r2_vs_unreplayed_maxdiff", diff)
     assert diff == 0.0, f"{name}: replaying the trainer's own record changed the log-probs by {diff}"
@@ -109,23 +108,23 @@ def check_layout(name, hf_dir, arch, batch, layout_kw, model, **worker_kw):
 
     # planted: layer i's ids replayed into layer i+1
     actor.routing._shift = 1
-    logp_bad, m_bad = forward(actor, batch, "replay")
+    logp_bad, m_bad = forward(actor, batch, "replay", micro)
     actor.routing._shift = 0
     say("planted_mismatch", m_bad["moe/routing_mismatch_frac"])
     say("planted_gap", gap(logp_bad, batch))
     assert m_bad["moe/routing_mismatch_frac"] > 0, f"{name}: the planted layer shift was not caught"
 
     # an update under replay: the routers still learn (their scores at the replayed experts carry the gradient)
-    routers = [p for n, p in actor.module.named_parameters() if n.endswith("router.weight")]
+    routers = [p for chunk in actor.chunks for n, p in chunk.named_parameters() if n.endswith("router.weight")]
     before = [p.detach().float().clone() for p in routers]
     upd = batch.select(slice(0, batch.size))
     upd["old_log_probs"] = logp_r3
     upd["advantages"] = torch.randn(logp_r3.shape, generator=torch.Generator().manual_seed(1)) * upd["response_mask"]
     actor.routing.mode = "replay"
-    actor.update(upd, ActorConfig(ppo_mini_batch_size=upd.size, ppo_micro_batch_size_per_gpu=4, ppo_epochs=1,
+    actor.update(upd, ActorConfig(ppo_mini_batch_size=upd.size, ppo_micro_batch_size_per_gpu=micro, ppo_epochs=1,
                                   clip_ratio_low=0.2, clip_ratio_high=0.2,
                                   use_dynamic_bsz=False), TEMP, 1)
-    moved = max(float((p.detach().float() - b).abs().max()) for p, b in zip(routers, before)) if routers else 1.0
+    moved = max(float((p.detach().float() - b).abs().max()) for p, b in zip(routers, before)) if routers else 0.0
     moved_t = torch.tensor([moved])
     dist.all_reduce(moved_t, op=dist.ReduceOp.MAX)
     say("router_weight_moved", float(moved_t))

@@ -200,6 +200,20 @@ def _rollout_dies() -> None:
     _patch(server.ScoredBatch, "to_bytes", to_bytes)
 
 
+def _routing_rows_not_kept() -> None:
+    """Dynamic sampling keeps some groups' rows, but the routed experts of the first rows (R3's record unselected)."""
+    from tripod.engine.algorithms.dynamic_sampling import Rollout
+
+    original = Rollout.groups
+
+    def groups(self, keep, n):
+        out = original(self, keep, n)
+        if self.routed_experts is not None:
+            out.routed_experts = self.routed_experts[: len(out.responses)]
+        return out
+    _patch(Rollout, "groups", groups)
+
+
 def _stale_rollout_weights() -> None:
     """The rollout ranks receive every weight version after the first but never load it (the engine keeps generating
     with the initial weights while the batches say otherwise)."""
@@ -269,7 +283,7 @@ def _slow_checkpoint_delete() -> None:
     _patch(retention, "_remove_tree", slow)
 
 
-PLANTS = {"slow_checkpoint_delete": _slow_checkpoint_delete,
+PLANTS = {"slow_checkpoint_delete": _slow_checkpoint_delete, "routing_rows_not_kept": _routing_rows_not_kept,
           "slow_checkpoint_write": _slow_checkpoint_write, "slow_decode": _slow_decode, "rollout_weights_stale": _stale_rollout_weights, "async_version_off_by_one": _version_off_by_one, "rollout_rank_dies": _rollout_dies,
           "lm_head_tp_split": _flip_lm_head_split, "pp_stage_grads": _drop_first_stage_grads,
           "expert_dp_grads": _sum_expert_dp_grads, "adam_step_shared": _share_adam_step,

@@ -3,14 +3,15 @@
 One uint8 buffer: an 8-byte length, a JSON head (everything but the tokens and log-probs: the batch number, the
 weight version of every row's tokens, the prompts' dataset rows, response lengths, finish reasons, scores, the
 reward and dynamic-sampling metrics, the rollout loader's position after the batch's prompts, the rollout's timings),
-then the tokens (int32) and the rollout log-probs (float32). JSON keeps floats exactly (Python writes the shortest
+then the tokens (int32), the rollout log-probs (float32) and, with routing replay (R3), every row's routed experts
+(engine/rollout/routing_record.py: [tokens, MoE layers, k] uint8 or int16, as recorded). JSON keeps floats exactly (Python writes the shortest
 repr that reads back to the same double) and nothing is pickled. `send_batch` / `recv_batch` move it over the data
 bridge (size first, then the buffer).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,10 +34,16 @@ class ScoredBatch:
     loader_state: dict = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     run: int = 0  # which start of the rollout made it (a divergence-guard rollback starts it again)
+    routed_experts: list[torch.Tensor] | None = None  # R3: per row [prompt + response tokens, layers, k]
 
     def to_bytes(self) -> torch.Tensor:
-        head = {k: v for k, v in asdict(self).items() if k not in ("responses", "log_probs")}
+        body = ("responses", "log_probs", "routed_experts")
+        head = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in body}
         head["lengths"] = [len(r) for r in self.responses]
+        routed = self.routed_experts
+        head["routed"] = None if routed is None else {  # per row: its token count; every row: [layers, k], dtype
+            "lens": [r.shape[0] for r in routed], "tail": list(routed[0].shape[1:]) if routed else [0, 0],
+            "dtype": str(routed[0].dtype if routed else torch.uint8).removeprefix("torch.")}
         raw = json.dumps(head).encode()
         tokens = torch.tensor([t for r in self.responses for t in r], dtype=torch.int32)
         logp = torch.cat([lp.detach().float().reshape(-1) for lp in self.log_probs]) if self.log_probs \
@@ -44,24 +51,31 @@ class ScoredBatch:
         if logp.numel() != tokens.numel():
             raise ValueError(f"batch {self.batch}: {tokens.numel()} tokens but {logp.numel()} rollout log-probs")
         size = torch.tensor([len(raw)], dtype=torch.int64)
+        experts = torch.cat([r.contiguous().view(torch.uint8).reshape(-1) for r in routed]) if routed else \
+            torch.zeros(0, dtype=torch.uint8)
         return torch.cat([size.view(torch.uint8), torch.frombuffer(bytearray(raw), dtype=torch.uint8),
-                          tokens.view(torch.uint8), logp.view(torch.uint8)])
+                          tokens.view(torch.uint8), logp.view(torch.uint8), experts])
 
     @staticmethod
     def from_bytes(buf: torch.Tensor) -> "ScoredBatch":
         n = int(buf[:8].clone().view(torch.int64))
         head = json.loads(bytes(buf[8: 8 + n].tolist()).decode())
-        lengths = head.pop("lengths")
+        lengths, routed = head.pop("lengths"), head.pop("routed")
         total = sum(lengths)
         body = buf[8 + n:].clone()
         tokens = body[: 4 * total].view(torch.int32).tolist()
-        logp = body[4 * total:].view(torch.float32)
+        logp = body[4 * total: 8 * total].view(torch.float32)
         responses, log_probs, start = [], [], 0
         for k in lengths:
             responses.append(tokens[start: start + k])
             log_probs.append(logp[start: start + k])
             start += k
-        return ScoredBatch(responses=responses, log_probs=log_probs, **head)
+        experts = None
+        if routed is not None:
+            layers, k = routed["tail"]
+            ids = body[8 * total:].view(getattr(torch, routed["dtype"])).view(-1, layers, k) if routed["lens"] else None
+            experts = list(ids.split(routed["lens"])) if ids is not None else []
+        return ScoredBatch(responses=responses, log_probs=log_probs, routed_experts=experts, **head)
 
 
 def send_batch(group, buf: torch.Tensor, dst: int) -> tuple[list, torch.Tensor]:

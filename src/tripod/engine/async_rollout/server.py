@@ -81,6 +81,7 @@ class RolloutServer:
                                           **engine_kwargs(cfg, pad, gen_dtype, self.device, None))
         if arc.rollout.name == "embedded":
             self.engine.decode_threads = arc.rollout.decode_threads
+            self.engine.record_routing = arc.rollout.enable_rollout_routing_replay  # each token's experts (R3)
         trainer_ranks = placement.trainer_ranks
         plan = reshard_plan_from_config(cfg, trainer_ranks, self.arch)
         self.weights = WeightReceiver(placement, plan, self.rank % tp, self.device)
@@ -197,8 +198,9 @@ class RolloutServer:
         from tripod.engine.rollout.weight_sync import generate_rows
 
         params = step_sampling_params(self.cfg, False, batch, gen_batch, self.mine)
+        recording = getattr(self.engine, "record_routing", False)
         return generate_rows(lambda share: self.engine.generate(share, params), prompts.input_ids, self.replicas,
-                             self.mine)
+                             self.mine, routing_of=self.arch.moe if recording else None)
 
     def _generate(self, i: int, spent: dict[str, float], start: int, switches: list) -> None:
         """Generate batch i; the scorer thread scores it (the pool's workers, or a remote judge, wait while the next
@@ -265,7 +267,8 @@ class RolloutServer:
         batch = ScoredBatch(i, versions, list(rollout.prompts.indices), rollout.responses,
                             rollout.rollout_log_probs, rollout.finish_reasons, rollout.scores, rollout.rewards,
                             rollout.penalties, metrics, loader_state,
-                            {("rollout_reward_s" if k == "reward" else k): v for k, v in spent.items()}, self.run)
+                            {("rollout_reward_s" if k == "reward" else k): v for k, v in spent.items()}, self.run,
+                            rollout.routed_experts)
         self._wait_sent()
         buf = batch.to_bytes()
         works, size = send_batch(self.placement.data, buf, 0)

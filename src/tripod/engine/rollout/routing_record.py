@@ -67,6 +67,36 @@ class RoutingRecorder:
         return out
 
 
+def from_sglang(value, tokens: int, moe: MoEArch) -> torch.Tensor:
+    """One SGLang request's routed experts in tripod's per-row layout [tokens, MoE layers, k] (`tokens`: its prompt
+    plus response tokens; ascending ids, the last token marked unrecorded as the embedded engine's record).
+
+    SGLang (server arg enable_return_routed_experts, request return_routed_experts=True) returns them in
+    meta_info["routed_experts"]: RoutedExpertsCapturer.get_routed_experts (python/sglang/srt/layers/moe/
+    routed_experts_capturer.py) reads its int32 host buffer [KV slots, num_hidden_layers, num_experts_per_tok] at the
+    request's first seqlen - 1 slots (every token but the last, which never went back through the model), and the
+    detokenizer sends those bytes base64-encoded (extract_routed_experts_from_meta_info, same file); every hidden
+    layer has a column there (a dense layer's is never written), shared experts none. A decoded array is taken too."""
+    import base64
+
+    import numpy as np
+
+    if isinstance(value, str):
+        raw = torch.from_numpy(np.frombuffer(base64.b64decode(value), dtype=np.int32).copy())
+    else:
+        raw = torch.as_tensor(np.array(value, dtype=np.int32))
+    hidden, k = len(moe.layer_is_moe), moe.topk
+    if raw.numel() != max(tokens - 1, 0) * hidden * k:
+        raise RuntimeError(f"sglang routed_experts: {raw.numel()} ids, expected (prompt + response - 1 = "
+                           f"{tokens - 1}) tokens x {hidden} layers x top-{k} (is the server's "
+                           "enable_return_routed_experts on, and the model's config the one tripod read?)")
+    moe_layers = torch.tensor([i for i, m in enumerate(moe.layer_is_moe) if m], dtype=torch.long)
+    out = torch.full((tokens, len(moe_layers), k), moe.num_experts, dtype=routing_dtype(moe.num_experts))
+    if tokens > 1:
+        out[: tokens - 1] = raw.view(tokens - 1, hidden, k)[:, moe_layers].sort(-1).values.to(out.dtype)
+    return out
+
+
 def record_bytes(rows: list[torch.Tensor]) -> int:
     """Bytes the recorded ids take (what replay adds to a step's batch before padding)."""
     return sum(r.numel() * r.element_size() for r in rows)

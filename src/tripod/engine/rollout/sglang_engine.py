@@ -21,8 +21,9 @@ Every PPO step (driven by engine/rollout/weight_sync.py's WeightSync), in slime'
                       load_format="flattened_bucket", serialised after SGLang's torch-reduction patch); the prefix
                       cache is flushed; then resume_memory_occupation(tags=[kv_cache, cuda_graph]) and
                       torch.cuda.ipc_collect() (the IPC handles' memory goes back to the pool)
-  generate(...)    -> first rank calls engine.generate(input_ids=..., return_logprob=True); the RolloutOutput is
-                      broadcast to the other ranks of the group (gloo).
+  generate(...)    -> first rank calls engine.generate(input_ids=..., return_logprob=True; with R3 also
+                      return_routed_experts=True, the engine started with enable_return_routed_experts); the
+                      RolloutOutput is broadcast to the other ranks of the group (gloo).
   release_memory() -> engine.release_memory_occupation() (weights + KV cache + CUDA graphs) for training.
 SGLang sets NCCL_CUMEM_ENABLE / NCCL_NVLS_ENABLE in the process that creates the engine; `sglang_process_env` gives
 the same values to every rank before its process group starts (engine/cli/train.py), so all ranks agree.
@@ -112,8 +113,10 @@ def sglang_sampling_params(params: SamplingParams, arch: ModelArch, row: int) ->
     return out
 
 
-def output_from_sglang(results: list[dict[str, Any]], num_prompts: int, n: int, pad_token_id: int) -> RolloutOutput:
-    """Pack SGLang's per-request result dicts (prompt-major order) into a RolloutOutput."""
+def output_from_sglang(results: list[dict[str, Any]], num_prompts: int, n: int, pad_token_id: int,
+                       requests: list[list[int]] | None = None, arch: ModelArch | None = None) -> RolloutOutput:
+    """Pack SGLang's per-request result dicts (prompt-major order) into a RolloutOutput; with `requests` (each
+    request's prompt ids) the routed experts of each row too (meta_info["routed_experts"]: routing_record.from_sglang)."""
     token_rows, logprob_rows, reasons = [], [], []
     for i, res in enumerate(results):
         meta = res["meta_info"]
@@ -127,7 +130,13 @@ def output_from_sglang(results: list[dict[str, Any]], num_prompts: int, n: int, 
         token_rows.append(ids)
         logprob_rows.append(logprobs)
         reasons.append(FINISH_STOP if kind == "stop" else FINISH_LENGTH)
-    return RolloutOutput.from_rows(token_rows, logprob_rows, reasons, num_prompts, n, pad_token_id)
+    out = RolloutOutput.from_rows(token_rows, logprob_rows, reasons, num_prompts, n, pad_token_id)
+    if requests is not None:
+        from tripod.engine.rollout.routing_record import from_sglang
+
+        out.routed_experts = [from_sglang(res["meta_info"]["routed_experts"], len(p) + len(ids), arch.moe)
+                              for res, p, ids in zip(results, requests, token_rows)]
+    return out
 
 
 def _control_group(tp_group: Any) -> tuple[Any, int]:
@@ -172,6 +181,8 @@ class SGLangRolloutEngine(RolloutEngine):
         placement = engine_placement(members, engine_index)
         self.engine = None
         self._kv_resumed = False
+        # R3: SGLang records each token's experts (server arg) and returns them per request (routing_record.from_sglang)
+        self.record_routing = bool(engine_kwargs.get("enable_return_routed_experts", False))
         if self.tp_rank == 0:
             import sglang
 
@@ -235,8 +246,11 @@ class SGLangRolloutEngine(RolloutEngine):
         if self.tp_rank == 0:
             requests = [list(p) for p in prompts for _ in range(params.n)]
             sampling = [sglang_sampling_params(params, self.arch, row) for row in range(len(requests))]
-            results = self.engine.generate(input_ids=requests, sampling_params=sampling, return_logprob=True)
-            result[0] = output_from_sglang(results, len(prompts), params.n, self.pad_token_id)
+            routed = dict(return_routed_experts=True) if self.record_routing else {}
+            results = self.engine.generate(input_ids=requests, sampling_params=sampling, return_logprob=True,
+                                           **routed)
+            result[0] = output_from_sglang(results, len(prompts), params.n, self.pad_token_id,
+                                           requests if self.record_routing else None, self.arch)
         if self.tp_size > 1:  # the other ranks wait here, on gloo, for the whole generation
             dist.broadcast_object_list(result, group=self.control_group, group_src=0)
         return result[0]

@@ -18,6 +18,7 @@ from tripod.engine.algorithms.rollout_correction import GroupReduce, mismatch_me
 from tripod.engine.data.batching import balanced_partition, split_by_token_budget
 from tripod.engine.workers.batch import BatchShard, PPOBatch, RowLengths, split_rows
 from tripod.engine.workers.megatron_worker import MegatronWorker
+from tripod.engine.workers.moe_shapes import agreed_count
 
 
 def _microbatches(batch: PPOBatch, micro: int) -> list[PPOBatch]:
@@ -68,6 +69,11 @@ def _token_budget_microbatches(worker: MegatronWorker, rows: PPOBatch, budget: i
     multiple = worker.layout.pp if len(worker.model) > 1 else 1
     while len(groups) % multiple and len(groups) < len(costs):
         groups = split_by_token_budget(costs, budget, min(len(costs), -(-len(groups) // multiple) * multiple))
+    count = agreed_count(worker.layout, bool(worker.module.config.num_moe_experts), len(groups), worker.device)
+    if count > len(groups):  # MoE layers exchanging tokens: every rank of the group runs the same count
+        if count > len(costs):  # fewer units than micro-batches: the rows alone
+            units, costs = [[i] for i in range(rows.size)], lens
+        groups = split_by_token_budget(costs, budget, min(count, len(costs)))
     row_groups = [sorted(i for u in g for i in units[u]) for g in groups]
     return [rows.select(g).trimmed() for g in row_groups], torch.tensor([i for g in row_groups for i in g])
 
