@@ -147,3 +147,11 @@ def test_stop_string_search_is_vllms():
         for new in range(1, len(text) + 1):
             theirs = check_stop_strings(text, new, stops, include_in_output=True)
             assert first_stop(text, new, stops) == (theirs[0] if theirs else None), (text, new, theirs)
+
+
+def test_multi_turn_rollout_with_vllm_trains_the_engines_tokens(tmp_path):
+    """The agent loop on the vLLM engine (tests/multiprocess/test_agent_rollout.py's checks): the ids trained are the ids
+    vLLM generated, with its log-probs, user turns masked, and the trainer's log-probs within LOGPROB_ATOL."""
+    from tests.multiprocess.test_agent_rollout import check_multi_turn_run
+
+    check_multi_turn_run(tmp_path, ("actor_rollout_ref.rollout.name=vllm",), HEAD_DIM_64, LOGPROB_ATOL)

@@ -294,6 +294,45 @@ class ModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the model's megatron linears (parallel/lora/); verl's Megatron LoRA keys (model.lora.*)."""
+    rank: int = 0
+    """Rank of each adapter; 0: off (full-parameter training). With rank > 0 the base weights are frozen (no gradient
+    buffers, no optimizer state) and only the adapters train; the actor's reference is the actor with its adapters
+    switched off (no reference model is built). verl: model.lora.rank."""
+    alpha: float = 32.0
+    """Scale numerator: adapters add alpha / rank * B @ A @ x (peft's lora_alpha). verl: model.lora.alpha."""
+    dropout: float = 0.0
+    """Dropout on an adapter's input (peft's lora_dropout; 'pre' position). verl: model.lora.dropout."""
+    target_modules: list = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    """Linears that get adapters: megatron names (linear_qkv, linear_proj, linear_fc1, linear_fc2; MLA's
+    linear_q_proj, linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj; experts' linears
+    share linear_fc1 / linear_fc2), HF names mapped through the family table (q_proj, ..., down_proj: only that part
+    of a fused linear), or all-linear. A fused linear gets one adapter per HF module, as peft does. verl:
+    model.lora.target_modules."""
+    exclude_modules: list = field(default_factory=list)
+    """Names (as in target_modules) removed from the targets. verl: model.lora.exclude_modules."""
+    merge: bool = True
+    """Send merged weights (W + alpha / rank * B @ A, computed on each training shard) to the rollout engine. Only true
+    is implemented (verl's merge: false sends adapters to a LoRA-serving vLLM). verl: model.lora.merge."""
+    adapter_path: Optional[str] = None
+    """A peft adapter directory (adapter_config.json + adapter_model.safetensors) to start from; its r and lora_alpha
+    must equal rank and alpha. null: fresh adapters (A as peft's kaiming init, B zero). verl: model.lora.adapter_path."""
+
+    def check(self, key: str) -> list[str]:
+        e = [f"{key}.rank={self.rank} must be >= 0 (0 turns LoRA off)"] if self.rank < 0 else []
+        if self.rank == 0 and self.adapter_path:
+            e.append(f"{key}.adapter_path is set but {key}.rank=0 (LoRA off); set rank to the adapter's r")
+        if self.rank > 0:
+            e += [f"{key}.alpha={self.alpha} must be > 0"] if not self.alpha > 0 else []
+            e += [f"{key}.dropout={self.dropout} must be in [0, 1)"] if not 0 <= self.dropout < 1 else []
+            e += [f"{key}.merge=false (adapters served by the rollout engine) is not implemented; set it to true"] \
+                if not self.merge else []
+            e += [f"{key}.target_modules is empty; name linears or all-linear"] if not self.target_modules else []
+        return e
+
+
+@dataclass
 class TrainedModelConfig(ModelConfig):
     """The model section of the actor (with its reference) and the critic."""
     use_remove_padding: bool = True
@@ -302,6 +341,8 @@ class TrainedModelConfig(ModelConfig):
     results up to float rounding; never more model slots than without it, fewer where prompts or responses differ in
     length (bench/RESULTS.md). Used where the attention takes an arbitrary mask (megatron's local spec); Transformer
     Engine models and MoE routers that keep token statistics run unpacked. verl: model.use_remove_padding."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of full-parameter training (rank 0: off). verl: model.lora."""
 
 
 @dataclass
@@ -443,6 +484,52 @@ class ValKwargsConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    enable: bool = False
+    """Multi-turn rollouts (engine/agent/loop.py): the model's turns, tool calls (tool_config_path) and an
+    interaction's replies (interaction_config_path) as one token sequence per response, the model's tokens exactly as
+    generated and trained (response_mask 1), tool / user turns rendered by the chat template and not trained (mask 0).
+    rollout.response_length caps the whole multi-turn response. Colocated rollout only. verl: rollout.multi_turn.enable."""
+    max_assistant_turns: Optional[int] = None
+    """Most model turns per response; null: no limit but the response length. verl: same name."""
+    max_user_turns: Optional[int] = None
+    """Most tool and user turns per response (a tool turn counts as a user turn, as in verl); null: no limit but the
+    response length. verl: same name."""
+    max_parallel_calls: int = 1
+    """Tool calls run per model turn; the turn's further calls are dropped. verl: same name."""
+    max_tool_response_length: int = 256
+    """A tool's answer is cut to this many characters (marked "(truncated)"). verl: same name."""
+    tool_response_truncate_side: str = "middle"
+    """Which part of a long tool answer is kept: left (its start), right (its end) or middle (both ends). verl: same
+    name."""
+    tool_config_path: Optional[str] = None
+    """YAML of the tools (verl's format: a `tools:` list of class_name, config, tool_schema); null: no tools.
+    verl: same name."""
+    interaction_config_path: Optional[str] = None
+    """YAML of the interactions (verl's `interaction:` list of name, class_name, config), chosen per row by
+    extra_info.interaction_kwargs.name; null: none. verl: same name."""
+    format: str = "hermes"
+    """Tool-call syntax the model writes: hermes (<tool_call>{"name": ..., "arguments": ...}</tool_call>, Qwen2.5 /
+    Qwen3 chat templates). verl: same name."""
+
+    def check(self, key: str) -> list[str]:
+        from tripod.engine.agent.hermes import FORMATS
+
+        e = _choice(f"{key}.format", self.format, FORMATS)
+        e += _choice(f"{key}.tool_response_truncate_side", self.tool_response_truncate_side, ("left", "right", "middle"))
+        e += _positive({f"{key}.max_parallel_calls": self.max_parallel_calls,
+                        f"{key}.max_tool_response_length": self.max_tool_response_length})
+        for name in ("max_assistant_turns", "max_user_turns"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                e.append(f"{key}.{name}={getattr(self, name)} must be >= 1 (or null: no limit)")
+        for name in ("tool_config_path", "interaction_config_path"):
+            path = getattr(self, name)
+            if self.enable and path and not os.path.isfile(path):
+                e.append(f"{key}.{name}={path!r} is not a file; point it at the YAML (or null)")
+        return e
+
+
+@dataclass
 class RolloutConfig:
     name: str = "embedded"
     """Generation backend (engine.rollout.ROLLOUT_NAMES): the embedded TP decoder, SGLang (CUDA) or vLLM (vllm on CUDA,
@@ -471,8 +558,9 @@ class RolloutConfig:
     decoded response keeps the string), by vLLM's rule on every backend (docs/rollout.md "Stopping"); the tokenizer is
     data.tokenizer or the model's. verl: none; NeMo-RL: policy.generation.stop_strings; slime: --rollout-stop."""
     enable_rollout_routing_replay: bool = False
-    """The rollout engine records every prompt and generated token's top-k experts per MoE layer (embedded engine,
-    colocated rollout, no dynamic sampling; engine/rollout/routing_record.py): what actor.router_replay.mode=R3
+    """The rollout engine records every prompt and generated token's top-k experts per MoE layer (embedded engine or
+    SGLang; colocated or on its own ranks, with or without dynamic sampling; not multi-turn;
+    engine/rollout/routing_record.py): what actor.router_replay.mode=R3
     replays, and what moe/routing_mismatch_frac (per MoE layer: the share of tokens whose expert set differs between
     the rollout and the old-log-prob pass, or the update's forwards in a step without that pass) is measured
     against, logged every step.
@@ -504,6 +592,8 @@ class RolloutConfig:
     """torch threads of the embedded engine's one-token decode steps (prefill keeps all threads); 0: the rank's
     threads (trainer.threads_per_rank). Decode is ~1000 small ops per token; on a CPU shared with other work, 1 thread avoids the per-op
     thread barrier that a descheduled second thread stalls (scripts/bench_generate.py measures it)."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn rollouts with tools and interactions (engine/agent/). verl: rollout.multi_turn."""
 
     def check(self, key: str = "actor_rollout_ref.rollout") -> list[str]:
         from tripod.engine.rollout import ROLLOUT_NAMES
@@ -527,7 +617,10 @@ class RolloutConfig:
             e.append(f"{key}.stop_token_ids={list(self.stop_token_ids)} must be token ids (>= 0)")
         if not all(self.stop):
             e.append(f"{key}.stop={list(self.stop)} must not contain an empty string (it would end every response)")
-        return e
+        if self.multi_turn.enable and self.enable_rollout_routing_replay:
+            e.append(f"{key}.multi_turn.enable=true with {key}.enable_rollout_routing_replay=true: a multi-turn row's "
+                     "experts come from several generate calls, which the routing record does not join; turn one off")
+        return e + self.multi_turn.check(f"{key}.multi_turn")
 
 
 @dataclass

@@ -105,7 +105,9 @@ def _async_problems(cfg: TripodConfig) -> list[str]:
     refused = [("reward_model.enable=true", cfg.reward_model.enable,
                 "the reward model scores on the trainer's ranks; use a rule reward or colocate the rollout"),
                (f"actor_rollout_ref.rollout.name={rollout.name}", rollout.name not in ("embedded", "vllm", "sglang"),
-                "use embedded, vllm or sglang")]
+                "use embedded, vllm or sglang"),
+               ("actor_rollout_ref.rollout.multi_turn.enable=true", rollout.multi_turn.enable,
+                "the agent loop runs in the colocated rollout; colocate the rollout")]
     e += [f"{key} with rollout on its own ranks (rollout.nnodes): {why}" for key, on, why in refused if on]
     partial_refused = [(f"actor_rollout_ref.rollout.name={rollout.name}", rollout.name != "embedded",
                         "only the embedded engine switches weights between two tokens; use embedded"),
@@ -136,6 +138,8 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
     e += cfg.global_profiler.check(tr.device)
     e += critic.check() if use_critic else []
     e += ref.check() if use_ref else []
+    e += arr.model.lora.check("actor_rollout_ref.model.lora") + (critic.model.lora.check("critic.model.lora")
+                                                                  if use_critic else [])
 
     if tr.n_gpus_per_node * tr.nnodes != world_size:
         e.append(f"trainer.n_gpus_per_node * trainer.nnodes = {tr.n_gpus_per_node}*{tr.nnodes} does not match the "

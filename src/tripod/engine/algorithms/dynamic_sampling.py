@@ -48,6 +48,10 @@ class Rollout:
     # None when the generator gave responses only
     rollout_log_probs: list | None = None
     finish_reasons: list[str] | None = None
+    # multi-turn: each response token's code (engine/agent/loop.py: the model's, a tool's, a user's); None: all model
+    token_codes: list | None = None
+    # MoE routing replay (R3): each row's experts per token from the rollout engine (engine/rollout/routing_record.py)
+    routed_experts: list | None = None
 
     def groups(self, keep: Sequence[int], n: int) -> "Rollout":
         """The rollout of the prompts at positions `keep`, each with its n responses (the scorer's counts stay
@@ -58,7 +62,8 @@ class Rollout:
                               extra_infos=[p.extra_infos[g] for g in keep] if p.extra_infos else [])
         pick = lambda xs: None if xs is None else [xs[i] for i in rows]  # noqa: E731
         return Rollout(prompts, pick(self.responses), pick(self.scores), pick(self.rewards), pick(self.penalties),
-                       dict(self.reward_metrics), pick(self.rollout_log_probs), pick(self.finish_reasons))
+                       dict(self.reward_metrics), pick(self.rollout_log_probs), pick(self.finish_reasons),
+                       pick(self.token_codes), pick(self.routed_experts))
 
 
 def concat(rollouts: Sequence[Rollout]) -> Rollout:
@@ -76,7 +81,8 @@ def concat(rollouts: Sequence[Rollout]) -> Rollout:
                              else join(getattr(r, field) for r in rollouts))
     return Rollout(prompts, join(r.responses for r in rollouts), join(r.scores for r in rollouts),
                    join(r.rewards for r in rollouts), join(r.penalties for r in rollouts), counts,
-                   carried("rollout_log_probs"), carried("finish_reasons"))
+                   carried("rollout_log_probs"), carried("finish_reasons"), carried("token_codes"),
+                   carried("routed_experts"))
 
 
 def metric_values(rollout: Rollout, metric: str) -> list[float]:
@@ -126,8 +132,10 @@ class DynamicSampler:
         rewards = [s + p for s, p in zip(scores, penalties)] if self.shaper.enable else list(scores)
         if isinstance(generated, list):
             return Rollout(prompts, responses, list(scores), rewards, penalties, dict(counts))
+        codes, routed = getattr(generated, "token_codes", None), getattr(generated, "routed_experts", None)
         return Rollout(prompts, responses, list(scores), rewards, penalties, dict(counts), list(generated.log_probs),
-                       list(generated.finish_reasons))
+                       list(generated.finish_reasons), None if codes is None else list(codes),
+                       None if routed is None else list(routed))
 
     def metrics_of(self, out: Rollout) -> tuple[Rollout, dict[str, float]]:
         """(a one-batch rollout, its metrics: the scorer's counts, overlong shaping)."""

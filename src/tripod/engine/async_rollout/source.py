@@ -32,16 +32,23 @@ class ColocatedRollout:
     shards_rows = True  # the exchange may leave each DP rank only the rows it updates (engine/workers/row_shards.py)
 
     def __init__(self, trainer):
+        from tripod.engine.agent.rollout import build_agent
+
         self.t = trainer
+        # multi-turn (actor_rollout_ref.rollout.multi_turn): the agent loop generates the rows, tools loaded now
+        self.agent = trainer.weight_sync.agent = build_agent(trainer.cfg, trainer.tokenizer)
 
     def next_batch(self, step: int, step_rows, timer, prompts=None) -> tuple[Rollout, dict[str, float]]:
         t = self.t
         prompts = prompts if prompts is not None else next(iter(t.loader))
         t.offload.enter("rollout")
-        return t.sampler.collect(  # dynamic sampling may draw further prompt batches
+        if self.agent is not None:
+            self.agent.take_metrics()  # a validation's turns are not this step's
+        rollout, metrics = t.sampler.collect(  # dynamic sampling may draw further prompt batches
             prompts, lambda p, k: t.weight_sync.generate_rows(p.input_ids, t.sampling_params(False, step, k), timer,
-                                                              needs=step_rows.needs(p)),
+                                                              needs=step_rows.needs(p), extra_infos=p.extra_infos),
             lambda p, responses: t.score(p, responses, t.cfg.actor_rollout_ref.rollout.n), timer)
+        return rollout, {**metrics, **(self.agent.take_metrics() if self.agent is not None else {})}
 
     def updated(self, step: int) -> dict[str, float]:
         return {}
@@ -158,7 +165,7 @@ class QueuedRollout:
         self.loader_state = b.loader_state
         prompts = self.t.train_set.batch(b.prompt_indices)
         rollout = Rollout(prompts, b.responses, b.scores, b.rewards, b.penalties, dict(b.metrics), b.log_probs,
-                          b.finish_reasons)
+                          b.finish_reasons, routed_experts=b.routed_experts)
         ages = [step - v for row, r in zip(b.versions, b.responses)  # one age per token
                 for k, (first, v) in enumerate(row) for _ in range(first, row[k + 1][0] if k + 1 < len(row) else len(r))]
         ages = ages or [step - want]
@@ -202,22 +209,35 @@ class QueuedRollout:
         self.loader_state = state["data"]
 
 
-def dump_rollout(directory: str, step: int, rollout: Rollout, versions: list[list[list[int]]]) -> None:
-    """trainer.rollout_data_dir: the step's rows as JSON lines (`directory/<step>.jsonl`), rows this rank holds."""
+def dump_rollout(directory: str, step: int, rollout: Rollout, versions: list[list[list[int]]],
+                 tokenizer: Any = None) -> None:
+    """trainer.rollout_data_dir: the step's rows as JSON lines (`directory/<step>.jsonl`), rows this rank holds: verl's
+    `input`, `output`, `gts`, `score`, `step` (texts with a `tokenizer`), the token ids, rollout log-probs and weight
+    versions, and `turns`: the conversation after the prompt as {role, text, n_tokens, trained} (engine/agent/
+    turns.py; one assistant turn for a single-turn row)."""
     import json
     import os
 
+    from tripod.engine.agent.turns import turns_of
+
     os.makedirs(directory, exist_ok=True)
     n = len(rollout.responses) // max(len(rollout.prompts.input_ids), 1)
+    decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer is not None else None
     with open(os.path.join(directory, f"{step}.jsonl"), "w") as f:
         for i, response in enumerate(rollout.responses):
             if response is None:
                 continue
             logp = rollout.rollout_log_probs[i] if rollout.rollout_log_probs else None
+            codes = rollout.token_codes[i] if rollout.token_codes else None
+            prompt = rollout.prompts.input_ids[i // n]
             f.write(json.dumps({"step": step, "row": i, "index": rollout.prompts.indices[i // n],
-                                "prompt_ids": rollout.prompts.input_ids[i // n], "response_ids": list(response),
+                                "input": decode(prompt) if decode else None,
+                                "output": decode(list(response)) if decode else None,
+                                "gts": rollout.prompts.ground_truths[i // n],
+                                "prompt_ids": prompt, "response_ids": list(response),
                                 "rollout_log_probs": None if logp is None else logp.tolist(),
-                                "score": rollout.scores[i], "weight_versions": versions[i]}) + "\n")
+                                "score": rollout.scores[i], "weight_versions": versions[i],
+                                "turns": turns_of(list(response), codes, decode)}) + "\n")
 
 
 def _broadcast_bytes(buf: torch.Tensor | None) -> torch.Tensor:

@@ -8,7 +8,8 @@ Owns the three parts of that move, each usable alone:
   replica's size), so its TP ranks share the sending. `check_plan` states those rules and raises on a broken plan.
 - the wire format (`pack_rows` / `unpack_rows`): one flat uint8 buffer per message, in this order: the rows' rollout
   log-probs (float32, concatenated), their tokens (int16 when the replica's largest token id fits, else int32),
-  one finish-reason code per row (uint8). The receiver knows the rows' lengths already (`exchange_rollout` shares
+  one finish-reason code per row (uint8), and for a multi-turn rollout each token's code (uint8: who wrote it,
+  engine/agent/loop.py). The receiver knows the rows' lengths already (`exchange_rollout` shares
   every replica's lengths first, a few bytes a row), so nothing else travels and nothing is pickled.
 - `exchange_rollout`: one small all_gather of every replica's lengths and largest token id, then which rows each
   rank needs (every row, or, where the caller's `needs(lengths)` names this rank's rows, a one-byte-a-row all_gather
@@ -96,47 +97,57 @@ def token_dtype(max_token_id: int) -> torch.dtype:
 
 
 def pack_rows(responses: Sequence[Sequence[int]], log_probs: Sequence[torch.Tensor], finish_reasons: Sequence[str],
-              tokens_as: torch.dtype) -> torch.Tensor:
-    """Rows -> one uint8 buffer: log-probs float32, tokens `tokens_as`, finish codes uint8 (see the module docstring)."""
+              tokens_as: torch.dtype, token_codes: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """Rows -> one uint8 buffer: log-probs float32, tokens `tokens_as`, finish codes uint8, then each token's code
+    (uint8) when `token_codes` is given (see the module docstring)."""
     flat = [t for r in responses for t in r]
     logp = torch.cat([lp.detach().float().cpu().reshape(-1) for lp in log_probs]) if log_probs else torch.zeros(0)
     if logp.numel() != len(flat):
         raise ValueError(f"{len(flat)} tokens but {logp.numel()} rollout log-probs")
     tokens = torch.tensor(flat, dtype=torch.int64).to(tokens_as)
     codes = torch.tensor([FINISH_CODES[f] for f in finish_reasons], dtype=torch.uint8)
-    return torch.cat([logp.contiguous().view(torch.uint8), tokens.view(torch.uint8), codes])
+    parts = [logp.contiguous().view(torch.uint8), tokens.view(torch.uint8), codes]
+    if token_codes is not None:
+        parts.append(torch.cat([c.to(torch.uint8).cpu().reshape(-1) for c in token_codes]) if token_codes
+                     else torch.zeros(0, dtype=torch.uint8))
+        if parts[-1].numel() != len(flat):
+            raise ValueError(f"{len(flat)} tokens but {parts[-1].numel()} token codes")
+    return torch.cat(parts)
 
 
-def message_bytes(lengths: Sequence[int], tokens_as: torch.dtype) -> int:
-    """Size of `pack_rows` of rows with these response lengths."""
+def message_bytes(lengths: Sequence[int], tokens_as: torch.dtype, with_codes: bool = False) -> int:
+    """Size of `pack_rows` of rows with these response lengths (`with_codes`: token codes included)."""
     total = int(sum(lengths))
-    return total * 4 + total * torch.tensor([], dtype=tokens_as).element_size() + len(lengths)
+    return total * 4 + total * torch.tensor([], dtype=tokens_as).element_size() + len(lengths) + total * with_codes
 
 
-def unpack_rows(buf: torch.Tensor, lengths: Sequence[int], tokens_as: torch.dtype
-                ) -> tuple[list[list[int]], list[torch.Tensor], list[str]]:
-    """`pack_rows`' buffer of rows with these lengths -> (responses, log-probs, finish reasons)."""
-    if buf.numel() != message_bytes(lengths, tokens_as):
-        raise ValueError(f"a message of {buf.numel()} bytes for rows of {message_bytes(lengths, tokens_as)}")
+def unpack_rows(buf: torch.Tensor, lengths: Sequence[int], tokens_as: torch.dtype, with_codes: bool = False
+                ) -> tuple[list, ...]:
+    """`pack_rows`' buffer of rows with these lengths -> (responses, log-probs, finish reasons[, token codes])."""
+    if buf.numel() != message_bytes(lengths, tokens_as, with_codes):
+        raise ValueError(f"a message of {buf.numel()} bytes for rows of {message_bytes(lengths, tokens_as, with_codes)}")
     total, width = int(sum(lengths)), torch.tensor([], dtype=tokens_as).element_size()
     logp = buf[: 4 * total].view(torch.float32)
     tokens = buf[4 * total: 4 * total + width * total].view(tokens_as).tolist()
-    codes = buf[4 * total + width * total:].tolist()
-    responses, log_probs, start = [], [], 0
+    end = 4 * total + width * total + len(lengths)
+    codes = buf[4 * total + width * total: end].tolist()
+    responses, log_probs, token_codes, start = [], [], [], 0
     for n in lengths:
         responses.append(tokens[start: start + n])
         log_probs.append(logp[start: start + n])
+        token_codes.append(buf[end + start: end + start + n].clone())
         start += n
-    return responses, log_probs, [FINISH_NAMES[c] for c in codes]
+    finish = [FINISH_NAMES[c] for c in codes]
+    return (responses, log_probs, finish, token_codes) if with_codes else (responses, log_probs, finish)
 
 
-def assemble(n_rows: int, local_rows: Sequence[int], local: tuple[list, list, list],
-             received: Sequence[tuple[Sequence[int], tuple[list, list, list]]], wanted: Sequence[int] | None = None
-             ) -> tuple[list, list, list]:
-    """(responses, log-probs, finish reasons) of rows 0..n_rows-1 from this rank's own rows (`local_rows`, their
+def assemble(n_rows: int, local_rows: Sequence[int], local: tuple[list, ...],
+             received: Sequence[tuple[Sequence[int], tuple[list, ...]]], wanted: Sequence[int] | None = None
+             ) -> tuple[list, ...]:
+    """(responses, log-probs, finish reasons[, token codes]: as many fields as `local`) of rows 0..n_rows-1 from this rank's own rows (`local_rows`, their
     data `local`) and the messages it received ((rows, data) each); every row of `wanted` (default: all) must come
     exactly once, a row outside it stays None."""
-    out: list = [[None] * n_rows for _ in range(3)]
+    out: list = [[None] * n_rows for _ in range(len(local))]
     seen = [False] * n_rows
     if wanted is not None:
         seen = [True] * n_rows
@@ -147,19 +158,20 @@ def assemble(n_rows: int, local_rows: Sequence[int], local: tuple[list, list, li
             if seen[g]:
                 raise ValueError(f"rollout row {g} arrived twice")
             seen[g] = True
-            for field in range(3):
+            for field in range(len(local)):
                 out[field][g] = data[field][k]
     if not all(seen):
         raise ValueError(f"rollout rows {[g for g, s in enumerate(seen) if not s][:8]} never arrived")
-    return out[0], out[1], out[2]
+    return tuple(out)
 
 
 def exchange_rollout(replica_ranks: Sequence[Sequence[int]], mine: int, responses: list[list[int]],
                      log_probs: list[torch.Tensor], finish_reasons: list[str],
-                     needs: Callable[[list[int]], list[int] | None] | None = None
-                     ) -> tuple[list, list, list, list[int], list[int] | None]:
+                     needs: Callable[[list[int]], list[int] | None] | None = None,
+                     token_codes: list[torch.Tensor] | None = None) -> tuple[list, ...]:
     """This replica's rows -> the rows each rank needs, in replica order (collective over the world): (responses,
-    log-probs, finish reasons, every row's response length, the rows this rank needed or None for all). A row
+    log-probs, finish reasons, every row's response length, the rows this rank needed or None for all); with
+    `token_codes` (every rank passes them or none does) the rows' token codes come fourth. A row
     neither needed nor generated by this rank's replica is None. `needs(lengths)` (every row's response length -> this rank's rows,
     or None for all; it may run collectives: every rank calls it at the same point) decides what each rank gets.
     The messages travel on the rank's device (engine/device.py: NCCL needs CUDA tensors; gloo runs take the CPU)."""
@@ -194,24 +206,28 @@ def exchange_rollout(replica_ranks: Sequence[Sequence[int]], mine: int, response
         dist.all_gather(everyone, flags.to(dev))
         need_of = [f.cpu().nonzero().squeeze(-1).tolist() for f in everyone]
     plan = plan_transfers(replica_ranks, rows_of, need_of)
+    coded = token_codes is not None
     pending, outbox, inbox = [], [], []
     for t in plan:
         if t.src == me:
             local = [g - off[mine] for g in t.rows]
             outbox.append(pack_rows([responses[k] for k in local], [log_probs[k] for k in local],
-                                    [finish_reasons[k] for k in local], dtypes[mine]).to(dev))
+                                    [finish_reasons[k] for k in local], dtypes[mine],
+                                    None if token_codes is None else [token_codes[k] for k in local]).to(dev))
             pending.append(dist.isend(outbox[-1], dst=t.dst))
         if t.dst == me:
             row_lengths = [lengths[t.replica][g - off[t.replica]] for g in t.rows]
-            buf = torch.empty(message_bytes(row_lengths, dtypes[t.replica]), dtype=torch.uint8, device=dev)
+            buf = torch.empty(message_bytes(row_lengths, dtypes[t.replica], coded), dtype=torch.uint8, device=dev)
             pending.append(dist.irecv(buf, src=t.src))
             inbox.append((t, row_lengths, buf))
     for work in pending:
         work.wait()
     del outbox  # the sends are done with their buffers
-    received = [(t.rows, unpack_rows(buf.cpu(), row_lengths, dtypes[t.replica])) for t, row_lengths, buf in inbox]
+    received = [(t.rows, unpack_rows(buf.cpu(), row_lengths, dtypes[t.replica], coded))
+                for t, row_lengths, buf in inbox]
     own = list(range(off[mine], off[mine + 1]))  # kept whether needed or not: the replica scores its own rows
     wanted = None if wanted is None else sorted(set(int(g) for g in wanted))
-    rows = assemble(off[-1], own, (responses, log_probs, finish_reasons), received,
+    local = (responses, log_probs, finish_reasons) + ((token_codes,) if coded else ())
+    rows = assemble(off[-1], own, local, received,
                     None if wanted is None else sorted(set(wanted) | set(own)))
     return (*rows, every, wanted)

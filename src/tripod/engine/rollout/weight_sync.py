@@ -29,13 +29,15 @@ import torch
 
 from tripod.engine.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from tripod.engine.rollout.exchange import exchange_rollout
+from tripod.parallel.moe_arch import MoEArch
 
 
 class WeightSync:
     """Owns one rollout engine and the hybrid engine that feeds it from the actor's training shards."""
 
-    def __init__(self, hybrid, engine: RolloutEngine, actor_model: torch.nn.Module):
-        self.hybrid, self.engine, self.actor_model = hybrid, engine, actor_model
+    def __init__(self, hybrid, engine: RolloutEngine, actor_model: torch.nn.Module, agent=None):
+        """`agent`: engine/agent/rollout.py's AgentRollout, which then generates the rows (multi-turn)."""
+        self.hybrid, self.engine, self.actor_model, self.agent = hybrid, engine, actor_model, agent
         self.events: list[str] = []  # the life cycle as it happened (tests and debugging read it)
         self.last_routed: list[torch.Tensor] | None = None  # the last generate's per-row experts (routing_record.py)
         self._release()  # training runs first: start with nothing reserved
@@ -78,28 +80,43 @@ class WeightSync:
         return self.generate_rows(prompts, params, timer).responses
 
     def generate_rows(self, prompts: list[list[int]], params: SamplingParams, timer=None,
-                      needs: Callable[[list[int]], list[int] | None] | None = None) -> GatheredRollout:
+                      needs: Callable[[list[int]], list[int] | None] | None = None,
+                      extra_infos: list[dict] | None = None) -> GatheredRollout:
         """The rollout of a whole batch: each rollout DP replica generates its contiguous share of `prompts`
         (`replica_bounds`), and every rank gets every prompt's responses with their rollout log-probs and finish
         reasons, in prompt order (n per prompt); or, where `needs(every row's response length)` names this rank's
-        rows (exchange.exchange_rollout), those and its replica's own. Collective over the world."""
+        rows (exchange.exchange_rollout), those and its replica's own. With an agent (multi-turn) it runs the rows,
+        `extra_infos` (each prompt's extra_info: tools_kwargs, interaction_kwargs) going to its tools. Collective over
+        the world."""
+        if self.agent is not None:
+            return self.agent.generate_rows(self, prompts, params, timer, needs, extra_infos)
+        recording = getattr(self.engine, "record_routing", False)  # the same on every rank
         return generate_rows(lambda share: self.generate(share, params, timer), prompts,
-                             self.hybrid.plan.rollout_tp_groups, self.hybrid.rollout_dp_rank, needs)
+                             self.hybrid.plan.rollout_tp_groups, self.hybrid.rollout_dp_rank, needs,
+                             routing_of=self.hybrid.arch.moe if recording else None)
 
 
 def generate_rows(generate: Callable[[list[list[int]]], RolloutOutput], prompts: list[list[int]],
                   replica_ranks: list[list[int]], mine: int,
-                  needs: Callable[[list[int]], list[int] | None] | None = None) -> GatheredRollout:
+                  needs: Callable[[list[int]], list[int] | None] | None = None,
+                  routing_of: MoEArch | None = None) -> GatheredRollout:
     """`WeightSync.generate_rows` for any set of rollout replicas (`replica_ranks[i]`: replica i's ranks in this
     world; `mine`: this rank's replica): `generate(share)` runs this replica's contiguous share of `prompts`, then
-    the rows move to the ranks that need them (exchange.exchange_rollout). Collective over the world."""
+    the rows move to the ranks that need them (exchange.exchange_rollout). `routing_of`: the model's MoE layout when
+    the engine records each token's experts (R3): every row's record then reaches every rank
+    (routing_record.gather_rollout_routing). Collective over the world."""
     bounds = replica_bounds(len(prompts), len(replica_ranks))
     out = generate(prompts[bounds[mine]:bounds[mine + 1]])
     responses = out.responses()
     # one float32 CPU tensor per row, as long as its response (RolloutOutput pads with 0 past each length)
     log_probs = [out.log_probs[i, : len(r)].detach().float().cpu().clone() for i, r in enumerate(responses)]
-    return GatheredRollout(*exchange_rollout(replica_ranks, mine, responses, log_probs, list(out.finish_reasons),
+    rows = GatheredRollout(*exchange_rollout(replica_ranks, mine, responses, log_probs, list(out.finish_reasons),
                                              needs))
+    if routing_of is not None:
+        from tripod.engine.rollout.routing_record import gather_rollout_routing
+
+        rows.routed_experts = gather_rollout_routing(out.routed_experts, replica_ranks, routing_of)
+    return rows
 
 
 @dataclass
@@ -113,6 +130,8 @@ class GatheredRollout:
     finish_reasons: list[str | None]
     lengths: list[int] | None = None
     rows: list[int] | None = None
+    token_codes: list[torch.Tensor | None] | None = None  # multi-turn: who wrote each token (engine/agent/loop.py)
+    routed_experts: list[torch.Tensor] | None = None  # R3: every row's experts, on every rank (routing_record.py)
 
 
 def replica_bounds(num_prompts: int, replicas: int) -> list[int]:

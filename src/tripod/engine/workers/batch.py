@@ -131,12 +131,15 @@ class PPOBatch:
 
 def build_ppo_batch(prompts: list[list[int]], responses: list[list[int]], response_length: int,
                     pad_token_id: int, index: list[int], rollout_log_probs: list[torch.Tensor] | None = None,
-                    finish_reasons: list[str] | None = None, seq_len: int | None = None) -> PPOBatch:
+                    finish_reasons: list[str] | None = None, seq_len: int | None = None,
+                    response_masks: list[torch.Tensor] | None = None) -> PPOBatch:
     """Lay out `prompts[i] + responses[i]` right-padded; responses padded to `response_length` columns.
     `rollout_log_probs[i]` (the rollout engine's log-prob of each token of responses[i]) becomes row i of
     "rollout_log_probs" [N, response_length], aligned with "responses" and 0 past each length; `finish_reasons`
     go to meta["finish_reasons"]. `seq_len`: pad the rows to at least this many columns (a sharded batch keeps the
-    whole batch's width, so its rows are laid out as in the whole batch)."""
+    whole batch's width, so its rows are laid out as in the whole batch). `response_masks[i]` ([len(responses[i])],
+    multi-turn rows): row i's response mask, 0 on the tool and user tokens inside the response (every consumer reads
+    the mask; the layout's response length is `response_span`)."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     if rollout_log_probs is not None and len(rollout_log_probs) != len(responses):
@@ -155,7 +158,7 @@ def build_ppo_batch(prompts: list[list[int]], responses: list[list[int]], respon
         attention_mask[i, : len(ids)] = 1
         if r:
             resp[i, : len(r)] = torch.tensor(r)
-            resp_mask[i, : len(r)] = 1.0
+            resp_mask[i, : len(r)] = 1.0 if response_masks is None else torch.as_tensor(response_masks[i]).float()
     tensors = dict(input_ids=input_ids, attention_mask=attention_mask, responses=resp, response_mask=resp_mask,
                    prompt_lens=torch.tensor([len(p) for p in prompts]), index=torch.tensor(index))
     if rollout_log_probs is not None:
@@ -167,6 +170,15 @@ def build_ppo_batch(prompts: list[list[int]], responses: list[list[int]], respon
         tensors["rollout_log_probs"] = logp
     meta = {"finish_reasons": list(finish_reasons)} if finish_reasons is not None else {}
     return PPOBatch(tensors, meta)
+
+
+def response_span(response_mask: torch.Tensor) -> torch.Tensor:
+    """[N] int64: each row's response tokens up to its last counted one (its mask's sum when the counted tokens are
+    contiguous from the start; a multi-turn row's mask has holes, and tokens after its last counted one, a tool turn
+    the budget cut, predict nothing trained). What a packed layout lays out of each response."""
+    counted = response_mask > 0
+    last = counted.shape[-1] - counted.flip(-1).to(torch.int8).argmax(-1)
+    return torch.where(counted.any(-1), last, torch.zeros_like(last)).long()
 
 
 def split_rows(n: int, parts: int) -> list[slice]:

@@ -34,6 +34,7 @@ from tripod.engine.precision import PrecisionSettings
 from tripod.engine.workers.batch import PPOBatch, split_rows
 from tripod.engine.workers.lr_schedule import build_lr_scheduler
 from tripod.engine.workers.moe_config import MOE_AUX_LOSS_NAMES
+from tripod.engine.workers.moe_shapes import uniform_shapes, with_rows
 from tripod.engine.workers.packing import pack_shared_prompts, pack_thd, pack_without_padding, pad_rows_to
 from tripod.parallel.arch import ModelArch
 from tripod.parallel.context_parallel import held_positions, local_slots, padded_length, split_for_cp, sum_over_cp
@@ -57,7 +58,7 @@ class MegatronWorker:
                  sequence_parallel: bool = False, virtual_pipeline_size: int | None = None,
                  config_overrides: dict | None = None, share_prompt_prefix: bool = True, use_te: str = "auto",
                  load_arch: ModelArch | None = None, remove_padding: bool = False, te_thd: bool = False,
-                 routing_replay: bool = False):
+                 routing_replay: bool = False, lora=None):
         """`optim`, `grad_clip` and `total_steps` (optimizer steps of the whole run, for the LR schedule) matter
         only when `trainable`. `config_overrides`: extra TransformerConfig fields (the MoE router's, from
         `moe_config_overrides`). `share_prompt_prefix`: run a prompt shared by several rows once per micro-batch
@@ -69,8 +70,9 @@ class MegatronWorker:
         model packs its rows without padding in THD format (packing.pack_thd, model.packed_seq_params; no shared
         prompts there); off unless asked: that TE forward has not run yet (no GPU here). `routing_replay`: an MoE
         model's routers record and replay expert ids through megatron's RouterReplay (`self.routing`,
-        parallel/router_replay.py)."""
+        parallel/router_replay.py). `lora`: a parallel.lora.LoraSettings (rank > 0: adapters, the base frozen)."""
         from tripod.parallel.convert import load_hf_weights
+        from tripod.parallel.lora import apply_lora
         from tripod.parallel.model import build_model_chunks
 
         self.name, self.arch, self.layout = name, arch, layout
@@ -92,6 +94,7 @@ class MegatronWorker:
             cast_floating_params(chunk, self.precision.param_dtype)
         if not value_head and layout.is_last_stage:
             bypass_output_layer(model, layout.tp_group)
+        self.lora = apply_lora(self.chunks, arch, lora) if lora is not None and lora.rank > 0 else []  # frozen base
         self.module = model
         self.routing = None
         if routing_replay and arch.moe is not None:
@@ -197,6 +200,7 @@ class MegatronWorker:
         """
         from tripod.parallel.model import packed_seq_params
         from tripod.parallel.pipeline import run_pipeline, variable_shapes
+        from tripod.parallel.sdpa_attention import causal_masks
 
         dev = self.device
         mbs = [PPOBatch(to_device(mb.tensors, dev), mb.meta) for mb in microbatches]
@@ -205,14 +209,10 @@ class MegatronWorker:
         # Each micro-batch keeps its own [rows, seq] (a token-budget micro-batch is not padded back to the longest);
         # at PP > 1 megatron then exchanges each activation's shape first (its variable_seq_lengths). MoE's allgather
         # token dispatcher gathers over EP, across DP ranks whose micro-batches differ: there every micro-batch of a
-        # call has one shape, as before.
+        # call has one shape over the group (engine/workers/moe_shapes.py).
         uniform = bool(self.module.config.num_moe_experts)
         if uniform:
-            if self.layout.pp > 1 and len({p.input_ids.shape[0] if p is not None else mb.size
-                                           for p, mb in zip(packs, mbs)}) > 1:
-                packs = [None] * len(mbs)  # pipeline stages exchange [S, rows, H]: every micro-batch the same rows
-                seqs = [mb["input_ids"].shape[1] for mb in mbs]
-            seqs = [max(seqs)] * len(mbs)
+            packs, seqs, rows = uniform_shapes(mbs, packs, seqs, self.layout, dev)
         cp, sp_tp = self.layout.cp, self.layout.tp if self.module.config.sequence_parallel else 1
         if cp > 1:  # 2*cp chunks (parallel/context_parallel.py), each rank's part split over TP with SP
             seqs = [padded_length(seq, cp, sp_tp) for seq in seqs]
@@ -221,7 +221,8 @@ class MegatronWorker:
         for i, (mb, p) in enumerate(zip(mbs, packs)):
             mbs[i] = pad_rows_to(mb, seqs[i]) if p is None else mb
             mbs[i].packed = p.padded_to(seqs[i]) if p is not None else None
-        causal = {seq: torch.ones(seq, seq, dtype=torch.bool, device=dev).triu(1)[None, None] for seq in set(seqs)}
+            mbs[i].packed = with_rows(mbs[i], rows) if uniform else mbs[i].packed
+        causal = causal_masks(self.model, seqs, dev)  # None: is_causal, no [s, s] mask (parallel/sdpa_attention.py)
 
         def forward_step(mb, model):
             packed = mb.packed
@@ -233,7 +234,7 @@ class MegatronWorker:
             if self.routing is not None:  # this micro-batch's expert ids, in the order the routers see its tokens
                 self.routing.before(model, mb, *ids.shape, local_slots(ids.shape[1], cp, self.layout.cp_rank)
                                     if cp > 1 and thd is None else None)
-            if thd is not None:  # TE's THD format, no mask (a TE model refuses CP > 1: parallel/model.py)
+            if thd is not None:  # TE's THD format, no mask (a TE model at CP > 1 runs rows unpacked)
                 pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand_as(ids)
                 out = model(input_ids=ids, position_ids=pos, attention_mask=None, packed_seq_params=thd)
                 if self.routing is not None:
@@ -243,7 +244,7 @@ class MegatronWorker:
             if cp > 1:  # this rank's slots; RoPE takes their global positions
                 slots = packed.positions if packed is not None else torch.arange(ids.shape[1], device=dev)
                 ids, slots, mask = split_for_cp(ids, slots, mask, cp, self.layout.cp_rank)
-                if rope is not None:
+                if rope is not None and hasattr(rope, "tripod_positions"):  # TE's CP: megatron's RoPE slices itself
                     rope.tripod_positions = slots
             pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand_as(ids)
             out = model(input_ids=ids, position_ids=pos, attention_mask=mask)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tripod.engine.workers.batch import PPOBatch
+from tripod.engine.workers.batch import PPOBatch, response_span
 
 
 @dataclass
@@ -61,7 +61,8 @@ class PackedRows:
         if self.mask is not None:
             mask = torch.ones(g, 1, seq, seq, dtype=torch.bool, device=self.mask.device)
             mask[:, :, :s, :s] = self.mask
-            mask[:, :, torch.arange(s, seq), torch.arange(s, seq)] = False  # a pad query sees itself (no empty row)
+            pad = torch.arange(s, seq, device=mask.device)  # index on the mask's device (a host index syncs)
+            mask[:, :, pad, pad] = False  # a pad query sees itself (no empty row)
         tail = torch.arange(s, seq, device=self.positions.device)
         positions = torch.cat([self.positions, tail.expand(*self.positions.shape[:-1], extra)], dim=-1)
         # THD: the added slots are one more sequence of their own (it sees only itself; its outputs are never read)
@@ -86,7 +87,7 @@ def pack_shared_prompts(mb: PPOBatch, pad_id: int = 0) -> PackedRows | None:
         return None
     ids, lens, resp = mb["input_ids"], mb["prompt_lens"], mb["responses"]
     dev = ids.device
-    resp_lens = mb["response_mask"].sum(-1).long()
+    resp_lens = response_span(mb["response_mask"])
     r_all = resp.shape[1]
     width = max(int(resp_lens.max()), 1)           # response slots per block: the longest response
     p_max = int(lens.max())
@@ -171,7 +172,7 @@ def pack_thd(mb: PPOBatch, pad_id: int = 0, with_mask: bool = False) -> PackedRo
 
 def _unit_lengths(mb: PPOBatch, groups: list[list[int]]) -> list[int]:
     """Tokens of each unit: its prompt once plus each of its responses at its own length."""
-    lens, resp_lens = mb["prompt_lens"].tolist(), mb["response_mask"].sum(-1).long().tolist()
+    lens, resp_lens = mb["prompt_lens"].tolist(), response_span(mb["response_mask"]).tolist()
     return [lens[u[0]] + sum(resp_lens[i] for i in u) for u in groups]
 
 
@@ -180,7 +181,7 @@ def _lay_out(mb: PPOBatch, groups: list[list[int]], unit_lens: list[int], rows: 
     """Units `groups` (lengths `unit_lens`) laid out without padding in model rows of `seq` slots, row g holding
     the units `rows[g]` in that order (module docstring); the block-diagonal mask unless `with_mask` is off."""
     ids, lens, resp = mb["input_ids"], mb["prompt_lens"].tolist(), mb["responses"]
-    resp_lens = mb["response_mask"].sum(-1).long().tolist()
+    resp_lens = response_span(mb["response_mask"]).tolist()
     dev, r_all = ids.device, resp.shape[1]
     n_rows = len(rows)
     input_ids = torch.full((n_rows, seq), pad_id, dtype=ids.dtype, device=dev)

@@ -200,10 +200,11 @@ def step_advantages(algo, token_rewards: torch.Tensor, mask: torch.Tensor, batch
 
 def step_batch(input_ids: list[list[int]], indices: list[int], n: int, responses: list, log_probs: list | None,
                finish_reasons: list | None, rewards: list[float], response_length: int, pad_id: int,
-               shards: RowShards | None) -> tuple[PPOBatch, list[float]]:
+               shards: RowShards | None, token_codes: list | None = None) -> tuple[PPOBatch, list[float]]:
     """(the step's `PPOBatch`, the sequence reward of each of its rows) from the prompts (n rows each) and their
     rollout: every row, or with `shards` this rank's rows only (laid out as wide as the whole batch, with
-    `PPOBatch.shard` set)."""
+    `PPOBatch.shard` set). `token_codes` (multi-turn, engine/agent/loop.py): the response mask is 1 on the model's
+    tokens only, and a sharded batch's counted tokens become the masks' sums (`RowShards.recount`)."""
     rows = shards.rows if shards is not None else range(len(responses))
     pick = lambda xs: None if xs is None else [xs[g] for g in rows]  # noqa: E731
     prompts = [input_ids[g // n] for g in rows]
@@ -211,7 +212,14 @@ def step_batch(input_ids: list[list[int]], indices: list[int], n: int, responses
     if shards is not None:
         every = shards.lengths
         width = int((every.prompt_lens + every.response_lens.clamp(min=1)).max())
+    masks = None
+    if token_codes is not None:
+        from tripod.engine.agent.loop import MODEL
+
+        masks = [(torch.as_tensor(c) == MODEL).float() for c in pick(token_codes)]
     batch = build_ppo_batch(prompts, pick(responses), response_length, pad_id, [indices[g // n] for g in rows],
-                            pick(log_probs), pick(finish_reasons), seq_len=width)
+                            pick(log_probs), pick(finish_reasons), seq_len=width, response_masks=masks)
+    if shards is not None and masks is not None:
+        shards.recount(batch["response_mask"])
     batch.shard = shards.batch_shard if shards is not None else None
     return batch, pick(rewards)

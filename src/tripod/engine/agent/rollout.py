@@ -1,0 +1,146 @@
+"""The agent loop inside the colocated rollout: what `WeightSync.generate_rows` runs when
+actor_rollout_ref.rollout.multi_turn.enable is on.
+
+Each rollout replica runs engine/agent/loop.py's `AgentLoop` on its share of the prompts, with the actor's weights
+loaded once for all its turns; the group's first rank runs the tools and renders, the others get its results by one
+broadcast a turn. The rows then move to the ranks that need them like single-turn rows
+(engine/rollout/exchange.py), with one code per token (loop.MODEL / TOOL / USER) from which the batch takes its
+response mask (engine/workers/batch.py) and the rollout dump its `turns` (engine/async_rollout/source.py).
+
+Metrics (`take_metrics`, every step, over every replica's rows of the step's generation batches):
+multi_turn/turns_mean|max (model, tool and user turns after the prompt), tool/calls_mean (per response), tool/errors
+and tool/timeouts (counts), multi_turn/model_token_frac (trained share of the response tokens),
+multi_turn/generate_s and multi_turn/tool_s (the slowest replica's seconds in generate calls and in tool / interaction
+steps, rendering included), multi_turn/non_append_only_turns (engine/agent/chat_suffix.py).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from tripod.engine.agent.chat_suffix import ChatSuffix
+from tripod.engine.agent.loop import AgentLoop, Trajectory
+from tripod.engine.rollout.base import SamplingParams
+from tripod.engine.rollout.exchange import exchange_rollout
+
+TOOL_TIMEOUT_S = 60.0  # wall-clock limit of one tool call or interaction step (the runners')
+SUMMED = ("rows", "turns", "calls", "errors", "timeouts", "model_tokens", "tokens", "non_append_only")
+MAXED = ("turns_max", "generate_s", "tool_s")
+
+
+def load_agent_parts(mt: Any) -> tuple[dict, dict]:
+    """(tools, interactions) of actor_rollout_ref.rollout.multi_turn ({} where a path is null)."""
+    from tripod.engine.agent import load_interactions, load_tools
+
+    return (load_tools(mt.tool_config_path) if mt.tool_config_path else {},
+            load_interactions(mt.interaction_config_path) if mt.interaction_config_path else {})
+
+
+def check_agent_inputs(cfg: Any, tokenizer: Any, datasets: list) -> None:
+    """engine/preflight.py: with multi_turn on, the tools and interactions load, every row's tools_kwargs /
+    interaction_kwargs names what they define, and the tokenizer has a chat template (one line each)."""
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    if not mt.enable:
+        return
+    from tripod.engine.agent import validate_agent_inputs
+
+    ChatSuffix(tokenizer)
+    tools, interactions = load_agent_parts(mt)
+    for ds in datasets:
+        validate_agent_inputs(tools, interactions, (ds[i]["extra_info"] for i in range(len(ds))))
+
+
+def build_agent(cfg: Any, tokenizer: Any) -> "AgentRollout | None":
+    """The run's agent rollout from actor_rollout_ref.rollout.multi_turn (None when it is off)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    mt = rollout.multi_turn
+    if not mt.enable:
+        return None
+    from tripod.engine.agent import InteractionRunner, ToolRunner, tool_schemas
+
+    tools, found = load_agent_parts(mt)
+    runner = ToolRunner(tools, max_parallel_calls=mt.max_parallel_calls,
+                        max_tool_response_length=mt.max_tool_response_length,
+                        tool_response_truncate_side=mt.tool_response_truncate_side,
+                        timeout_s=TOOL_TIMEOUT_S) if tools else None
+    interactions = InteractionRunner(found, timeout_s=TOOL_TIMEOUT_S) if found else None
+    schemas = tool_schemas(tools) if tools else None
+    return AgentRollout(AgentLoop(tokenizer, rollout.response_length, ChatSuffix(tokenizer, schemas), runner,
+                                  interactions, mt.max_assistant_turns, mt.max_user_turns))
+
+
+class AgentRollout:
+    """The agent loop as the rollout of `WeightSync.generate_rows` (see the module docstring)."""
+
+    def __init__(self, loop: AgentLoop) -> None:
+        self.loop = loop
+        self.sums: dict[str, float] = {}
+
+    def generate_rows(self, sync: Any, prompts: list[list[int]], params: SamplingParams, timer: Any = None,
+                      needs: Callable[[list[int]], list[int] | None] | None = None,
+                      extra_infos: list[dict] | None = None):
+        """`WeightSync.generate_rows` with multi-turn rows: a GatheredRollout whose `token_codes` say who wrote each
+        token. Collective over the world."""
+        from tripod.engine.rollout.weight_sync import GatheredRollout, replica_bounds
+
+        replicas, mine = sync.hybrid.plan.rollout_tp_groups, sync.hybrid.rollout_dp_rank
+        bounds = replica_bounds(len(prompts), len(replicas))
+        share_prompts = prompts[bounds[mine]:bounds[mine + 1]]
+        infos = (extra_infos or [{}] * len(prompts))[bounds[mine]:bounds[mine + 1]]
+        group = sync.engine.tp_group
+        renders = group is None or dist.get_rank(group) == 0
+        timed = timer if timer is not None else (lambda name: contextlib.nullcontext())
+        with sync.loaded(timer) as engine, timed("gen"):
+            rows, sums = self.loop.run(engine.generate, share_prompts, params.n, params, infos, renders,
+                                       None if group is None else lambda obj: _share(obj, group))
+        sync.events.append("generate")
+        self._add(sums if renders else dict.fromkeys(sums, 0.0))
+        return GatheredRollout(*trajectory_rows(rows, replicas, mine, needs))
+
+    def _add(self, sums: dict[str, float]) -> None:
+        """Adds a generation batch's sums over every replica (collective over the world)."""
+        t = torch.tensor([[sums[k] for k in SUMMED], [sums[k] for k in MAXED] + [0.0] * (len(SUMMED) - len(MAXED))],
+                         dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            from tripod.engine.device import current_device
+
+            total, most = t[0].to(current_device()), t[1].to(current_device())
+            dist.all_reduce(total)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            t = torch.stack([total.cpu(), most.cpu()])
+        for k, v in zip(SUMMED, t[0].tolist()):
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        for k, v in zip(MAXED, t[1].tolist()):
+            self.sums[k] = max(self.sums.get(k, 0.0), v) if k == "turns_max" else self.sums.get(k, 0.0) + v
+
+    def take_metrics(self) -> dict[str, float]:
+        """The metrics of the generation batches since the last call (module docstring); {} when none ran."""
+        s, self.sums = self.sums, {}
+        if not s.get("rows"):
+            return {}
+        return {"multi_turn/turns_mean": s["turns"] / s["rows"], "multi_turn/turns_max": s["turns_max"],
+                "tool/calls_mean": s["calls"] / s["rows"], "tool/errors": s["errors"], "tool/timeouts": s["timeouts"],
+                "multi_turn/model_token_frac": s["model_tokens"] / max(s["tokens"], 1.0),
+                "multi_turn/generate_s": s["generate_s"], "multi_turn/tool_s": s["tool_s"],
+                "multi_turn/non_append_only_turns": s["non_append_only"]}
+
+
+def trajectory_rows(rows: list[Trajectory], replicas: list[list[int]], mine: int,
+                    needs: Callable[[list[int]], list[int] | None] | None = None) -> tuple:
+    """This replica's trajectories -> the exchange's rows on every rank that needs them (GatheredRollout's fields:
+    responses, log-probs, finish reasons, every row's length, the rows needed, token codes)."""
+    responses = [r.response for r in rows]
+    log_probs = [torch.tensor(r.log_probs, dtype=torch.float32) for r in rows]
+    codes = [torch.tensor(r.codes, dtype=torch.uint8) for r in rows]
+    out = exchange_rollout(replicas, mine, responses, log_probs, [r.finish for r in rows], needs, token_codes=codes)
+    responses, log_probs, finish, codes, every, wanted = out
+    return responses, log_probs, finish, every, wanted, codes
+
+
+def _share(obj: Any, group: Any) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]

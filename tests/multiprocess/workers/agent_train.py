@@ -1,0 +1,97 @@
+"""`tripod train` with a multi-turn rollout whose user turns come from a toy interaction, recording what the engine
+generated and what the actor trained on: `python tests/multiprocess/workers/agent_train.py train RECIPE k=v ...`
+with TRIPOD_TEST_AGENT_LOG=<dir> (tests/multiprocess/test_agent_rollout.py).
+
+The hooks run at import, so they also apply in the ranks `tripod train` spawns (as train_with_hooks.py's):
+  * engine/agent/rollout.py's `build_agent` gives every row an interaction that answers "again" after each model
+    turn (until multi_turn.max_user_turns), so a random model's rows are multi-turn without calling tools;
+  * every generate call of the agent loop (the rollout engine's, any backend) appends its prompts, responses and log-probs to <dir>/gen.jsonl;
+  * every actor update saves its batch's rows to <dir>/update_<k>.pt.
+TRIPOD_TEST_AGENT_PLANT=reencode plants the bug the test must catch: every trajectory re-tokenized from its decoded
+text (special tokens dropped, as a trainer that re-encodes the conversation does).
+"""
+import json
+import os
+import sys
+
+LOG = os.environ.get("TRIPOD_TEST_AGENT_LOG")
+
+
+class Again:
+    """A user simulator with the tool runner's InteractionRunner methods."""
+
+    async def start(self, key, kwargs):
+        pass
+
+    async def respond(self, key, messages):
+        return False, "again", 0.0, {}
+
+    async def finish(self, key):
+        return 0.0
+
+
+def _hooks() -> None:
+    import torch
+
+    import tripod.engine.agent.rollout as agent_rollout
+    from tripod.engine.agent.chat_suffix import ChatSuffix
+    from tripod.engine.agent.loop import MODEL, AgentLoop
+    from tripod.engine.workers.ppo_workers import PolicyWorker
+
+    class TalkingRollout(agent_rollout.AgentRollout):
+        def generate_rows(self, sync, prompts, params, timer=None, needs=None, extra_infos=None):
+            infos = [{"interaction_kwargs": {"name": "again"}}] * len(prompts)
+            return super().generate_rows(sync, prompts, params, timer, needs, infos)
+
+    def build_agent(cfg, tokenizer):
+        mt, rollout = cfg.actor_rollout_ref.rollout.multi_turn, cfg.actor_rollout_ref.rollout
+        return TalkingRollout(AgentLoop(tokenizer, rollout.response_length, ChatSuffix(tokenizer), None, Again(),
+                                        mt.max_assistant_turns, mt.max_user_turns))
+
+    agent_rollout.build_agent = build_agent
+
+    if os.environ.get("TRIPOD_TEST_AGENT_PLANT") == "reencode":
+        original_run = AgentLoop.run
+
+        def run(self, *args, **kwargs):
+            rows, stats = original_run(self, *args, **kwargs)
+            for r in rows:
+                r.response = list(self.tokenizer.encode(self.tokenizer.decode(r.response, skip_special_tokens=True),
+                                                        add_special_tokens=False))
+                r.codes, r.log_probs = [MODEL] * len(r.response), [0.0] * len(r.response)
+            return rows, stats
+
+        AgentLoop.run = run
+
+    run_loop = AgentLoop.run
+
+    def recorded_run(self, generate, *args, **kwargs):
+        def recorded(prompts, params):  # the rollout engine's generate, whichever backend
+            out = generate(prompts, params)
+            with open(os.path.join(LOG, "gen.jsonl"), "a") as f:
+                rows = [p for p in prompts for _ in range(params.n)]
+                for p, r, lp in zip(rows, out.responses(), out.log_probs):
+                    f.write(json.dumps({"prompt": p, "response": r, "log_probs": lp[: len(r)].tolist()}) + "\n")
+            return out
+        return run_loop(self, recorded, *args, **kwargs)
+
+    AgentLoop.run = recorded_run
+    update = PolicyWorker.update
+
+    def saved(self, batch, *args, **kwargs):
+        k = len([f for f in os.listdir(LOG) if f.startswith("update_")])
+        torch.save({key: batch[key].cpu() for key in ("input_ids", "prompt_lens", "responses", "response_mask",
+                                                       "rollout_log_probs", "old_log_probs") if key in batch.tensors},
+                   os.path.join(LOG, f"update_{k}.pt"))
+        return update(self, batch, *args, **kwargs)
+
+    PolicyWorker.update = saved
+
+
+if LOG:
+    _hooks()
+
+if __name__ == "__main__":
+    from tripod.engine.cli import main
+
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,181 @@
+"""The agent loop (engine/agent/loop.py) on a scripted engine and a deterministic tool: token identity (the ids a
+trajectory holds where the model wrote are the engine's, position for position, with its log-probs), the tool turns
+are the chat template's suffix, budgets and turn limits, concurrent tool calls, and the hermes parser. A planted
+decode-and-re-encode of the trajectory fails the identity check."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tests.helpers.agent import ScriptedEngine, ToyAdd, char_ids, chatml_tokenizer, model_segments
+from tripod.engine.agent import ToolRunner
+from tripod.engine.agent.chat_suffix import ChatSuffix
+from tripod.engine.agent.hermes import ParsedCall, format_tool_call, parse_tool_calls
+from tripod.engine.agent.loop import MODEL, TOOL, USER, AgentLoop
+from tripod.engine.rollout.base import FINISH_LENGTH, SamplingParams
+
+
+def make_loop(tok, *, delay=0.0, response_length=200, runner=True, **limits):
+    tools = {"add": ToyAdd({"delay": delay})}
+    run = ToolRunner(tools, max_parallel_calls=1, max_tool_response_length=256, tool_response_truncate_side="middle",
+                     timeout_s=10) if runner else None
+    return AgentLoop(tok, response_length, ChatSuffix(tok), run, **limits)
+
+
+def prompts_of(tok, questions):
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                               tokenize=False), add_special_tokens=False) for q in questions]
+
+
+def check_identity(prompts, n, trajectories, engine_log):
+    """Every model segment of every trajectory is an engine output for exactly the tokens before it, and carries the
+    engine's log-probs."""
+    outputs = {}
+    for call in engine_log:
+        for p, r, lp in zip(call["prompts"], call["responses"], call["log_probs"]):
+            outputs[tuple(p)] = (r, lp)
+    for row, t in enumerate(trajectories):
+        seq = prompts[row // n] + t.response
+        segments = model_segments(t.codes)
+        assert segments, f"row {row} has no model tokens"
+        for s, e in segments:
+            at = len(prompts[row // n])
+            key = tuple(seq[: at + s])
+            assert key in outputs, f"row {row}: the tokens before position {s} were never an engine input"
+            r, lp = outputs[key]
+            assert t.response[s:e] == r[: e - s], f"row {row} positions {s}..{e}: trained ids are not the engine's"
+            assert t.log_probs[s:e] == lp[: e - s], f"row {row} positions {s}..{e}: log-probs are not the engine's"
+
+
+def test_trajectory_is_the_engines_tokens_then_the_templates_suffix():
+    tok = chatml_tokenizer()
+    engine, loop = ScriptedEngine(tok, calls_per_row=2), make_loop(tok)
+    prompts = prompts_of(tok, ["2+3?", "what is 2+3?"])
+    params = SamplingParams(max_new_tokens=200, n=2, seed=3)
+    rows, stats = loop.run(engine.generate, prompts, 2, params)
+    check_identity(prompts, 2, rows, engine.log)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    for t in rows:
+        assert [turn["role"] for turn in t.turns] == ["assistant", "tool", "assistant", "tool", "assistant"]
+        assert sum(turn["n_tokens"] for turn in t.turns) == len(t.response) == len(t.codes) == len(t.log_probs)
+        # a tool turn: what follows <|im_end|> in the template, the tool message, the next generation prompt
+        tool = [k for k, c in enumerate(t.codes) if c == TOOL]
+        first = tool[: t.turns[1]["n_tokens"]]
+        assert t.response[first[0] - 1] == end
+        assert tok.decode([t.response[k] for k in first]) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+        assert all(t.log_probs[k] == 0.0 for k in tool)
+        assert t.tool_calls == 2 and t.tool_errors == 0 and t.reward == 1.0
+    assert len(engine.log) == 3  # a turn of every live row is one generate call
+    assert [len(c["prompts"]) for c in engine.log] == [4, 4, 4]
+    assert stats["turns"] == 4 * 5 and stats["calls"] == 8 and stats["errors"] == 0
+    assert 0 < stats["model_tokens"] < stats["tokens"]
+
+
+def test_a_planted_decode_and_re_encode_fails_the_identity_check():
+    tok = chatml_tokenizer()
+    engine, loop = ScriptedEngine(tok), make_loop(tok)
+    prompts = prompts_of(tok, ["2+3?"])
+    rows, _ = loop.run(engine.generate, prompts, 1, SamplingParams(max_new_tokens=200))
+    for t in rows:  # the bug: the trajectory re-tokenized from its decoded text ("a", "b" -> "ab")
+        text = tok.decode(t.response)
+        t.response = list(tok.encode(text, add_special_tokens=False))
+    with pytest.raises(AssertionError, match="trained ids are not the engine's"):
+        check_identity(prompts, 1, rows, engine.log)
+
+
+def test_the_response_budget_spans_every_turn_and_ends_on_model_tokens():
+    tok = chatml_tokenizer()
+    engine = ScriptedEngine(tok, calls_per_row=5)
+    prompts = prompts_of(tok, ["2+3?"])
+    full, _ = make_loop(tok).run(engine.generate, prompts, 1, SamplingParams(max_new_tokens=400))
+    first_turn = full[0].turns[0]["n_tokens"]
+    # room for the first model turn and its tool turn, not for the second model turn's whole answer
+    budget = first_turn + full[0].turns[1]["n_tokens"] + 10
+    engine = ScriptedEngine(tok, calls_per_row=5)
+    rows, _ = make_loop(tok, response_length=budget).run(engine.generate, prompts, 1, SamplingParams(max_new_tokens=400))
+    t = rows[0]
+    assert len(t.response) == budget and t.finish == FINISH_LENGTH and t.codes[-1] == MODEL
+    check_identity(prompts, 1, rows, engine.log)
+    # a tool turn that would not leave room for a model token is not appended (verl's rule)
+    engine = ScriptedEngine(tok, calls_per_row=5)
+    rows, _ = make_loop(tok, response_length=first_turn + full[0].turns[1]["n_tokens"]).run(
+        engine.generate, prompts, 1, SamplingParams(max_new_tokens=400))
+    assert rows[0].codes == [MODEL] * first_turn and rows[0].done
+
+
+@pytest.mark.parametrize("limit, turns", [("max_assistant_turns", 2), ("max_user_turns", 1)])
+def test_turn_limits(limit, turns):
+    tok = chatml_tokenizer()
+    engine = ScriptedEngine(tok, calls_per_row=5)
+    rows, _ = make_loop(tok, **{limit: turns}).run(engine.generate, prompts_of(tok, ["1+1?"]), 1,
+                                                   SamplingParams(max_new_tokens=400))
+    assert [turn["role"] for turn in rows[0].turns] == ["assistant", "tool", "assistant"]
+
+
+def test_rows_waiting_on_tools_run_their_calls_concurrently():
+    tok = chatml_tokenizer()
+    engine, loop = ScriptedEngine(tok), make_loop(tok, delay=0.5)
+    start = time.perf_counter()
+    rows, stats = loop.run(engine.generate, prompts_of(tok, ["a?", "b?", "c?", "d?"]), 1,
+                           SamplingParams(max_new_tokens=200))
+    assert all(t.tool_calls == 1 for t in rows)
+    assert stats["tool_s"] < 1.5, f"4 rows' 0.5 s tool calls took {stats['tool_s']:.2f} s: they ran one after another"
+    assert time.perf_counter() - start < 5
+
+
+def test_a_malformed_call_and_an_unknown_tool_give_error_turns():
+    tok = chatml_tokenizer()
+
+    class Engine(ScriptedEngine):
+        def answer(self, prompt_len, seq):
+            turns = self.turns(prompt_len, seq)
+            text = ["<tool_call>{not json</tool_call>", format_tool_call("nope", {}), "done"][turns]
+            return char_ids(self.tok, text) + [self.end]
+
+    rows, stats = make_loop(tok, response_length=600).run(Engine(tok).generate, prompts_of(tok, ["x"]), 1,
+                                                          SamplingParams(max_new_tokens=600))
+    t = rows[0]
+    assert [turn["role"] for turn in t.turns] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert "Error: the tool call is not JSON" in t.turns[1]["text"] and "Error" in t.turns[3]["text"]
+    assert t.tool_errors == 2 and stats["errors"] == 2
+
+
+def test_an_interaction_answers_with_a_user_turn_until_it_ends_the_row():
+    tok = chatml_tokenizer()
+
+    class Again:
+        async def start(self, key, kwargs):
+            pass
+
+        async def respond(self, key, messages):
+            assert messages[-1]["role"] == "assistant"
+            return sum(m["role"] == "user" for m in messages) >= 2, "again", 0.25, {}
+
+        async def finish(self, key):
+            return 1.0
+
+    class Engine(ScriptedEngine):
+        def answer(self, prompt_len, seq):
+            return char_ids(self.tok, "ab") + [self.end]
+
+    loop = AgentLoop(tok, 200, ChatSuffix(tok), None, Again())
+    engine = Engine(tok)
+    prompts = prompts_of(tok, ["hi"])
+    rows, _ = loop.run(engine.generate, prompts, 1, SamplingParams(max_new_tokens=50),
+                       [{"interaction_kwargs": {"name": "again"}}])
+    t = rows[0]
+    assert [turn["role"] for turn in t.turns] == ["assistant", "user", "assistant", "user", "assistant"]
+    assert USER in t.codes and t.reward == 3 * 0.25 + 1.0
+    check_identity(prompts, 1, rows, engine.log)
+
+
+def test_hermes_parser():
+    calls, errors = parse_tool_calls('x <tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+                                     '<tool_call>{"name": "f", "arguments": "{\\"b\\": 2}"}</tool_call>'
+                                     '<tool_call>[1]</tool_call><tool_call>{"name": "g"')
+    assert calls == [ParsedCall("add", {"a": 1}), ParsedCall("f", {"b": 2})]
+    assert len(errors) == 2 and "needs" in errors[0] and "not closed" in errors[1]
+    assert parse_tool_calls(format_tool_call("add", {"a": 1, "b": 2}))[0] == [ParsedCall("add", {"a": 1, "b": 2})]
+    assert asyncio.iscoroutinefunction(ToyAdd.execute)
