@@ -36,7 +36,9 @@ class ColocatedRollout:
 
         self.t = trainer
         # multi-turn (actor_rollout_ref.rollout.multi_turn): the agent loop generates the rows, tools loaded now
-        self.agent = trainer.weight_sync.agent = build_agent(trainer.cfg, trainer.tokenizer)
+        self.agent = None
+        if trainer.cfg.actor_rollout_ref.rollout.multi_turn.enable:
+            self.agent = trainer.weight_sync.agent = build_agent(trainer.cfg, trainer.tokenizer)
 
     def next_batch(self, step: int, step_rows, timer, prompts=None) -> tuple[Rollout, dict[str, float]]:
         t = self.t
