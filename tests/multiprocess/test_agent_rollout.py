@@ -2,7 +2,9 @@
 tests/multiprocess/workers/agent_train.py): the ids the actor trains on are the ids the engine generated, position for
 position, with the engine's log-probs; the user tokens carry response_mask 0; the trainer's recomputed log-probs of
 the model tokens equal the engine's within the single-turn bound (fp32 CPU: 1e-5, as
-tests/multiprocess/workers/async_reference.py); the multi-turn metrics are logged and the rollout dump has `turns`.
+tests/multiprocess/workers/async_reference.py); the multi-turn metrics are logged and the rollout dump has `turns`;
+with multi_turn.add_rollout_rewards each dumped score is the rule reward plus the interaction's turn and final scores,
+once (planted by hand: the trainer not handing the agent to the scorer fails it).
 With TRIPOD_TEST_AGENT_PLANT=reencode (the trajectory re-tokenized from its text) the identity check fails."""
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from tests.helpers.agent import model_segments
 from tests.helpers.common import DIST_DIR, REPO_ROOT
 from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
 from tests.helpers.trainer_runs import env, metrics
+from tests.multiprocess.workers.agent_train import FINAL_SCORE, TURN_SCORE
 
 LOGPROB_BOUND = 1e-5  # fp32 embedded rollout vs the trainer's recompute (the single-turn tests' bound)
 
@@ -65,6 +68,7 @@ def run(tmp_path, name: str, plant: str | None = None, extra_args: tuple[str, ..
     args = tiny_overrides(setup, run_dir, steps=2) + [
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "data.max_response_length=40",
         "actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.max_user_turns=2",
+        "actor_rollout_ref.rollout.multi_turn.add_rollout_rewards=true",
         # a random model rarely samples EOS: a fifth of the vocabulary ends a turn, so turns are short
         f"actor_rollout_ref.rollout.stop_token_ids=[{','.join(str(t) for t in range(40, 66))}]",
         f"trainer.rollout_data_dir={run_dir}/dump", "trainer.val_before_train=false", "trainer.test_freq=-1",
@@ -97,6 +101,11 @@ def check_multi_turn_run(tmp_path, extra_args: tuple[str, ...] = (), model_overr
         assert row["turns"][0]["role"] == "assistant" and row["turns"][0]["trained"]
         assert all(t["trained"] == (t["role"] == "assistant") for t in row["turns"])
         assert {"input", "output", "gts", "score", "step"} <= set(row)
+        # the trained score is the rule reward (0 or 1) plus the interaction's scores, once: a turn score per user
+        # turn (one more when the last reply did not fit the budget) and the final score
+        rest = row["score"] - FINAL_SCORE - TURN_SCORE * sum(t["role"] == "user" for t in row["turns"])
+        assert any(abs(rest - v) <= 1e-9 for v in (0.0, TURN_SCORE, 1.0, 1.0 + TURN_SCORE)), \
+            f"score {row['score']} is not the rule reward plus the rollout rewards once ({rest=})"
     assert any(t["role"] == "user" for row in rows for t in row["turns"])
 
 

@@ -187,7 +187,9 @@ def test_lora_on_moe_experts_under_expert_parallelism(tmp_path):
 def test_tripod_train_with_actor_and_critic_lora(tmp_path):
     """`tripod train` (GAE with the KL penalty in the reward, DP2) with actor and critic LoRA: the reference is the
     actor with its adapters off (no reference model is built), the rollout gets the merged weights, and the run's
-    losses are finite and its policy moves (the adapters train)."""
+    losses are finite and its policy moves (the adapters train); its checkpoints record the adapters' settings and the
+    base model's path."""
+    import json
     import math
 
     from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
@@ -197,10 +199,37 @@ def test_tripod_train_with_actor_and_critic_lora(tmp_path):
     run = str(tmp_path / "run")
     out = train(tiny_overrides(setup, run, world=2, steps=2) + [
         "actor_rollout_ref.model.lora.rank=4", "actor_rollout_ref.model.lora.target_modules=[all-linear]",
-        "critic.model.lora.rank=4", "actor_rollout_ref.actor.optim.lr=1e-2"], timeout=600)
+        "critic.model.lora.rank=4", "actor_rollout_ref.actor.optim.lr=1e-2", "trainer.save_freq=2"], timeout=600)
     assert out.returncode == 0, out.stdout[-3000:]
+    for part in ("actor", "critic"):  # what `tripod export --lora / --merge` rebuilds the adapters from
+        with open(f"{run}/checkpoints/global_step_2/{part}/tripod_checkpoint.json") as f:
+            saved = json.load(f)["lora"]
+        assert saved["rank"] == 4 and saved["base_model_path"] == setup["model"], saved
+    _check_trained_export(run, setup["model"])
     steps = [m for m in metrics(run) if "actor/pg_loss" in m]
     assert len(steps) == 2, out.stdout[-3000:]
     for m in steps:
         assert all(math.isfinite(m[k]) for k in ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm"))
     assert steps[0]["actor/ppo_kl"] > 0 and steps[0]["actor/grad_norm"] > 0
+
+
+def _check_trained_export(run: str, base_dir: str) -> None:
+    """The run's trained adapters through `tripod export --lora` (actor) and `--merge` (critic), in one 1-rank world:
+    peft loads the adapter directory onto the base and its logits move off the base's; transformers loads the
+    merged critic."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from tests.helpers.trainer_runs import tripod_in_one_world
+
+    ckpt = f"{run}/checkpoints/global_step_2"
+    tripod_in_one_world([["export", "--lora", f"{ckpt}/actor", f"{run}_peft"],
+                         ["export", "--merge", f"{ckpt}/critic", f"{run}_critic_hf"]], 1)
+    ids = torch.arange(1, 9).unsqueeze(0)
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+        before = base(ids).logits
+        after = PeftModel.from_pretrained(base, f"{run}_peft").eval()(ids).logits
+        values = AutoModelForSequenceClassification.from_pretrained(f"{run}_critic_hf").eval()(ids).logits
+    moved = (after - before).abs().max().item()
+    assert moved > 1e-4 and values.shape == (1, 1) and bool(torch.isfinite(values).all()), (moved, values)

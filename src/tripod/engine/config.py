@@ -511,6 +511,12 @@ class MultiTurnConfig:
     format: str = "hermes"
     """Tool-call syntax the model writes: hermes (<tool_call>{"name": ..., "arguments": ...}</tool_call>, Qwen2.5 /
     Qwen3 chat templates). verl: same name."""
+    add_rollout_rewards: bool = False
+    """Add each trajectory's rollout rewards (its tool step rewards, the tools' calc_reward, the interaction's turn
+    scores and final score) to its rule score, once. Either way the reward function's extra_info holds them under
+    verl's names (tool_rewards, turn_scores, rollout_reward_scores) with num_turns and the messages, so it may add them
+    itself instead (leave this off then); with a reward model, rows without a rule score do not get them
+    (docs/multi_turn.md). verl: none (verl hands them to the reward function only)."""
 
     def check(self, key: str) -> list[str]:
         from tripod.engine.agent.hermes import FORMATS

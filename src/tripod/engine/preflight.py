@@ -159,7 +159,7 @@ def preflight(cfg, world: int) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from tripod.engine.data import PromptDataset
+    from tripod.engine.data import PromptDataset, prompt_tools
     from tripod.engine.data.token_cache import resolve_cache_dir
     from tripod.engine.rewards import check_data_sources
     from tripod.engine.rollout import validate_rollout_tp
@@ -208,7 +208,8 @@ def preflight(cfg, world: int) -> None:
     for files in (d.train_files, d.val_files):
         if files:
             ds = PromptDataset(files, tokenizer, d.prompt_key, d.max_prompt_length, d.filter_overlong_prompts,
-                               d.apply_chat_template, d.reward_fn_key, resolve_cache_dir(d.token_cache_dir))
+                               d.apply_chat_template, d.reward_fn_key, resolve_cache_dir(d.token_cache_dir),
+                               prompt_tools(cfg))
             datasets.append(ds)
             if not cfg.reward_model.enable:  # with a reward model, rows without a rule function get its score
                 check_data_sources(ds.data_sources)

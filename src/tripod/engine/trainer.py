@@ -29,7 +29,7 @@ from tripod.engine.async_rollout.source import ColocatedRollout, QueuedRollout, 
 from tripod.engine.checkpoints import CheckpointManager
 from tripod.engine.config import TripodConfig, save_resolved_config
 from tripod.engine.config_loading import config_to_dict
-from tripod.engine.data import PromptBatch, PromptDataLoader, PromptDataset
+from tripod.engine.data import PromptBatch, PromptDataLoader, PromptDataset, prompt_tools
 from tripod.engine.data.token_cache import resolve_cache_dir
 from tripod.engine.device import DeviceGuard, check_devices_enabled, current_device, freeze_long_lived_objects
 from tripod.engine.divergence_guard import DivergenceGuard
@@ -76,7 +76,7 @@ class PPOTrainer(TrainerState):
                        max_prompt_length=cfg.data.max_prompt_length,
                        filter_overlong_prompts=cfg.data.filter_overlong_prompts,
                        apply_chat_template=cfg.data.apply_chat_template, reward_fn_key=cfg.data.reward_fn_key,
-                       token_cache_dir=resolve_cache_dir(cfg.data.token_cache_dir))
+                       token_cache_dir=resolve_cache_dir(cfg.data.token_cache_dir), tools=prompt_tools(cfg))
         self.train_set = PromptDataset(cfg.data.train_files, **ds_args)
         self.val_set = PromptDataset(cfg.data.val_files, **ds_args) if cfg.data.val_files else None
         self.loader = PromptDataLoader(self.train_set, cfg.data.gen_batch_size, cfg.data.shuffle, cfg.data.seed)
@@ -187,7 +187,7 @@ class PPOTrainer(TrainerState):
         combined with the reward model's scores when it is on (every rank)."""
         payload = score_where_generated(self.rewards, self.tokenizer, batch, responses, n,
                                         self.hybrid.plan.rollout_tp_groups, self.hybrid.rollout_dp_rank,
-                                        where_defined=self.reward_model is not None)
+                                        where_defined=self.reward_model is not None, agent=self.weight_sync.agent)
         rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731  prompt-major like the rollout
         if self.reward_model is None:
             return payload[0], payload[1]

@@ -265,14 +265,19 @@ def convert_hf_to_checkpoint(hf_dir: str | os.PathLike, out_dir: str | os.PathLi
 def export_checkpoint_to_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike, tp: int = 1, pp: int = 1,
                             dtype: torch.dtype | None = None, ep: int = 1, etp: int | None = None) -> None:
     """Tripod checkpoint -> HF model dir (safetensors + config.json + tokenizer files), loaded at TP x PP (x EP x
-    ETP); routed experts are written under HF's per-expert names; a scalar head as `exported_arch` says."""
+    ETP); routed experts are written under HF's per-expert names; a scalar head as `exported_arch` says; a LoRA
+    checkpoint's adapters merged into the weights (lora/checkpoint.py)."""
+    from tripod.parallel.lora.checkpoint import attach_saved_adapters, merge_adapters_into_weights, saved_lora
     from tripod.parallel.model import build_gpt_model
 
     arch, critic = checkpoint_arch(ckpt_dir), is_critic_checkpoint(ckpt_dir)
     out_arch = exported_arch(ckpt_dir)
     layout = _layout_for(tp, pp, "export", ep, etp)
     model = build_gpt_model(arch, layout, value_head=critic)
+    lora = saved_lora(read_checkpoint_metadata(ckpt_dir))
+    adapters = attach_saved_adapters([model], arch, lora) if lora else []
     load_model_checkpoint(model, ckpt_dir, layout)
+    merge_adapters_into_weights([model], adapters)  # a LoRA checkpoint exports merged (`tripod export --merge`)
     if critic:
         bias = _value_head_bias(model, layout)
         if bias != 0.0:

@@ -46,7 +46,7 @@ def phase_memory(plan: MemoryPlan, offload: dict[str, OffloadFlags],
     """Device and host bytes of each phase the run has (a critic-free run has no values / update_critic phase).
     `cpu_optimizer`: models whose optimizer states never leave the host (optimizer_cpu_offload: megatron's
     HybridDeviceOptimizer runs the update there)."""
-    names = {m.name for m in plan.models}
+    names = {m.name for m in plan.models} | ({"reference"} if plan.reference_on_actor else set())
     out = []
     for phase in STEP_PHASES:
         if not set(USES[phase]) & names:  # a critic-free run has no values / update_critic (its save: the actor's)
@@ -63,7 +63,8 @@ def phase_memory(plan: MemoryPlan, offload: dict[str, OffloadFlags],
                     pm.parts[f"{m.name}.{kind}"] = size
                 elif kind != "grads":  # offloaded gradient buffers are freed, not copied: they come back zeroed
                     pm.host += size
-        work = {"rollout": {"generation shard": plan.generation_shard, plan.kv_label.split(" (")[0]: plan.kv_cache},
+        work = {"rollout": {"generation shard": plan.generation_shard, "LoRA merged weights": plan.lora_merged,
+                            plan.kv_label.split(" (")[0]: plan.kv_cache},
                 "update_actor": {"activations": plan.activations.get("actor", 0)},
                 "update_critic": {"activations": plan.activations.get("critic", 0)}}.get(phase, {})
         for name, size in work.items():

@@ -14,6 +14,10 @@ MoE models: a rank holds its TP slice of the dense tensors (attention, norms, ro
 layers: / TP) and num_experts / EP experts of each MoE layer of its stage, each cut over expert TP (/ ETP); the
 distributed optimizer shards the expert part over expert-DP (EDP = TP*DP / (EP*ETP)) instead of DP.
 
+LoRA (`model.lora.rank > 0`, parallel/lora/memory.py): params = the frozen base + the adapters; grads, main_params and
+optim are the adapters' (and a critic's value head's) only; no reference model (the actor, adapters off, serves it);
+the rollout sync's merged copy of the adapted weights (`lora_merged`), and a generation shard that is never aliased.
+
 and for the rollout: the generation shard (its rollout-TP slice of the whole model in the rollout dtype, every expert
 included; nothing when rollout TP == actor TP, PP == 1, EP == 1 and the dtypes agree: the engine then reads the
 actor's parameters) and what the rollout engine that runs holds (`rollout_engine_bytes`): the embedded engine's KV
@@ -26,6 +30,7 @@ flight): parallel/activation_plan.py.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -96,8 +101,11 @@ class ModelMemory:
     first: int | None = None  # uneven stages: layers on the first / last PP stage (None: even)
     last: int | None = None
     cp: int = 1  # context_parallel_size: CP ranks hold the same weights, the distributed optimizer shards over DP x CP
+    lora: tuple[int, tuple[str, ...], tuple[str, ...]] | None = None  # (rank, target_modules, exclude_modules)
     numel: int = 0
     expert_numel: int = 0  # of which routed experts
+    adapter_numel: int = 0  # LoRA: this rank's adapter parameters (parallel/lora/memory.py), in params
+    merged_numel: int = 0  # LoRA: this rank's adapted base weights, which the rollout sync copies merged
     rows: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -107,15 +115,29 @@ class ModelMemory:
     def compute(self, arch: ModelArch) -> "ModelMemory":
         split = stage_numel_split(arch, self.tp, self.pp, value_head=self.value_head, ep=self.ep, etp=self.etp,
                                   first=self.first, last=self.last)
-        dense, self.expert_numel = max(split, key=sum)
+        stage = max(range(self.pp), key=lambda i: sum(split[i]))
+        dense, self.expert_numel = split[stage]
         self.numel = dense + self.expert_numel
         pbytes = torch.empty((), dtype=self.param_dtype).element_size()
-        self.rows = {"params": self.numel * pbytes}
+        expert = self.expert_numel  # trained: the whole stage, or with LoRA its adapters (+ value head)
+        if self.lora:  # frozen base; adapters (and a critic's value head) are the trained parameters
+            from tripod.parallel.lora.memory import lora_stage_numel, value_head_numel
+
+            rank, targets, exclude = self.lora
+            lora = lora_stage_numel(arch, rank, targets, exclude, tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp,
+                                    first=self.first, last=self.last, key=f"{'actor_rollout_ref' if self.name == 'actor' else self.name}.model.lora")[stage]
+            self.adapter_numel, self.merged_numel = lora.adapters + lora.expert_adapters, lora.merged
+            head = value_head_numel(arch) if self.value_head and stage == self.pp - 1 else 0
+            dense, expert = lora.adapters + head, lora.expert_adapters
+            if os.environ.get("TRIPOD_PLANT_LORA_PLAN_BASE_TRAINED"):  # planted bug hook: the frozen base trained
+                dense, expert = dense + self.numel - self.expert_numel, expert + self.expert_numel
+        self.rows = {"params": (self.numel + self.adapter_numel) * pbytes}
         if self.trainable:
+            numel = dense + expert  # what the grad buffer and the optimizer hold
             # the distributed optimizer shards dense state over DP, expert state over expert-DP
-            sharded = (dense // (self.dp * self.cp) + self.expert_numel // self.edp if self.distributed_optimizer
-                       else self.numel)
-            self.rows["grads"] = self.numel * 4
+            sharded = (dense // (self.dp * self.cp) + expert // self.edp if self.distributed_optimizer
+                       else numel)
+            self.rows["grads"] = numel * 4
             self.rows["main_params"] = sharded * 4 if pbytes < 4 else 0
             self.rows["optim"] = sharded * 8
         return self
@@ -142,16 +164,19 @@ class MemoryPlan:
     runtime: int = 0  # the process itself (Python, torch, megatron, transformers), measured: runtime_rss()
     kv_label: str = "KV cache"  # what kv_cache is (the embedded engine's KV cache, SGLang's / vLLM's reservation)
     kv_resident: bool = False  # held for the whole run (vLLM on CPU), not only while generating
+    lora_merged: int = 0  # LoRA: the merged copy of the actor's adapted weights the rollout sync makes (bytes)
+    reference_on_actor: bool = False  # LoRA: no reference model, the actor with adapters off serves the ref pass
 
     def device_total(self) -> int:
         """Bytes on the compute device at the rollout peak (offloaded params excluded)."""
-        return sum(m.total for m in self.models if not m.offloaded) + self.generation_shard + self.kv_cache
+        return sum(m.total for m in self.models if not m.offloaded) + self.generation_shard + self.kv_cache + \
+            self.lora_merged
 
     def host_peak(self) -> int:
         """CPU runs: the process's peak RSS. Every model's tensors live in host memory for the whole step; on top of
         them either the rollout (generation shard + the engine's KV cache) or a training pass's peak activations
         (vLLM's weights copy and KV cache on CPU stay for the whole run)."""
-        rollout = self.generation_shard + (0 if self.kv_resident else self.kv_cache)
+        rollout = self.generation_shard + self.lora_merged + (0 if self.kv_resident else self.kv_cache)
         resident = self.kv_cache if self.kv_resident else 0
         return self.runtime + sum(m.total for m in self.models) + resident + max([rollout, *self.activations.values()])
 
@@ -176,6 +201,16 @@ class MemoryPlan:
                          f"{r.get('grads', 0) / mib:>10.1f} {r.get('main_params', 0) / mib:>9.1f} "
                          f"{r.get('optim', 0) / mib:>10.1f} {m.total / mib:>10.1f}"
                          + ("  (host: offloaded)" if m.offloaded else ""))
+        for m in self.models:
+            if m.lora:
+                lines.append(f"{m.name} LoRA rank {m.lora[0]} on {', '.join(m.lora[1])}: base frozen (params only), "
+                             f"{m.adapter_numel / 1e6:.2f} M adapter parameters on this rank (in params) with grads, "
+                             "main weights and optimizer state" + (" (and the value head's)" if m.value_head else ""))
+        if self.reference_on_actor:
+            lines.append("reference: the actor with its adapters off (LoRA: no reference model built)")
+        if self.lora_merged:
+            lines.append(f"the rollout sync's merged copy of the actor's adapted weights (W + scale * B @ A, all of "
+                         f"this rank's training shard at once): {self.lora_merged / mib:.1f} MiB")
         alias = " (views of the actor's parameters)" if self.generation_shard_aliased else ""
         lines.append(f"generation shard {self.generation_shard / mib:.1f} MiB{alias}, "
                      f"{self.kv_label} {self.kv_cache / mib:.1f} MiB")
@@ -253,21 +288,21 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
     arc = cfg.actor_rollout_ref
     device = "cuda" if cfg.trainer.device == "cuda" else "cpu"
 
-    def model(name, m, trainable, value_head=False, offloaded=False, optimizer="adam", own_arch=None):
+    def model(name, m, trainable, value_head=False, offloaded=False, optimizer="adam", own_arch=None, lora=None):
         tp, pp, dp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.data_parallel_size(world_size)
         prec = resolve_precision(m, dp * m.context_parallel_size, trainable, optimizer)  # shards over DP x CP
         return ModelMemory(name, tp, pp, dp, prec.param_dtype, trainable, prec.use_distributed_optimizer,
                            offloaded, value_head, m.expert_model_parallel_size, m.expert_tensor_parallel_size,
                            recompute=prec.recompute_granularity, first=m.num_layers_in_first_pipeline_stage,
                            last=m.num_layers_in_last_pipeline_stage,
-                           cp=m.context_parallel_size).compute(own_arch or arch)
+                           cp=m.context_parallel_size, lora=lora_of(lora)).compute(own_arch or arch)
 
     seq = cfg.data.max_prompt_length + arc.rollout.response_length
-    models = [model("actor", arc.actor.megatron, True, optimizer=arc.actor.optim.optimizer)]
+    models = [model("actor", arc.actor.megatron, True, optimizer=arc.actor.optim.optimizer, lora=arc.model.lora)]
     if cfg.uses_critic:
         models.append(model("critic", cfg.critic.megatron, True, value_head=True, optimizer=cfg.critic.optim.optimizer,
-                            own_arch=critic_arch))
-    if cfg.uses_reference:
+                            own_arch=critic_arch, lora=cfg.critic.model.lora))
+    if cfg.uses_reference and not arc.model.lora.rank:  # with LoRA the actor, adapters off, is the reference
         ref_offload = arc.ref.offload or arc.ref.megatron.param_offload  # placement by phase: memory_phases.py
         models.append(model("reference", arc.ref.megatron, False, offloaded=ref_offload and device == "cuda"))
     rm = cfg.reward_model
@@ -280,15 +315,23 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
     sequences = -(-cfg.data.gen_batch_size * r.n // replicas)  # one generate call: a generation batch (dynamic sampling)
     actor = models[0]
     # parallel/hybrid_engine/engine.py: same TP, no PP, same dtype -> the engine reads the parameters themselves
-    aliased = actor.pp == 1 and actor.tp == r.tensor_model_parallel_size and actor.param_dtype == gdt and \
-        (actor.expert_numel == 0 or (actor.ep == 1 and actor.etp in (None, actor.tp)))
+    aliased = not actor.lora and actor.pp == 1 and actor.tp == r.tensor_model_parallel_size and \
+        actor.param_dtype == gdt and (actor.expert_numel == 0 or (actor.ep == 1 and actor.etp in (None, actor.tp)))
     activations = {m.name: activations_from_config(c, critic_arch if m.value_head and critic_arch else arch,
                                                    world_size, r.n, seq, m.param_dtype)
                    for m, c in zip(models, (arc.actor, cfg.critic)) if m.trainable}
     engine, engine_label, engine_resident = rollout_engine_bytes(cfg, arch, sequences, gdt, device, gpu_memory_gb)
     return MemoryPlan(models, 0 if aliased else generation_shard_bytes(arch, r.tensor_model_parallel_size, gdt),
                       engine, aliased, activations=activations, runtime=runtime_rss() if device == "cpu" else 0,
-                      kv_label=engine_label, kv_resident=engine_resident)
+                      kv_label=engine_label, kv_resident=engine_resident,
+                      lora_merged=actor.merged_numel * torch.empty((), dtype=actor.param_dtype).element_size(),
+                      reference_on_actor=cfg.uses_reference and bool(arc.model.lora.rank))
+
+
+def lora_of(lora) -> tuple[int, tuple[str, ...], tuple[str, ...]] | None:
+    """ModelMemory.lora of one `model.lora` section; None where LoRA is off."""
+    return (lora.rank, tuple(lora.target_modules), tuple(lora.exclude_modules)) if lora is not None and lora.rank > 0 \
+        else None
 
 
 @dataclass

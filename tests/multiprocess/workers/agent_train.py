@@ -4,7 +4,8 @@ with TRIPOD_TEST_AGENT_LOG=<dir> (tests/multiprocess/test_agent_rollout.py).
 
 The hooks run at import, so they also apply in the ranks `tripod train` spawns (as train_with_hooks.py's):
   * engine/agent/rollout.py's `build_agent` gives every row an interaction that answers "again" after each model
-    turn (until multi_turn.max_user_turns), so a random model's rows are multi-turn without calling tools;
+    turn (until multi_turn.max_user_turns), so a random model's rows are multi-turn without calling tools, with a
+    turn score per reply and a final score (TURN_SCORE, FINAL_SCORE);
   * every generate call of the agent loop (the rollout engine's, any backend) appends its prompts, responses and log-probs to <dir>/gen.jsonl;
   * every actor update saves its batch's rows to <dir>/update_<k>.pt.
 TRIPOD_TEST_AGENT_PLANT=reencode plants the bug the test must catch: every trajectory re-tokenized from its decoded
@@ -17,17 +18,21 @@ import sys
 LOG = os.environ.get("TRIPOD_TEST_AGENT_LOG")
 
 
+TURN_SCORE, FINAL_SCORE = 0.125, 10.0  # exact in binary: the test finds them in the dumped scores
+
+
 class Again:
-    """A user simulator with the tool runner's InteractionRunner methods."""
+    """A user simulator with the tool runner's InteractionRunner methods; a turn score per reply and a final
+    score, which multi_turn.add_rollout_rewards adds to the rule score."""
 
     async def start(self, key, kwargs):
         pass
 
     async def respond(self, key, messages):
-        return False, "again", 0.0, {}
+        return False, "again", TURN_SCORE, {}
 
     async def finish(self, key):
-        return 0.0
+        return FINAL_SCORE
 
 
 def _hooks() -> None:
@@ -46,7 +51,7 @@ def _hooks() -> None:
     def build_agent(cfg, tokenizer):
         mt, rollout = cfg.actor_rollout_ref.rollout.multi_turn, cfg.actor_rollout_ref.rollout
         return TalkingRollout(AgentLoop(tokenizer, rollout.response_length, ChatSuffix(tokenizer), None, Again(),
-                                        mt.max_assistant_turns, mt.max_user_turns))
+                                        mt.max_assistant_turns, mt.max_user_turns), mt.add_rollout_rewards)
 
     agent_rollout.build_agent = build_agent
 

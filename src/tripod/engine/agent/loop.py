@@ -51,6 +51,9 @@ class Trajectory:
     tool_errors: int = 0
     tool_timeouts: int = 0
     reward: float = 0.0  # tool step rewards + the tools' calc_reward + interaction turn scores and final score
+    tool_rewards: list[float] = field(default_factory=list)  # each tool call's step reward, in order (verl's name)
+    turn_scores: list[float] = field(default_factory=list)  # each interaction reply's turn score (verl's name)
+    reward_scores: dict[str, float] = field(default_factory=dict)  # calc_reward per tool; "interaction": its final
 
 
 @dataclass
@@ -64,6 +67,8 @@ class EnvStep:
     errors: int = 0
     timeouts: int = 0
     reward: float = 0.0
+    tool_rewards: list[float] = field(default_factory=list)
+    turn_score: float | None = None
     append_only: bool = True
 
 
@@ -137,9 +142,10 @@ class AgentLoop:
                 self._apply(rows[i], step)
             turn += 1
         if renders:
-            rewards = await asyncio.gather(*(self._finish(keys[i], talks[i]) for i in range(len(rows))))
-            for r, extra in zip(rows, rewards):
-                r.reward += extra
+            finals = await asyncio.gather(*(self._finish(keys[i], talks[i]) for i in range(len(rows))))
+            for r, scores in zip(rows, finals):
+                r.reward_scores = scores
+                r.reward += sum(scores.values())
         return rows, stats(rows, gen_s, tool_s, self.suffix.non_append_only if renders else 0)
 
     @staticmethod
@@ -148,6 +154,9 @@ class AgentLoop:
         r.tool_errors += step.errors
         r.tool_timeouts += step.timeouts
         r.reward += step.reward
+        r.tool_rewards += step.tool_rewards
+        if step.turn_score is not None:
+            r.turn_scores.append(step.turn_score)
         if step.done:
             r.done = True
             return
@@ -164,13 +173,14 @@ class AgentLoop:
         if talks:
             await self.interactions.start(key, info["interaction_kwargs"])
 
-    async def _finish(self, key: str, talks: bool) -> float:
-        total = 0.0
+    async def _finish(self, key: str, talks: bool) -> dict[str, float]:
+        """The row's final scores: each tool's calc_reward, and the interaction's final score under "interaction"."""
+        scores: dict[str, float] = {}
         if self.runner is not None:
-            total += float(await self.runner.finish(key))
+            scores.update(await self.runner.finish_scores(key))
         if talks:
-            total += float(await self.interactions.finish(key))
-        return total
+            scores["interaction"] = float(await self.interactions.finish(key))
+        return scores
 
     async def _env_step(self, r: Trajectory, key: str, ids: list[int], talks: bool) -> EnvStep:
         """After row `r`'s model turn `ids`: end it, or the next tool / user turn's tokens."""
@@ -189,10 +199,11 @@ class AgentLoop:
             step.calls = len(calls) + len(errors)
             step.errors = sum(res.error is not None for res in results) + len(errors)
             step.timeouts = sum(bool(res.timed_out) for res in results)
-            step.reward = float(sum(res.reward for res in results))
+            step.tool_rewards = [float(res.reward) for res in results]
+            step.reward = float(sum(step.tool_rewards))
         elif talks:
             stop, reply, score, _ = await self.interactions.respond(key, list(r.history))
-            step.reward = float(score or 0.0)
+            step.reward = step.turn_score = float(score or 0.0)
             if stop:
                 step.done = True
                 return step

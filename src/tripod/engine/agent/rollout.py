@@ -12,6 +12,10 @@ multi_turn/turns_mean|max (model, tool and user turns after the prompt), tool/ca
 and tool/timeouts (counts), multi_turn/model_token_frac (trained share of the response tokens),
 multi_turn/generate_s and multi_turn/tool_s (the slowest replica's seconds in generate calls and in tool / interaction
 steps, rendering included), multi_turn/non_append_only_turns (engine/agent/chat_suffix.py).
+
+Rewards: after each generation batch `row_fields` holds the trajectory fields of this replica's rows (on every rank
+of the replica) and `add_rewards` says whether their rollout rewards join the score; the scorer
+(engine/rewards/replica_scoring.py) reads both (engine/agent/rewards.py).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch.distributed as dist
 
 from tripod.engine.agent.chat_suffix import ChatSuffix
 from tripod.engine.agent.loop import AgentLoop, Trajectory
+from tripod.engine.agent.rewards import reward_fields
 from tripod.engine.rollout.base import SamplingParams
 from tripod.engine.rollout.exchange import exchange_rollout
 
@@ -69,15 +74,16 @@ def build_agent(cfg: Any, tokenizer: Any) -> "AgentRollout | None":
     interactions = InteractionRunner(found, timeout_s=TOOL_TIMEOUT_S) if found else None
     schemas = tool_schemas(tools) if tools else None
     return AgentRollout(AgentLoop(tokenizer, rollout.response_length, ChatSuffix(tokenizer, schemas), runner,
-                                  interactions, mt.max_assistant_turns, mt.max_user_turns))
+                                  interactions, mt.max_assistant_turns, mt.max_user_turns), mt.add_rollout_rewards)
 
 
 class AgentRollout:
     """The agent loop as the rollout of `WeightSync.generate_rows` (see the module docstring)."""
 
-    def __init__(self, loop: AgentLoop) -> None:
-        self.loop = loop
+    def __init__(self, loop: AgentLoop, add_rewards: bool = False) -> None:
+        self.loop, self.add_rewards = loop, bool(add_rewards)
         self.sums: dict[str, float] = {}
+        self.row_fields: list[dict] | None = None  # the last batch's, this replica's rows (engine/agent/rewards.py)
 
     def generate_rows(self, sync: Any, prompts: list[list[int]], params: SamplingParams, timer: Any = None,
                       needs: Callable[[list[int]], list[int] | None] | None = None,
@@ -97,6 +103,8 @@ class AgentRollout:
             rows, sums = self.loop.run(engine.generate, share_prompts, params.n, params, infos, renders,
                                        None if group is None else lambda obj: _share(obj, group))
         sync.events.append("generate")
+        fields = [reward_fields(r) for r in rows] if renders else None
+        self.row_fields = fields if group is None else _share(fields, group)
         self._add(sums if renders else dict.fromkeys(sums, 0.0))
         return GatheredRollout(*trajectory_rows(rows, replicas, mine, needs))
 

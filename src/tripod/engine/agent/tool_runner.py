@@ -179,7 +179,11 @@ class ToolRunner:
         return list(await asyncio.gather(*(self._call_one(row_key, c) for c in calls[: self.max_parallel_calls])))
 
     async def finish(self, row_key: str) -> float:
-        """Sum of the row's `calc_reward`s, then `release` every instance; failures count 0 and are recorded."""
+        """Sum of the row's `calc_reward`s (`finish_scores`)."""
+        return float(sum((await self.finish_scores(row_key)).values()))
+
+    async def finish_scores(self, row_key: str) -> dict[str, float]:
+        """Each tool's `calc_reward` for the row, then `release` every instance; failures score 0 and are recorded."""
         instances = self._rows.pop(row_key, {})
         self._start_errors.pop(row_key, None)
 
@@ -203,4 +207,4 @@ class ToolRunner:
             return reward
 
         rewards = await asyncio.gather(*(one(n, iid, kw) for n, (iid, kw) in instances.items()))
-        return float(sum(rewards))
+        return dict(zip(instances, rewards))

@@ -92,7 +92,8 @@ class CheckpointManager:
         saves = []
         for name, worker in models.items():
             saves.append(ModelCheckpointSave(worker.model, os.path.join(tmp, name), self.arch, worker.layout,
-                                             tokenizer_dir=self.tokenizer_dir, stage=asynchronous))
+                                             tokenizer_dir=self.tokenizer_dir, stage=asynchronous,
+                                             extra_metadata=getattr(worker, "checkpoint_metadata", None)))
             if rank == 0:
                 os.makedirs(os.path.join(tmp, f"{name}_optim"), exist_ok=True)
             dist.barrier()

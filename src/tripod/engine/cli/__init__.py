@@ -1,7 +1,8 @@
 """The `tripod` console script: `main` and the list of argparse subcommands, one module each.
 
     tripod convert HF_DIR OUT_DIR --tp T --pp P [--ep E --etp X]   HF checkpoint -> megatron dist checkpoint (convert.py)
-    tripod export CKPT_DIR HF_DIR [--tp --pp --ep --etp]          tripod checkpoint -> safetensors + config.json (export.py)
+    tripod export CKPT_DIR HF_DIR [--tp --pp --ep --etp] [--merge | --lora]   checkpoint -> safetensors + config.json,
+                                                  or a LoRA checkpoint's peft adapter dir (export.py)
     tripod train RECIPE [key=value ...]           PPO training (train.py)
     tripod train-rm RECIPE [key=value ...]        reward-model training on preference pairs (train_rm.py)
     tripod train-sft RECIPE [key=value ...]       supervised fine-tuning on chat rows (train_sft.py)

@@ -19,8 +19,8 @@ from tripod.engine.data.batching import (
     split_by_token_budget,
     unpad_input,
 )
-from tripod.engine.data.dataset import PromptBatch, PromptDataLoader, PromptDataset, write_prompt_parquet
+from tripod.engine.data.dataset import PromptBatch, PromptDataLoader, PromptDataset, prompt_tools, write_prompt_parquet
 
-__all__ = ["PromptBatch", "PromptDataLoader", "PromptDataset", "write_prompt_parquet", "make_arithmetic_rows",
+__all__ = ["PromptBatch", "PromptDataLoader", "PromptDataset", "prompt_tools", "write_prompt_parquet", "make_arithmetic_rows",
            "make_arithmetic_splits", "balanced_partition", "split_by_token_budget", "pad_sequences", "unpad_input",
            "pad_input", "packed_position_ids"]

@@ -83,8 +83,22 @@ def _read_parquet(path: str, required: Sequence[str]) -> list[dict[str, Any]]:
     return table.to_pylist()
 
 
-def _prompt_text(prompt: Any, tokenizer: Any, apply_chat_template: bool, where: str) -> str:
-    """The text to tokenize: the chat template's rendering (with the generation prompt) or the raw content."""
+def prompt_tools(cfg: Any) -> list[dict] | None:
+    """The tool schemas the chat template renders into every prompt (verl's agent loop passes them as
+    apply_chat_template's `tools`): those of actor_rollout_ref.rollout.multi_turn's tool_config_path when multi-turn
+    is on, else None (prompts render as without tools)."""
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    if not (multi_turn.enable and multi_turn.tool_config_path):
+        return None
+    from tripod.engine.agent import load_tools, tool_schemas
+
+    return tool_schemas(load_tools(multi_turn.tool_config_path)) or None
+
+
+def _prompt_text(prompt: Any, tokenizer: Any, apply_chat_template: bool, where: str,
+                 tools: list[dict] | None = None) -> str:
+    """The text to tokenize: the chat template's rendering (with the generation prompt and, given, the tool schemas:
+    a template that reads `tools` lists them, as Qwen's do in the system turn) or the raw content."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and "content" in m for m in prompt):
@@ -97,7 +111,8 @@ def _prompt_text(prompt: Any, tokenizer: Any, apply_chat_template: bool, where: 
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{where}: the tokenizer has no chat template; set data.apply_chat_template=false "
                          "to tokenize the raw text, or use an instruct model's tokenizer")
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    extra = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
 
 
 @dataclass
@@ -117,13 +132,14 @@ class PromptDataset:
     """Tokenized prompts of one or more parquet files.
 
     Item i is a dict {input_ids: list[int], ground_truth: str, data_source: str, index: int, extra_info: dict}.
-    `num_filtered` counts prompts dropped for being longer than `max_prompt_length`.
+    `num_filtered` counts prompts dropped for being longer than `max_prompt_length`. `tools`: OpenAI function schemas
+    handed to the chat template (`prompt_tools`).
     """
 
     def __init__(self, files: str | Sequence[str], tokenizer: Any, prompt_key: str = "prompt",
                  max_prompt_length: int = 512, filter_overlong_prompts: bool = True,
                  apply_chat_template: bool = True, reward_fn_key: str = "data_source",
-                 token_cache_dir: str | None = None) -> None:
+                 token_cache_dir: str | None = None, tools: list[dict] | None = None) -> None:
         files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
         if not files:
             raise ValueError("PromptDataset got no files; set data.train_files / data.val_files")
@@ -135,6 +151,8 @@ class PromptDataset:
         # A chat template already renders BOS etc.; raw text gets the tokenizer's own special tokens.
         encode = lambda texts: tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"]  # noqa: E731
         settings = {"prompt_key": prompt_key, "apply_chat_template": apply_chat_template}
+        if tools and apply_chat_template:
+            settings["tools"] = tools  # the cache key; absent without tools, so earlier entries stay valid
         for path in self.files:
             file_rows = _read_rows(path, [prompt_key, reward_fn_key, "reward_model.ground_truth"])
             no_truth = [i for i, row in enumerate(file_rows) if (row["reward_model"] or {}).get("ground_truth") is None]
@@ -143,8 +161,8 @@ class PromptDataset:
                                  f"reward_model.ground_truth (null; first at row {no_truth[0]}); fill it in or drop "
                                  "those rows")
             rows += file_rows
-            texts = lambda: [_prompt_text(row[prompt_key], tokenizer, apply_chat_template, f"{path} row {i}")  # noqa: E731
-                             for i, row in enumerate(file_rows)]
+            texts = lambda: [_prompt_text(row[prompt_key], tokenizer, apply_chat_template, f"{path} row {i}",  # noqa: E731
+                                          tools) for i, row in enumerate(file_rows)]
             ids += cached_token_ids(path, len(file_rows), texts, encode, tokenizer, settings, token_cache_dir)
         self.items: list[dict[str, Any]] = []
         too_long = []

@@ -73,6 +73,7 @@ class MegatronWorker:
         parallel/router_replay.py). `lora`: a parallel.lora.LoraSettings (rank > 0: adapters, the base frozen)."""
         from tripod.parallel.convert import load_hf_weights
         from tripod.parallel.lora import apply_lora
+        from tripod.parallel.lora.checkpoint import lora_metadata
         from tripod.parallel.model import build_model_chunks
 
         self.name, self.arch, self.layout = name, arch, layout
@@ -95,6 +96,7 @@ class MegatronWorker:
         if not value_head and layout.is_last_stage:
             bypass_output_layer(model, layout.tp_group)
         self.lora = apply_lora(self.chunks, arch, lora) if lora is not None and lora.rank > 0 else []  # frozen base
+        self.checkpoint_metadata = lora_metadata(lora, hf_dir)  # the adapters' settings and base path (or {})
         self.module = model
         self.routing = None
         if routing_replay and arch.moe is not None:

@@ -52,6 +52,12 @@ def _local_experts_start(layer: torch.nn.Module) -> int:
     return int(indices[0]) if indices else 0
 
 
+def _output_requires_grad(module, args, output):
+    """The frozen embedding's output marked as needing a gradient: without it megatron's recomputed (checkpointed)
+    blocks get no input that requires grad and the adapters inside them none (peft's enable_input_require_grads)."""
+    return output.requires_grad_(True) if not output.requires_grad else output
+
+
 def apply_lora(chunks: list[torch.nn.Module], arch, settings: LoraSettings,
                keep_trainable: tuple[str, ...] = ("output_layer",)) -> list[LoraAdapter]:
     """Attach adapters to this rank's chunks (`linear.lora`, added to the output by a forward hook); freeze every
@@ -65,6 +71,8 @@ def apply_lora(chunks: list[torch.nn.Module], arch, settings: LoraSettings,
         model = _unwrap(chunk)
         for name, p in model.named_parameters():
             p.requires_grad_(getattr(model, "tripod_value_head", False) and name.startswith(keep_trainable))
+        if getattr(model, "embedding", None) is not None:
+            model.embedding.register_forward_hook(_output_requires_grad)
         for layer in model.decoder.layers:
             global_layer = layer.layer_number - 1
             first_expert = _local_experts_start(layer)
