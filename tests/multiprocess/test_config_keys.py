@@ -37,7 +37,7 @@ NOT_EXERCISED = {
                         "require_batches and partial_rollout are checked against the rest, not read (docs/async.md)",
     "*.model.lora.[ademt]*": "alpha, dropout, target_modules, exclude_modules, merge, adapter_path: read once "
                              "lora.rank > 0 (tests/multiprocess/test_lora.py trains actor and critic LoRA)",
-    "actor_rollout_ref.rollout.multi_turn.[fimt]*": "read once multi_turn.enable is on "
+    "actor_rollout_ref.rollout.multi_turn.[afimt]*": "read once multi_turn.enable is on "
                                                     "(tests/multiprocess/test_agent_rollout.py, test_agent_loop.py)",
     "trainer.divergence_guard.max_rollbacks": "read once the guard is on and trips (tests/multiprocess/test_guard.py)",
     "trainer.divergence_guard.remedy_[ck]*": "remedy_clip_ratio, remedy_kl_coef_add: read once the guard is on and trips "
