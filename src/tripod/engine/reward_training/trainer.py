@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from tripod.engine.reward_training.data import Pair, PairSchedule, pair_weight, preference_pairs, score_pad_token
+from tripod.engine.supervised_loop import SupervisedLoop
 from tripod.engine.workers.batch import split_rows
 from tripod.engine.workers.megatron_worker import MegatronWorker
 from tripod.engine.workers.reward_model import last_token_scores, score_sequences, sequence_batch
@@ -56,7 +56,9 @@ def pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor, weight: torch.Ten
     return {k: float(v / weight.sum()) for k, v in weighted_pair_sums(chosen, rejected, weight).items()}
 
 
-class RewardModelTrainer:
+class RewardModelTrainer(SupervisedLoop):
+    part, command, console_keys = "reward_model", "tripod train-rm", CONSOLE_KEYS
+
     def __init__(self, cfg) -> None:
         from transformers import AutoTokenizer
 
@@ -99,6 +101,9 @@ class RewardModelTrainer:
         dist.barrier()  # the tokenizer directory is written before any checkpoint copies it
         self.step = 0
 
+    def has_validation(self) -> bool:
+        return bool(self.val_pairs)
+
     # ---- one step ---------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
         w, d = self.worker, self.cfg.data
@@ -136,66 +141,6 @@ class RewardModelTrainer:
         chosen, rejected = scores.chunk(2)
         weight = torch.tensor([pair_weight(p, self.ranking_weight) for p in self.val_pairs], dtype=torch.float64)
         return {f"val/{k}": v for k, v in pair_metrics(chosen, rejected, weight).items()}
-
-    # ---- state ------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "world_size": self.world,
-                "lr_scheduler": {"reward_model": self.worker.lr_scheduler.state_dict()},
-                "rng": {"torch": torch.get_rng_state()}}
-
-    def resume(self, mode: str | None) -> None:
-        state = self.ckpt.load(mode, {"reward_model": self.worker})
-        if state is None:
-            return
-        self.worker.lr_scheduler.num_steps = 0  # megatron's load_state_dict adds the saved count to the live one
-        self.worker.lr_scheduler.load_state_dict(state["lr_scheduler"]["reward_model"])
-        torch.set_rng_state(state["rng"]["torch"])
-        self.step = int(state["step"])
-
-    def export(self) -> str:
-        """The trained model as an HF *ForSequenceClassification directory (`<run dir>/hf`); every rank calls it."""
-        from tripod.parallel.convert import save_hf_checkpoint
-
-        out = os.path.join(self.run_dir, "hf")
-        save_hf_checkpoint(self.worker.model, self.arch, self.worker.layout, out, tokenizer_dir=self.tokenizer_dir)
-        dist.barrier()
-        return out
-
-    # ---- the loop ---------------------------------------------------------------------------------
-    def fit(self) -> dict[str, float]:
-        from tripod.engine.config_loading import config_to_dict, save_resolved_config
-        from tripod.engine.logging import Tracker
-
-        cfg, t = self.cfg, self.cfg.trainer
-        self.resume(t.resume)
-        if self.rank == 0:
-            save_resolved_config(cfg, self.run_dir)
-        tracker = Tracker(self.run_dir, t.logger, resume_step=self.step or None, total_steps=self.total_steps,
-                          console_keys=CONSOLE_KEYS, project_name=t.project_name, experiment_name=t.experiment_name,
-                          config=config_to_dict(cfg)) if self.rank == 0 else None
-        last_val: dict[str, float] = {}
-        if self.step == 0 and t.val_before_train and self.val_pairs:
-            last_val = self.validate()
-            if tracker:
-                tracker.log(last_val, 0)
-        while self.step < self.total_steps:
-            metrics = self.train_step()
-            self.step += 1
-            done = self.step >= self.total_steps
-            if self.val_pairs and (done or (t.test_freq > 0 and self.step % t.test_freq == 0)):
-                last_val = self.validate()
-                metrics.update(last_val)
-            metrics["training/epoch"] = (self.step - 1) // self.schedule.steps_per_epoch
-            if tracker:
-                tracker.log(metrics, self.step)
-            if done or (t.save_freq > 0 and self.step % t.save_freq == 0):
-                self.ckpt.save(self.step, self.state_dict(), {"reward_model": self.worker})
-        if tracker:
-            tracker.close()
-        out = self.export()
-        if self.rank == 0:
-            print(f"tripod train-rm: exported the reward model to {out}", flush=True)
-        return last_val
 
 
 def _pair_batch(pairs: list[Pair], pad_id: int, ranking_weight: str):

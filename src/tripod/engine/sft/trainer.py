@@ -18,13 +18,13 @@ every held-out conversation) per validation. Checkpoints are `tripod train`'s (C
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tripod.engine.reward_training.data import PairSchedule
 from tripod.engine.sft.data import ChatRow, chat_rows
+from tripod.engine.supervised_loop import SupervisedLoop
 from tripod.engine.workers.batch import PPOBatch, build_ppo_batch, split_rows
 from tripod.engine.workers.megatron_worker import MegatronWorker
 
@@ -56,7 +56,9 @@ def token_count(rows: list[ChatRow]) -> int:
     return sum(sum(r.mask[1:]) for r in rows)
 
 
-class SFTTrainer:
+class SFTTrainer(SupervisedLoop):
+    part, command, console_keys = MODEL, "tripod train-sft", CONSOLE_KEYS
+
     def __init__(self, cfg) -> None:
         from transformers import AutoTokenizer
 
@@ -91,6 +93,9 @@ class SFTTrainer:
                                       keep={MODEL: t.max_ckpt_to_keep})
         dist.barrier()  # the tokenizer directory is written before any checkpoint copies it
         self.step = 0
+
+    def has_validation(self) -> bool:
+        return bool(self.val_rows)
 
     # ---- one step ---------------------------------------------------------------------------------
     def _micro_batches(self, rows: list[ChatRow]) -> list[PPOBatch]:
@@ -130,62 +135,3 @@ class SFTTrainer:
         nll = w.sum_over_dp({"nll": sum(float(o["nll"]) for o in outs)})["nll"]
         return {"val/loss": nll / token_count(self.val_rows)}
 
-    # ---- state ------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "world_size": self.world,
-                "lr_scheduler": {MODEL: self.worker.lr_scheduler.state_dict()}, "rng": {"torch": torch.get_rng_state()}}
-
-    def resume(self, mode: str | None) -> None:
-        state = self.ckpt.load(mode, {MODEL: self.worker})
-        if state is None:
-            return
-        self.worker.lr_scheduler.num_steps = 0  # megatron's load_state_dict adds the saved count to the live one
-        self.worker.lr_scheduler.load_state_dict(state["lr_scheduler"][MODEL])
-        torch.set_rng_state(state["rng"]["torch"])
-        self.step = int(state["step"])
-
-    def export(self) -> str:
-        """The trained model as an HF causal-LM directory with its tokenizer (`<run dir>/hf`); every rank calls it."""
-        from tripod.parallel.convert import save_hf_checkpoint
-
-        out = os.path.join(self.run_dir, "hf")
-        save_hf_checkpoint(self.worker.model, self.arch, self.worker.layout, out, tokenizer_dir=self.tokenizer_dir)
-        dist.barrier()
-        return out
-
-    # ---- the loop ---------------------------------------------------------------------------------
-    def fit(self) -> dict[str, float]:
-        from tripod.engine.config_loading import config_to_dict, save_resolved_config
-        from tripod.engine.logging import Tracker
-
-        cfg, t = self.cfg, self.cfg.trainer
-        self.resume(t.resume)
-        if self.rank == 0:
-            save_resolved_config(cfg, self.run_dir)
-        tracker = Tracker(self.run_dir, t.logger, resume_step=self.step or None, total_steps=self.total_steps,
-                          console_keys=CONSOLE_KEYS, project_name=t.project_name, experiment_name=t.experiment_name,
-                          config=config_to_dict(cfg)) if self.rank == 0 else None
-        last_val: dict[str, float] = {}
-        if self.step == 0 and t.val_before_train and self.val_rows:
-            last_val = self.validate()
-            if tracker:
-                tracker.log(last_val, 0)
-        while self.step < self.total_steps:
-            metrics = self.train_step()
-            self.step += 1
-            done = self.step >= self.total_steps
-            if self.val_rows and (done or (t.test_freq > 0 and self.step % t.test_freq == 0)):
-                last_val = self.validate()
-                metrics.update(last_val)
-            metrics["training/epoch"] = (self.step - 1) // self.schedule.steps_per_epoch
-            if tracker:
-                tracker.log(metrics, self.step)
-            if done or (t.save_freq > 0 and self.step % t.save_freq == 0):
-                self.ckpt.save(self.step, self.state_dict(), {MODEL: self.worker})
-                self.ckpt.retain()
-        if tracker:
-            tracker.close()
-        out = self.export()
-        if self.rank == 0:
-            print(f"tripod train-sft: exported the model to {out}", flush=True)
-        return last_val
