@@ -42,7 +42,8 @@ ONE_RANK += ["actor_rollout_ref.rollout.name=embedded", "actor_rollout_ref.rollo
 
 
 def all_recipes() -> list[str]:
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "recipes").glob("*/*.yaml") if p.name not in SKIP)
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "recipes").glob("*/*.yaml")
+                  if p.name not in SKIP and not p.name.endswith("-tools.yaml"))  # a multi-turn tool config
 
 
 def prepare_inputs() -> None:

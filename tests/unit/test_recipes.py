@@ -1,5 +1,6 @@
 """The shipped recipes: every YAML under recipes/ loads and passes the config checks (a `tripod train-rm` recipe,
-named `*reward-model.yaml`, against train-rm's schema; a `tripod train-sft` one, `*-sft.yaml`, against train-sft's), and the Qwen3-8B dense recipe plans to fit one 8 x 80 GB node
+named `*reward-model.yaml`, against train-rm's schema; a `tripod train-sft` one, `*-sft.yaml`, against train-sft's; a
+multi-turn tool config, `*-tools.yaml`, builds its tools as the trainer does), and the Qwen3-8B dense recipe plans to fit one 8 x 80 GB node
 with the architecture from recipes/model_configs/ (no weights, no hub), its parameter rows checked against an
 independent count."""
 from __future__ import annotations
@@ -11,7 +12,8 @@ from tests.helpers.common import REPO_ROOT
 ALL = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "recipes").rglob("*.yaml") if p.name != "defaults.yaml")
 RM_RECIPES = [r for r in ALL if r.endswith("reward-model.yaml")]  # tripod train-rm's (engine/reward_training/config.py)
 SFT_RECIPES = [r for r in ALL if r.endswith("-sft.yaml")]  # tripod train-sft's (engine/sft/config.py)
-RECIPES = [r for r in ALL if r not in RM_RECIPES + SFT_RECIPES]
+TOOL_CONFIGS = [r for r in ALL if r.endswith("-tools.yaml")]  # multi_turn.tool_config_path files (verl's `tools:`)
+RECIPES = [r for r in ALL if r not in RM_RECIPES + SFT_RECIPES + TOOL_CONFIGS]
 # what a recipe leaves to the machine it runs on: its data files and model directory (missing here, or given on the
 # command line by the script that runs the recipe: scripts/demo.py, `tripod bench`)
 ENVIRONMENT = ("does not exist", "has no config.json", "is empty", "is not set")
@@ -56,6 +58,17 @@ def test_every_train_sft_recipe_loads_and_validates(recipe):
     except ConfigError as e:
         problems = [p for p in str(e).split("\n  - ")[1:] if not any(s in p for s in ENVIRONMENT)]
         assert problems == [], problems
+
+
+@pytest.mark.parametrize("tool_config", TOOL_CONFIGS)
+def test_every_tool_config_builds_its_tools_and_a_recipe_uses_it(tool_config):
+    from tripod.engine.agent import load_tools
+    from tripod.engine.config import load_config
+
+    assert load_tools(str(REPO_ROOT / tool_config))
+    users = [r for r in RECIPES if load_config(str(REPO_ROOT / r), []).actor_rollout_ref.rollout.multi_turn
+             .tool_config_path == tool_config]
+    assert users, f"no recipe's multi_turn.tool_config_path is {tool_config}"
 
 
 def test_tripod_plan_of_the_qwen3_8b_recipe_counts_its_parameters_and_fits_80_gb(capsys, monkeypatch):
