@@ -12,6 +12,8 @@
    its health verdict (outputs/demo/report.txt), and the demo prints its path.
 
 Extra `key=value` arguments are passed to `tripod train`, e.g. `python scripts/demo.py trainer.total_training_steps=4`.
+`--lora` (`make demo LORA=1`): the same run with LoRA adapters on the actor and the critic
+(recipes/demo/smollm2-135m-arithmetic-lora.yaml, run directory outputs/demo_lora).
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ MODEL_DIR = os.path.join(REPO, "outputs", "models", "smollm2-135m-instruct")
 DATA_DIR = os.path.join(REPO, "outputs", "demo_data")
 RUN_DIR = os.path.join(REPO, "outputs", "demo")
 RECIPE = os.path.join(REPO, "recipes", "demo", "smollm2-135m-arithmetic.yaml")
+LORA_RUN_DIR = os.path.join(REPO, "outputs", "demo_lora")
+LORA_RECIPE = os.path.join(REPO, "recipes", "demo", "smollm2-135m-arithmetic-lora.yaml")
 # One worked example as an earlier chat turn. SmolLM2-135M then mostly answers "6 + 1 = 7" (greedy: never in the
 # `#### N` form the reward demands; sampled: about a quarter of the answers use it, 4% correctly), so validation
 # reward starts near 0 and PPO has something to reinforce.
@@ -69,10 +73,13 @@ def main(overrides: list[str]) -> int:
     write_data()
     if overrides[:1] == ["--prepare-only"]:  # the model and data only (tripod bench's recipe reads them too)
         return 0
-    run([py, "-m", "tripod", "train", RECIPE, f"actor_rollout_ref.model.path={MODEL_DIR}",
+    lora = "--lora" in overrides
+    overrides = [o for o in overrides if o != "--lora"]
+    recipe, run_dir = (LORA_RECIPE, LORA_RUN_DIR) if lora else (RECIPE, RUN_DIR)
+    run([py, "-m", "tripod", "train", recipe, f"actor_rollout_ref.model.path={MODEL_DIR}",
          f"data.train_files={DATA_DIR}/train.parquet", f"data.val_files={DATA_DIR}/test.parquet",
-         f"trainer.default_local_dir={RUN_DIR}", *overrides])
-    with open(os.path.join(RUN_DIR, "metrics.jsonl")) as f:
+         f"trainer.default_local_dir={run_dir}", *overrides])
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         val = [(m["step"], m["val/reward_mean"]) for m in map(json.loads, f) if "val/reward_mean" in m]
     (s0, before), (s1, after) = val[0], val[-1]
     s_best, best = max(val, key=lambda sv: sv[1])
@@ -80,10 +87,10 @@ def main(overrides: list[str]) -> int:
     print(f"  before training (step {s0}): {before:.3f}")
     print(f"  after training  (step {s1}): {after:.3f}   change {after - before:+.3f}")
     print(f"  best            (step {s_best}): {best:.3f}   the run ends {best - after:.3f} below its best")
-    run([py, "-m", "tripod", "report", RUN_DIR])
-    print(f"run directory: {RUN_DIR} (config.yaml, metrics.jsonl, tensorboard/, checkpoints/); "
+    run([py, "-m", "tripod", "report", run_dir])
+    print(f"run directory: {run_dir} (config.yaml, metrics.jsonl, tensorboard/, checkpoints/); "
           f"total {time.time() - start:.0f} s")
-    print(f"dashboard: {os.path.join(RUN_DIR, 'report.png')}")
+    print(f"dashboard: {os.path.join(run_dir, 'report.png')}")
     return 0
 
 

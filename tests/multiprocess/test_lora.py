@@ -50,17 +50,16 @@ def peft_case(tmp_path, family: str, rank: int = 4, alpha: float = 8.0, targets:
 @pytest.mark.dist
 def test_lora_matches_peft_at_every_layout(tmp_path):
     """A dense Qwen2 (fused QKV with bias, fused gate/up) with adapters on every linear; a Qwen3-MoE's attention (MoE
-    at TP2 runs sequence parallel); a DeepSeek-V3's MLA projections (q_a/q_b/kv_a/kv_b/o_proj) at TP1 and PP2 (LoRA on
-    MLA at TP > 1 is refused: its gradients do not match yet)."""
+    at TP2 runs sequence parallel); a DeepSeek-V3's MLA projections (q_a/q_b/kv_a/kv_b/o_proj; MoE, so sequence
+    parallel at TP2). MLA at TP2 fails with its adapter's hook after cpu_compat's RoPE-key gradient fix, or without
+    that fix's all-reduce over TP."""
     mla = peft_case(tmp_path, "deepseek_v3", targets=MLA_TARGETS)
-    mla["layouts"] = ["TP1PP1", "TP1PP2"]
     dense = peft_case(tmp_path, "qwen2")
     dense["export_dir"] = str(tmp_path / "peft_export")  # written at TP2 x PP2, loaded back by peft below
     cases = [dense, peft_case(tmp_path, "qwen3_moe", targets=HF_TARGETS[:4]), mla]
     torch.save(cases, tmp_path / "cases.pt")
     out = run_torchrun("lora_parity_worker.py", 4, tmp_path / "cases.pt", timeout=400).stdout
-    expected = {(m, lay) for m in ("qwen2", "qwen3_moe") for lay in LAYOUTS} | {("deepseek_v3", "TP1PP1"),
-                                                                                ("deepseek_v3", "TP1PP2")}
+    expected = {(m, lay) for m in ("qwen2", "qwen3_moe", "deepseek_v3") for lay in LAYOUTS}
     logits = {(m, lay): x for m, lay, x in re.findall(rf"LORA_LOGITS (\S+) (\S+) maxdiff {FLOAT}", out)}
     off = {(m, lay): x for m, lay, x in re.findall(rf"LORA_OFF (\S+) (\S+) maxdiff {FLOAT}", out)}
     grads = re.findall(rf"LORA_GRAD (\S+) (\S+) maxrel {FLOAT}", out)
@@ -84,6 +83,10 @@ def test_lora_matches_peft_at_every_layout(tmp_path):
     assert len(planted_merge) == 2 and all(float(v) > 1.0 for v in planted_merge), out[-3000:]
     planted_grad = re.findall(rf"PLANTED_GRAD a_unreduced maxrel {FLOAT}", out)
     assert len(planted_grad) == 2 and all(float(v) > 1e-2 for v in planted_grad), out[-3000:]
+    planted_mla = re.findall(rf"PLANTED_GRAD (mla_hook_after_tag|mla_rope_unreduced) maxrel {FLOAT}", out)
+    print(f"MLA at TP2, planted: {planted_mla}")
+    assert sorted(b for b, _ in planted_mla) == ["mla_hook_after_tag"] * 2 + ["mla_rope_unreduced"] * 2, out[-3000:]
+    assert all(float(v) > 1e-2 for _, v in planted_mla), planted_mla
     _check_peft_export(dense)
 
 
@@ -168,19 +171,22 @@ def _merged_moe_case(tmp_path, rank: int = 4, alpha: float = 8.0) -> dict:
 
 @pytest.mark.dist
 def test_lora_on_moe_experts_under_expert_parallelism(tmp_path):
-    """LoRA on a tiny Qwen3-MoE at EP2 x DP2 (tests/multiprocess/workers/lora_moe_worker.py): logits equal the HF
-    model with the adapters merged (1e-5), the adapters' gradients after megatron's DDP equal the merged model's
-    (relative 1e-5); marking the expert adapters as dense parameters (DDP averages two different experts) fails."""
+    """LoRA on a tiny Qwen3-MoE at EP2 x DP2 and at TP2 x DP2 with EP2 x ETP2 (each expert and its adapters split over
+    two ranks; tests/multiprocess/workers/lora_moe_worker.py): logits equal the HF model with the adapters merged
+    (1e-5), the adapters' gradients after megatron's DDP equal the merged model's (relative 1e-5). Planted: at EP2 the
+    expert adapters marked as dense parameters (DDP averages two different experts); at ETP2 the experts' replicated
+    factors without their gradient's all-reduce over expert TP."""
     torch.save(_merged_moe_case(tmp_path), tmp_path / "case.pt")
-    out = run_torchrun("lora_moe_worker.py", 2, tmp_path / "case.pt", timeout=300).stdout
-    logits = re.findall(rf"LORA_MOE_LOGITS rank \d maxdiff {FLOAT}", out)
-    grads = re.findall(rf"LORA_MOE_GRAD rank \d maxrel {FLOAT}", out)
-    planted = re.findall(rf"PLANTED_MOE rank \d maxrel {FLOAT}", out)
-    assert len(logits) == len(grads) == len(planted) == 2, out[-3000:]
-    print(f"LoRA on experts at EP2: worst |logits diff| {worst(logits):.3e}, worst relative grad error "
-          f"{worst(grads):.3e}, planted (expert adapters reduced as dense) {worst(planted):.3e}")
+    out = run_torchrun("lora_moe_worker.py", 4, tmp_path / "case.pt", timeout=300).stdout
+    found = {what: {(lay, int(r)): x for lay, r, x in re.findall(rf"{what} (\S+) rank (\d) max\w+ {FLOAT}", out)}
+             for what in ("LORA_MOE_LOGITS", "LORA_MOE_GRAD", "PLANTED_MOE")}
+    ranks = {("EP2DP2", r) for r in (0, 1)} | {("TP2EP2ETP2DP2SP", r) for r in range(4)}
+    assert all(set(v) == ranks for v in found.values()), out[-3000:]
+    logits, grads, planted = (list(found[w].values()) for w in ("LORA_MOE_LOGITS", "LORA_MOE_GRAD", "PLANTED_MOE"))
+    print(f"LoRA on experts at EP2 and EP2 x ETP2: worst |logits diff| {worst(logits):.3e}, worst relative grad error "
+          f"{worst(grads):.3e}; planted {found['PLANTED_MOE']}")
     assert worst(logits) < 1e-5 and worst(grads) < 1e-5
-    assert all(float(x) > 1e-2 for x in planted), planted
+    assert all(float(x) > 1e-2 for x in planted), found["PLANTED_MOE"]
 
 
 @pytest.mark.dist

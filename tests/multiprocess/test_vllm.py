@@ -52,6 +52,18 @@ def test_weight_update_greedy_logprobs_and_planted_missing_layer(tmp_path, tp):
     print("\n".join(lines))
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_lora_adapters_served_by_vllm_equal_merged_weights(tmp_path, tp):
+    """tp 2: the actor at TP 2, rollout TP 2 through vLLM's external launcher. lora.merge=false: vLLM serves the actor's adapters on the base pushed once; greedy tokens and log-probs equal
+    merged weights' and the actor's, each later sync moves only the adapters' bytes (fewer than merged), and a sync
+    that leaves the adapters out is caught (tests/multiprocess/workers/vllm_lora_check.py)."""
+    model = make_tiny_hf_model(tmp_path, "llama", seed=7, num_hidden_layers=2, vocab_size=300, **HEAD_DIM_64)
+    proc = run_torchrun("vllm_lora_check.py", tp, model, tp, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("VLLM_LORA ")]
+    assert [line.split()[1] for line in lines] == ["merged", "update", "bytes", "planted"], proc.stdout[-3000:]
+    print("\n".join(lines))
+
+
 def test_ppo_three_steps_with_vllm_rollout(tmp_path):
     """The rollout generates with the weights the trainer pushed: each step's rollout log-probs are within the unit
     check's LOGPROB_ATOL of the actor's recompute (rollout_corr/abs_diff_max; a rollout one update behind is off by

@@ -71,7 +71,34 @@ def test_lora_config_checks():
     assert LoraConfig(rank=-1).check("k") == ["k.rank=-1 must be >= 0 (0 turns LoRA off)"]
     assert "k.adapter_path is set but k.rank=0" in LoraConfig(adapter_path="x").check("k")[0]
     bad = LoraConfig(rank=8, alpha=0, dropout=1.0, merge=False, target_modules=[]).check("k")
-    assert [m.split("=")[0].split(" ")[0] for m in bad] == ["k.alpha", "k.dropout", "k.merge", "k.target_modules"]
+    assert [m.split("=")[0].split(" ")[0] for m in bad] == ["k.alpha", "k.dropout", "k.target_modules"]
+
+
+def test_adapter_only_sync_needs_the_vllm_rollout():
+    """lora.merge=false: vLLM serves the adapters (engine/rollout/vllm_lora.py); the embedded and SGLang backends and
+    the rollout on its own ranks take merged weights only: one line naming the key and the fix."""
+    from tripod.engine.config_validation import _adapter_sync_problems
+
+    lora = ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.merge=false"]
+    assert _adapter_sync_problems(load_config(None, lora + ["actor_rollout_ref.rollout.name=vllm"])) == []
+    assert _adapter_sync_problems(load_config(None, ["actor_rollout_ref.model.lora.merge=false"])) == []  # LoRA off
+    for name in ("embedded", "sglang"):
+        problems = _adapter_sync_problems(load_config(None, lora + [f"actor_rollout_ref.rollout.name={name}"]))
+        assert len(problems) == 1 and problems[0].startswith("actor_rollout_ref.model.lora.merge=false with rollout"
+                                                             f".name={name}: only the vLLM backend serves"), problems
+    from tripod.engine.rollout.factory import engine_kwargs
+
+    vllm = load_config(None, lora + ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.path=m"])
+    assert engine_kwargs(vllm, 0, "float32", "cpu", None)["lora_rank"] == 8  # the engine serves the adapters
+    merged = load_config(None, lora[:1] + ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.path=m"])
+    assert "lora_rank" not in engine_kwargs(merged, 0, "float32", "cpu", None)
+    separate = load_config(None, lora + ["actor_rollout_ref.rollout.name=vllm", "rollout.n_gpus_per_node=1"])
+    assert "rollout on its own ranks" in _adapter_sync_problems(separate)[0]
+    from tripod.engine.rollout.vllm_lora import vllm_max_lora_rank
+
+    assert [vllm_max_lora_rank(r) for r in (1, 2, 8, 9, 512)] == [1, 8, 8, 16, 512]
+    with pytest.raises(ValueError, match="lora.rank=513: vLLM serves LoRA ranks up to 512"):
+        vllm_max_lora_rank(513)
 
 
 def test_preflight_refuses_what_the_model_or_layout_cannot_take(tmp_path):
@@ -79,9 +106,8 @@ def test_preflight_refuses_what_the_model_or_layout_cannot_take(tmp_path):
     cfg = load_config(None, ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.target_modules=[all-linear]",
                              "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
                              "actor_rollout_ref.actor.megatron.use_te=true"])
-    problems = lora_problems(cfg, arch)
-    assert len(problems) == 2, problems
-    assert "needs expert_tensor_parallel_size=1" in problems[0] and "use_te to auto or false" in problems[1]
+    problems = lora_problems(cfg, arch)  # experts at expert TP 2 (ETP follows TP) are taken: adapter.py shards them
+    assert len(problems) == 1 and "use_te to auto or false" in problems[0], problems
     cfg = load_config(None, ["actor_rollout_ref.model.lora.rank=8",
                              "actor_rollout_ref.model.lora.target_modules=[up_proj,q_proj]"])
     assert lora_problems(cfg, arch) == []
@@ -92,14 +118,13 @@ def test_preflight_refuses_what_the_model_or_layout_cannot_take(tmp_path):
     assert lora_problems(cfg, arch)[0].startswith("actor_rollout_ref.model.lora.target_modules: 'wq'")
 
 
-def test_mla_attention_under_tensor_parallelism_is_refused():
+def test_mla_attention_and_experts_under_tensor_parallelism_are_taken():
     arch = _arch("deepseek_v3", **MLA)
-    cfg = load_config(None, ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.target_modules=[all-linear]",
-                             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
-                             "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1"])
-    assert [p.split(":")[1].strip()[:31] for p in lora_problems(cfg, arch)] == ["LoRA on MLA attention at tensor"]
-    cfg = load_config(None, ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.target_modules=[all-linear]"])
-    assert lora_problems(cfg, arch) == []
+    for etp in (1, 2):
+        cfg = load_config(None, ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.target_modules=[all-linear]",
+                                 "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                                 f"actor_rollout_ref.actor.megatron.expert_tensor_parallel_size={etp}"])
+        assert lora_problems(cfg, arch) == []
 
 
 def test_adapter_directory_must_match_rank_and_alpha(tmp_path):

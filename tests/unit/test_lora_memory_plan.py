@@ -32,13 +32,15 @@ SCRIPT = textwrap.dedent("""
         made = sum(p.numel() for a in adapters for p in a.parameters())
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         merged = sum(a.base_weight[0].numel() for a in adapters)
-        print("LORA_COUNT", arch.family, made, trained, merged, sum(p.numel() for p in model.parameters()))
+        largest = max(a.base_weight[0].numel() for a in adapters)
+        print("LORA_COUNT", arch.family, made, trained, merged, sum(p.numel() for p in model.parameters()), largest)
 """)
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """{family: (its arch, adapters made, trainable numel, adapted base numel, all numel, its directory)}."""
+    """{family: (its arch, adapters made, trainable numel, adapted base numel, all numel, its directory, the largest
+    adapted weight's numel)}."""
     from tests.helpers.common import free_port, make_tiny_hf_model
     from tests.helpers.moe_models import make_tiny_moe_model
 
@@ -54,8 +56,8 @@ def built(tmp_path_factory):
         from tripod.parallel.arch import arch_from_hf
 
         arch = arch_from_hf(path)
-        (made, trained, merged, total), = [tuple(map(int, r[1:])) for r in rows if r[0] == arch.family]
-        out[family] = (arch, made, trained, merged, total, path)
+        (made, trained, merged, total, largest), = [tuple(map(int, r[1:])) for r in rows if r[0] == arch.family]
+        out[family] = (arch, made, trained, merged, total, path, largest)
     return out
 
 
@@ -65,11 +67,11 @@ def test_plan_counts_the_adapters_apply_lora_makes_and_trains_only_them(built, f
 
     from tripod.parallel.memory_plan import ModelMemory
 
-    arch, made, trained, merged, total, _ = built[family]
+    arch, made, trained, merged, total, _, largest = built[family]
     assert made == trained > 0  # apply_lora froze every base parameter
     m = ModelMemory("actor", 1, 1, 1, torch.float32, True, lora=(RANK, tuple(TARGETS[family]), ())).compute(arch)
     assert m.adapter_numel == made, (m.adapter_numel, made)
-    assert m.merged_numel == merged, (m.merged_numel, merged)
+    assert m.merged_numel == merged and m.merged_largest == largest, (m.merged_numel, merged, m.merged_largest)
     assert m.numel + m.adapter_numel == total, (m.numel, m.adapter_numel, total)
     # fp32 parameters, no distributed optimizer: grads 4 bytes and Adam 8 bytes per trained element, no main copy
     assert m.rows == {"params": total * 4, "grads": made * 4, "main_params": 0, "optim": made * 8}, m.rows
@@ -83,15 +85,19 @@ def test_plan_counts_the_adapters_apply_lora_makes_and_trains_only_them(built, f
         bf16.rows
 
 
-def test_plan_from_config_with_lora_drops_the_reference_and_adds_the_merged_copy(built):
-    """Actor LoRA with a KL loss: no reference row, the ref phase on the actor, the rollout's merged copy and an
-    unaliased generation shard; critic LoRA: its adapters plus its value head trained."""
+def test_plan_from_config_with_lora_drops_the_reference_and_adds_the_lazy_merge(built):
+    """Actor LoRA with a KL loss: no reference row, the ref phase on the actor, the rollout's lazy merge (one adapted
+    weight's delta + one bucket's chunk, not a copy of every adapted weight) and an unaliased generation shard; critic
+    LoRA: its adapters plus its value head trained."""
+    import torch
+
     from tripod.engine.config import load_config
     from tripod.parallel.lora.memory import value_head_numel
+    from tripod.parallel.lora.merge import merge_peak_bytes
     from tripod.parallel.memory_phases import phase_memory
     from tripod.parallel.memory_plan import plan_from_config
 
-    arch, made, _, merged, _, path = built["qwen2"]
+    arch, made, _, merged, _, path, largest = built["qwen2"]
     base = [f"actor_rollout_ref.model.path={path}", "trainer.n_gpus_per_node=1", "data.train_batch_size=4",
             "actor_rollout_ref.actor.use_kl_loss=true", "algorithm.adv_estimator=gae"]
     full = plan_from_config(load_config(None, base), 1, arch)
@@ -100,7 +106,11 @@ def test_plan_from_config_with_lora_drops_the_reference_and_adds_the_merged_copy
     plan = plan_from_config(load_config(None, base + lora), 1, arch)
     assert [m.name for m in full.models] == ["actor", "critic", "reference"] and full.generation_shard_aliased
     assert [m.name for m in plan.models] == ["actor", "critic"] and plan.reference_on_actor
-    assert plan.lora_merged == merged * 4 and not plan.generation_shard_aliased and plan.generation_shard > 0
+    # the tiny model's adapted weights all fit in one 64 MiB chunk: the delta (x2 while it is computed) or the delta
+    # and its chunk's fp32 sum (fp32 weights: the sum is the merged chunk)
+    assert plan.lora_merged == 2 * largest * 4 < merged * 4, (plan.lora_merged, largest, merged)
+    assert merge_peak_bytes(largest, torch.bfloat16, 4 * largest) == largest * 2 + largest * (4 + 2)  # delta + sum + bf16
+    assert not plan.generation_shard_aliased and plan.generation_shard > 0
     assert "ref" in [p.phase for p in phase_memory(plan, {})]
     actor, critic = plan.models
     assert actor.rows["grads"] == made * 4

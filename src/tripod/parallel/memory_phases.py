@@ -63,7 +63,7 @@ def phase_memory(plan: MemoryPlan, offload: dict[str, OffloadFlags],
                     pm.parts[f"{m.name}.{kind}"] = size
                 elif kind != "grads":  # offloaded gradient buffers are freed, not copied: they come back zeroed
                     pm.host += size
-        work = {"rollout": {"generation shard": plan.generation_shard, "LoRA merged weights": plan.lora_merged,
+        work = {"rollout": {"generation shard": plan.generation_shard, "LoRA merge": plan.lora_merged,
                             plan.kv_label.split(" (")[0]: plan.kv_cache},
                 "update_actor": {"activations": plan.activations.get("actor", 0)},
                 "update_critic": {"activations": plan.activations.get("critic", 0)}}.get(phase, {})

@@ -16,7 +16,8 @@ distributed optimizer shards the expert part over expert-DP (EDP = TP*DP / (EP*E
 
 LoRA (`model.lora.rank > 0`, parallel/lora/memory.py): params = the frozen base + the adapters; grads, main_params and
 optim are the adapters' (and a critic's value head's) only; no reference model (the actor, adapters off, serves it);
-the rollout sync's merged copy of the adapted weights (`lora_merged`), and a generation shard that is never aliased.
+the rollout sync's merge (`lora_merged`: made lazily as the transport packs each bucket, so one adapted weight's delta
+plus one bucket's merged chunk, parallel/lora/merge.py), and a generation shard that is never aliased.
 
 and for the rollout: the generation shard (its rollout-TP slice of the whole model in the rollout dtype, every expert
 included; nothing when rollout TP == actor TP, PP == 1, EP == 1 and the dtypes agree: the engine then reads the
@@ -105,7 +106,8 @@ class ModelMemory:
     numel: int = 0
     expert_numel: int = 0  # of which routed experts
     adapter_numel: int = 0  # LoRA: this rank's adapter parameters (parallel/lora/memory.py), in params
-    merged_numel: int = 0  # LoRA: this rank's adapted base weights, which the rollout sync copies merged
+    merged_numel: int = 0  # LoRA: this rank's adapted base weights, which the rollout sync merges
+    merged_largest: int = 0  # LoRA: the largest of them (what the lazy merge holds follows from it)
     rows: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -127,6 +129,7 @@ class ModelMemory:
             lora = lora_stage_numel(arch, rank, targets, exclude, tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp,
                                     first=self.first, last=self.last, key=f"{'actor_rollout_ref' if self.name == 'actor' else self.name}.model.lora")[stage]
             self.adapter_numel, self.merged_numel = lora.adapters + lora.expert_adapters, lora.merged
+            self.merged_largest = lora.largest
             head = value_head_numel(arch) if self.value_head and stage == self.pp - 1 else 0
             dense, expert = lora.adapters + head, lora.expert_adapters
             if os.environ.get("TRIPOD_PLANT_LORA_PLAN_BASE_TRAINED"):  # planted bug hook: the frozen base trained
@@ -164,7 +167,7 @@ class MemoryPlan:
     runtime: int = 0  # the process itself (Python, torch, megatron, transformers), measured: runtime_rss()
     kv_label: str = "KV cache"  # what kv_cache is (the embedded engine's KV cache, SGLang's / vLLM's reservation)
     kv_resident: bool = False  # held for the whole run (vLLM on CPU), not only while generating
-    lora_merged: int = 0  # LoRA: the merged copy of the actor's adapted weights the rollout sync makes (bytes)
+    lora_merged: int = 0  # LoRA: the most the rollout sync's lazy merge holds at once (bytes; merge_peak_bytes)
     reference_on_actor: bool = False  # LoRA: no reference model, the actor with adapters off serves the ref pass
 
     def device_total(self) -> int:
@@ -209,8 +212,8 @@ class MemoryPlan:
         if self.reference_on_actor:
             lines.append("reference: the actor with its adapters off (LoRA: no reference model built)")
         if self.lora_merged:
-            lines.append(f"the rollout sync's merged copy of the actor's adapted weights (W + scale * B @ A, all of "
-                         f"this rank's training shard at once): {self.lora_merged / mib:.1f} MiB")
+            lines.append(f"the rollout sync's LoRA merge (W + scale * B @ A, merged as the transport packs each "
+                         f"bucket: one adapted weight's delta + one bucket's chunk): {self.lora_merged / mib:.1f} MiB")
         alias = " (views of the actor's parameters)" if self.generation_shard_aliased else ""
         lines.append(f"generation shard {self.generation_shard / mib:.1f} MiB{alias}, "
                      f"{self.kv_label} {self.kv_cache / mib:.1f} MiB")
@@ -279,11 +282,13 @@ def generation_shard_bytes(arch: ModelArch, rollout_tp: int, dtype: torch.dtype)
 
 
 def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelArch | None = None,
-                     reward_arch: ModelArch | None = None, gpu_memory_gb: float | None = None) -> MemoryPlan:
+                     reward_arch: ModelArch | None = None, gpu_memory_gb: float | None = None,
+                     bucket_bytes: int = 64 << 20) -> MemoryPlan:
     """The memory plan of a (resolved) `TripodConfig` on `world_size` ranks (`critic_arch` / `reward_arch`: the
     critic's and the reward model's checkpoints where they differ from the actor's; `gpu_memory_gb`: the device
-    memory SGLang's / vLLM's fraction is of, 80 GiB when None)."""
+    memory SGLang's / vLLM's fraction is of, 80 GiB when None; `bucket_bytes`: the hybrid engine's bucket)."""
     from tripod.engine.precision import resolve_precision, rollout_dtype
+    from tripod.parallel.lora.merge import merge_peak_bytes
 
     arc = cfg.actor_rollout_ref
     device = "cuda" if cfg.trainer.device == "cuda" else "cpu"
@@ -324,7 +329,8 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
     return MemoryPlan(models, 0 if aliased else generation_shard_bytes(arch, r.tensor_model_parallel_size, gdt),
                       engine, aliased, activations=activations, runtime=runtime_rss() if device == "cpu" else 0,
                       kv_label=engine_label, kv_resident=engine_resident,
-                      lora_merged=actor.merged_numel * torch.empty((), dtype=actor.param_dtype).element_size(),
+                      lora_merged=merge_peak_bytes(actor.merged_largest, actor.param_dtype, bucket_bytes)
+                      if actor.lora and arc.model.lora.merge else 0,  # merge=false: vLLM serves the adapters
                       reference_on_actor=cfg.uses_reference and bool(arc.model.lora.rank))
 
 

@@ -1,17 +1,24 @@
-"""torchrun worker (2 ranks, EP2 x DP2): LoRA on a tiny Qwen3-MoE's experts (one adapter per expert, on its EP rank)
-and on its dense MLP layer, against the HF model with the adapters merged into its weights (float64 merge).
+"""torchrun worker (4 ranks): LoRA on a tiny Qwen3-MoE's experts (one adapter per expert, living with its expert)
+and on its dense MLP layer, against the HF model with the adapters merged into its weights (float64 merge), at
+EP2 x DP2 [ranks 0, 1] and at TP2 x DP2 with EP2 x ETP2 (sequence parallel) [0..3]: each expert's linears and
+adapters split over two ranks, the dense MLP's adapters at TP2.
 
 argv: case.pt from the pytest side: hf_dir, input_ids (DP rank 1 takes them flipped), the merged model's logits of
 both batches, the loss weights, the adapters (peft names) and the adapters' expected gradients of the DP-mean loss.
 Through megatron's DDP (expert adapters reduced over the expert-data-parallel group only, like the experts).
-Prints `LORA_MOE_LOGITS rank <r> maxdiff <x>`, `LORA_MOE_GRAD rank <r> maxrel <x>` and, with the expert adapters
-marked as dense parameters (DDP then averages different experts' gradients over DP), `PLANTED_MOE rank <r> maxrel`.
+Prints `LORA_MOE_LOGITS <layout> rank <r> maxdiff <x>` (last-stage ranks), `LORA_MOE_GRAD <layout> rank <r> maxrel
+<x>`, and for the planted bugs `PLANTED_MOE <layout> rank <r> maxrel <x>`: at EP2 the expert adapters marked as dense
+parameters (DDP then averages different experts' gradients over DP); at ETP2 the experts' replicated factors (fc1's
+A, fc2's B) without their gradient's all-reduce over expert TP (adapter.py's `_sum_grad_over_expert_tp`).
 """
 import sys
 
 import torch
 
 from tests.helpers.common import dist_worker
+
+LAYOUTS = {"EP2DP2": (dict(tp=1, ep=2, etp=1, dp=2), [0, 1]), "TP2EP2ETP2DP2SP": (dict(tp=2, ep=2, etp=2, dp=2),
+                                                                                 [0, 1, 2, 3])}
 
 
 def _build(case, layout, plant: bool):
@@ -31,7 +38,7 @@ def _build(case, layout, plant: bool):
                                                       target_modules=["linear_fc1", "linear_fc2"]))
     assert sum(a.spec.expert is not None for a in adapters) == 2 * 3 * 2  # 3 MoE layers x 2 local experts x fc1/fc2
     load_peft_state(adapters, case["adapters"], get_family(arch.family).hf_layer_prefix, "case")
-    if plant:
+    if plant and layout.etp == 1:
         for a in adapters:
             for p in a.parameters():
                 p.allreduce = True
@@ -59,13 +66,21 @@ def _grad_error(adapters, grads) -> float:
 
 
 def main() -> None:
-    from tests.helpers.model_forward import forward_logits
-    from tests.multiprocess.workers.lora_parity_worker import _loss_grads
     from tripod.parallel.layout import ParallelLayout
 
     case = torch.load(sys.argv[1])
-    layout = ParallelLayout(tp=1, pp=1, ep=2, etp=1, dp=2, ranks=[0, 1], name="EP2DP2")
-    rank = layout.dp_rank
+    layouts = [ParallelLayout(pp=1, ranks=ranks, name=name, **sizes) for name, (sizes, ranks) in LAYOUTS.items()]
+    for layout in layouts:
+        if layout.is_member:
+            _check(case, layout)
+
+
+def _check(case, layout) -> None:
+    from tests.helpers.model_forward import forward_logits
+    from tests.multiprocess.workers.lora_parity_worker import _loss_grads
+    from tripod.parallel.lora.adapter import LoraAdapter
+
+    rank, tag = layout.dp_rank, f"{layout.name} rank {torch.distributed.get_rank()}"
     ids, weight = case["input_ids"], case["weight"]
     ref = case["ref_logits"][rank]
     if rank == 1:
@@ -75,11 +90,18 @@ def main() -> None:
         if not plant:
             with torch.no_grad():
                 logits = forward_logits(model, layout, ids)
-            print(f"LORA_MOE_LOGITS rank {rank} maxdiff {(logits - ref).abs().max().item():.3e}", flush=True)
+            if layout.is_last_stage:
+                print(f"LORA_MOE_LOGITS {tag} maxdiff {(logits - ref).abs().max().item():.3e}", flush=True)
         ddp.zero_grad_buffer()
-        _loss_grads(ddp, layout, ids, weight, arch.vocab_size)
+        real = LoraAdapter._sum_grad_over_expert_tp
+        if plant and layout.etp > 1:
+            LoraAdapter._sum_grad_over_expert_tp = lambda self, factor: factor
+        try:
+            _loss_grads(ddp, layout, ids, weight, arch.vocab_size)
+        finally:
+            LoraAdapter._sum_grad_over_expert_tp = real
         what = "PLANTED_MOE" if plant else "LORA_MOE_GRAD"
-        print(f"{what} rank {rank} maxrel {_grad_error(adapters, case['grads']):.3e}", flush=True)
+        print(f"{what} {tag} maxrel {_grad_error(adapters, case['grads']):.3e}", flush=True)
 
 
 if __name__ == "__main__":

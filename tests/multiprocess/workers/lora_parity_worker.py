@@ -5,7 +5,8 @@ argv: cases.pt from the pytest side, a list of: name, hf_dir, input_ids, peft's 
 adapter weights and gradients (peft names), lora rank / alpha / target_modules, optionally the layouts to run.
 Prints per last-stage rank `LORA_LOGITS <model> <layout> maxdiff <x>`, per rank `LORA_GRAD <model> <layout> maxrel <x>` (gradients of
 every local A and B against peft's, sharded the same way), `LORA_OFF <model> <layout> maxdiff <x>`, `LORA_MERGE <model> <layout> err/bound <x>` (merged weights vs float64) (adapters switched off
-against the model without adapters: must be 0), and `PLANTED <bug> maxdiff <x>` at TP2 for bugs the checks must see.
+against the model without adapters: must be 0), and `PLANTED <bug> maxdiff <x>` at TP2 for bugs the checks must see;
+for the MLA case (deepseek_v3) at TP2, `PLANTED_GRAD mla_hook_after_tag|mla_rope_unreduced maxrel <x>` (`_plant_mla`).
 """
 import sys
 
@@ -55,12 +56,13 @@ def _grad_error(adapters, grads, prefix) -> float:
 
 
 def _merge_error(model, adapters, case, prefix) -> float:
-    """max over adapted weights of |merged - float64 (W + scale * B @ A)| / its rounding bound, where the float64
+    """max over adapted weights of |merged - float64 (W + scale * B @ A)| / its rounding bound (merged lazily, in
+    small chunks, as the rollout sync merges it: parallel/lora/merge.py), where the float64
     delta is fused and split by the converter's own code (fuse_to_megatron, FamilySpec.shard) from peft's tensors."""
     from tripod.parallel.convert import global_params
     from tripod.parallel.convert.common import fuse_to_megatron
     from tripod.parallel.families import get_family
-    from tripod.parallel.lora.merge import merge_into_shard
+    from tripod.parallel.lora.merge import merged_shard
 
     arch = model.tripod_arch
     family = get_family(arch.family)
@@ -70,7 +72,9 @@ def _merge_error(model, adapters, case, prefix) -> float:
     worst = 0.0
     for a in adapters:
         name = names[id(a.base_weight[0])]
-        merged = merge_into_shard(model, {name: params[name].data}, names)[name]
+        lazy = merged_shard(model, {name: params[name].data}, names, bucket_bytes=1024)[name]
+        merged = torch.full(lazy.shape, float("nan"), dtype=lazy.dtype)
+        lazy.copy_into((slice(None),), merged)  # as the transport reads it: chunks of 256 elements
         deltas = []
         for part, rows in zip(a.spec.target.parts, a.spec.target.rows()):
             module = a.spec.hf_module(part, prefix)
@@ -114,10 +118,11 @@ def main() -> None:
     for i, case in enumerate(cases if isinstance(cases, list) else [cases]):
         for name, layout, sp in layouts:
             if layout.is_member and name in case.get("layouts", [n for n, _, _ in LAYOUTS]):
-                _check(case, name, layout, sp, plants=i == 0 and name == PLANT_LAYOUT)
+                _check(case, name, layout, sp, plants=i == 0 and name == PLANT_LAYOUT,
+                       mla_plants=case["name"] == "deepseek_v3" and name == PLANT_LAYOUT)
 
 
-def _check(case, name, layout, sp, plants: bool) -> None:
+def _check(case, name, layout, sp, plants: bool, mla_plants: bool = False) -> None:
     from tests.helpers.model_forward import forward_logits
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.convert import load_hf_weights
@@ -154,6 +159,8 @@ def _check(case, name, layout, sp, plants: bool) -> None:
         print(f"LORA_CKPT {tag} entries {_checkpoint_entries(model, layout)}", flush=True)
     if plants:
         _plant(model, layout, adapters, case, ids, ref)
+    if mla_plants:
+        _plant_mla(model, layout, adapters, case)
 
 
 def _plant(model, layout, adapters, case, ids, ref):
@@ -206,6 +213,43 @@ def _plant(model, layout, adapters, case, ids, ref):
         print(f"PLANTED_GRAD a_unreduced maxrel {_grad_error(adapters, case['grads'], prefix):.3e}", flush=True)
     finally:
         mappings.copy_to_tensor_model_parallel_region = real
+
+
+def _plant_mla(model, layout, adapters, case) -> None:
+    """MLA at TP2, bugs the gradient check must see: the adapter's hook on linear_kv_down_proj after cpu_compat's
+    mla_rope_key_grad tag (the adapted output then misses the RoPE key gradient's sum over TP); that TP all-reduce
+    missing altogether (megatron as installed)."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    from tripod.parallel.families import get_family
+    from tripod.parallel.lora.apply import _add_adapter_output
+
+    prefix = get_family(model.tripod_arch.family).hf_layer_prefix
+
+    def report(bug):
+        for a in adapters:
+            for p in a.parameters():
+                p.grad = None
+        _loss_grads(model, layout, case["input_ids"], case["weight"], model.tripod_arch.vocab_size)
+        print(f"PLANTED_GRAD {bug} maxrel {_grad_error(adapters, case['grads'], prefix):.3e}", flush=True)
+
+    kv_down = [m for m in model.modules() if getattr(getattr(m, "lora", None), "spec", None) is not None
+               and m.lora.spec.target.name == "linear_kv_down_proj"]
+    assert kv_down and all(len(m._forward_hooks) == 2 for m in kv_down)  # the adapter's and the RoPE-key tag
+    keys = [next(k for k, h in m._forward_hooks.items() if h is _add_adapter_output) for m in kv_down]
+    for m, k in zip(kv_down, keys):
+        m._forward_hooks.move_to_end(k)
+    try:
+        report("mla_hook_after_tag")
+    finally:
+        for m, k in zip(kv_down, keys):
+            m._forward_hooks.move_to_end(k, last=False)
+    fixed = mla.gather_from_tensor_model_parallel_region, mla.MLASelfAttention.get_query_key_value_tensors
+    mla.gather_from_tensor_model_parallel_region, mla.MLASelfAttention.get_query_key_value_tensors = mla._tripod_unfixed
+    try:
+        report("mla_rope_unreduced")
+    finally:
+        mla.gather_from_tensor_model_parallel_region, mla.MLASelfAttention.get_query_key_value_tensors = fixed
 
 
 if __name__ == "__main__":

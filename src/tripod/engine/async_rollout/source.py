@@ -46,11 +46,13 @@ class ColocatedRollout:
         t.offload.enter("rollout")
         if self.agent is not None:
             self.agent.take_metrics()  # a validation's turns are not this step's
+        t.weight_sync.take_metrics()  # nor a validation's weight sync
         rollout, metrics = t.sampler.collect(  # dynamic sampling may draw further prompt batches
             prompts, lambda p, k: t.weight_sync.generate_rows(p.input_ids, t.sampling_params(False, step, k), timer,
                                                               needs=step_rows.needs(p), extra_infos=p.extra_infos),
             lambda p, responses: t.score(p, responses, t.cfg.actor_rollout_ref.rollout.n), timer)
-        return rollout, {**metrics, **(self.agent.take_metrics() if self.agent is not None else {})}
+        return rollout, {**metrics, **(self.agent.take_metrics() if self.agent is not None else {}),
+                         **t.weight_sync.take_metrics()}
 
     def updated(self, step: int) -> dict[str, float]:
         return {}

@@ -94,7 +94,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print("\nmemory per rank (parallel/memory_plan.py):")
     arc, on_cuda = cfg.actor_rollout_ref, cfg.trainer.device == "cuda"
     gpu_gb = args.gpu_memory_gb if args.gpu_memory_gb is not None else (80.0 if on_cuda else None)
-    memory = plan_from_config(cfg, world, arch, critic_arch, reward_arch, gpu_memory_gb=gpu_gb)
+    memory = plan_from_config(cfg, world, arch, critic_arch, reward_arch, gpu_memory_gb=gpu_gb,
+                              bucket_bytes=int(args.bucket_mb * (1 << 20)))
     print(memory.describe())
     if cfg.separate_rollout:  # the rollout on its own ranks (docs/async.md)
         from tripod.parallel.memory_plan import rollout_ranks_plan

@@ -44,6 +44,9 @@ def engine_kwargs(cfg, pad_token_id: int, dtype, device, tp_order: list[int] | N
                   dtype=str(dtype).removeprefix("torch."), **tokenizer, **rollout.engine_kwargs)
     if rollout.name == "vllm":
         kwargs.setdefault("max_model_len", cfg.data.max_prompt_length + rollout.response_length)
+        lora = cfg.actor_rollout_ref.model.lora
+        if lora.rank > 0 and not lora.merge:  # vLLM serves the adapters (engine/rollout/vllm_lora.py)
+            kwargs["lora_rank"] = lora.rank
     if rollout.name == "sglang" and rollout.enable_rollout_routing_replay:  # each token's experts (R3)
         kwargs["enable_return_routed_experts"] = True
     return kwargs

@@ -8,6 +8,8 @@ reachable and weights move in memory, never through a file (verl's SPMD rollout 
                          (engine/rollout/sglang_buckets.py's `gather_bucket_full`, bucket by bucket) and stream into
                          the model runner's `reload_weights` (vLLM's own loaders fuse q/k/v and gate/up and redo the
                          backend's weight processing); then the prefix cache is reset (its KV came from old weights).
+  load_adapter(...)   -> lora.merge=false (`lora_rank` > 0): the base went in once by load_weights, each step's LoRA
+                         adapters go in memory into vLLM's LoRA manager and generate() serves them (vllm_lora.py).
   generate(...)       -> one request per response row (prompt i repeated n times, seed + row each, like the SGLang
                          backend), the sampled token's log-prob per step (`logprobs=0`); tripod's stop ids, and
                          stop strings detokenized by vLLM (the tokenizer is loaded only when `tokenizer` is given).
@@ -193,7 +195,7 @@ class VLLMRolloutEngine(RolloutEngine):
     def __init__(self, arch: ModelArch, tp_group: Any = None, *, model_path: str, dtype: str = "bfloat16",
                  mem_fraction_static: float = 0.5, max_model_len: int | None = None, seed: int = 0,
                  update_bucket_bytes: int = 512 << 20, pad_token_id: int | None = None,
-                 tokenizer: str | None = None, **engine_kwargs: Any) -> None:
+                 tokenizer: str | None = None, lora_rank: int = 0, **engine_kwargs: Any) -> None:
         super().__init__(arch, tp_group)
         self.tokenizer = tokenizer  # a tokenizer directory: vLLM loads it to detokenize for stop strings
         self.tp_size, self.tp_rank = tp_size_and_rank(tp_group)
@@ -221,6 +223,9 @@ class VLLMRolloutEngine(RolloutEngine):
             options["max_model_len"] = max_model_len
         if tokenizer is not None:
             options["tokenizer"] = tokenizer
+        if lora_rank > 0:  # adapter-only sync (engine/rollout/vllm_lora.py): one LoRA slot of this rank
+            from tripod.engine.rollout.vllm_lora import vllm_max_lora_rank
+            options.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_max_lora_rank(lora_rank))
         if self.on_cuda:
             options.update(gpu_memory_utilization=mem_fraction_static, enable_sleep_mode=True)
         else:  # an explicit KV cache size: no warm-up forward to size it from the process's memory
@@ -239,6 +244,10 @@ class VLLMRolloutEngine(RolloutEngine):
                 else:
                     os.environ[k] = v
         _teardown_only_inside_the_world(self.llm)
+        self.adapter_slot = None
+        if lora_rank > 0:
+            from tripod.engine.rollout.vllm_lora import VLLMAdapterSlot
+            self.adapter_slot = VLLMAdapterSlot(self.llm)
         self._asleep = False
         self._kv_awake = True
 
@@ -267,6 +276,18 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         self._wake_kv_cache()
 
+    @property
+    def serves_adapters(self) -> bool:
+        """Built with lora_rank > 0: the weight sync pushes the base once, then adapters (`load_adapter`)."""
+        return self.adapter_slot is not None
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+        """Serve these peft-named full adapter tensors (config: peft's r, lora_alpha, target_modules) from now on."""
+        if self.adapter_slot is None:
+            raise RuntimeError("load_adapter on a vLLM engine built without lora_rank (LoRA off)")
+        self.adapter_slot.load(tensors, config)
+        self._wake_kv_cache()
+
     # ---- generation -----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -279,7 +300,8 @@ class VLLMRolloutEngine(RolloutEngine):
             params = dataclasses.replace(params, seed=self._group_seed())  # TP ranks must sample alike
         requests = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(params.n)]
         sampling = [vllm_sampling_params(params, self.arch, row) for row in range(len(requests))]
-        results = self.llm.generate(requests, sampling, use_tqdm=False)
+        lora = self.adapter_slot.request if self.adapter_slot is not None else None
+        results = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=lora)
         return output_from_vllm(results, len(prompts), params.n, self.pad_token_id)
 
     def _group_seed(self) -> int:
@@ -291,9 +313,10 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # ---- memory ---------------------------------------------------------------------------------
     def release_memory(self) -> None:
-        """CUDA: sleep level 2 (weights and KV cache freed). CPU: a no-op (see the module docstring)."""
+        """CUDA: sleep level 2 (weights and KV cache freed); level 1 when serving adapters (the base, pushed once,
+        waits in host memory: not run on CUDA yet). CPU: a no-op (see the module docstring)."""
         if self.on_cuda and not self._asleep:
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=1 if self.adapter_slot is not None else 2)
             self._asleep, self._kv_awake = True, False
 
     def resume_memory(self) -> None:

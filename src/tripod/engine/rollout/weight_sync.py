@@ -17,6 +17,10 @@ when it has them, so no second copy exists; or, when rollout TP == training TP, 
 views of the actor's parameters, so no copy at all), loads it, generates, and always releases the engine's weights and
 KV cache before training resumes, also when generation fails.
 
+With LoRA and `lora.merge=false` (vLLM only) the engine serves the adapters itself: the base weights go in on the
+first load, then each load moves only the adapters (engine/rollout/vllm_lora.py). `take_metrics` reports the bytes of
+weights handed to the engine (rollout/weight_sync_bytes), in both modes.
+
 The SGLang backend's own bucketing of that push lives with it (engine/rollout/sglang_buckets.py).
 """
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 
 from tripod.engine.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from tripod.engine.rollout.exchange import exchange_rollout
+from tripod.engine.rollout.vllm_lora import tensor_bytes
 from tripod.parallel.moe_arch import MoEArch
 
 
@@ -40,6 +45,8 @@ class WeightSync:
         self.hybrid, self.engine, self.actor_model, self.agent = hybrid, engine, actor_model, agent
         self.events: list[str] = []  # the life cycle as it happened (tests and debugging read it)
         self.last_routed: list[torch.Tensor] | None = None  # the last generate's per-row experts (routing_record.py)
+        self.sync_bytes = 0  # bytes of weights handed to the engine since `take_metrics` (rollout/weight_sync_bytes)
+        self._base_loaded = False  # an engine serving the adapters (lora.merge=false) gets the base once
         self._release()  # training runs first: start with nothing reserved
 
     def _release(self) -> None:
@@ -56,15 +63,39 @@ class WeightSync:
                 self.events.append("resume")
                 # the engine reads the actor's parameters directly when the layouts coincide; else it gets a
                 # gathered shard, written straight into its own buffers when it has them
-                alias = self.hybrid.aliases_training_shard(self.actor_model)
-                buffers = None if alias else self.engine.weight_buffers()
-                shard = self.hybrid.to_rollout(self.actor_model, out=buffers)
-                self.engine.load_weights(shard)
-                del shard
+                if getattr(self.engine, "serves_adapters", False):
+                    self._load_adapters()
+                else:
+                    alias = self.hybrid.aliases_training_shard(self.actor_model)
+                    buffers = None if alias else self.engine.weight_buffers()
+                    shard = self.hybrid.to_rollout(self.actor_model, out=buffers)
+                    self.engine.load_weights(shard)
+                    self.sync_bytes += tensor_bytes(shard)
+                    del shard
                 self.events.append("load")
             yield self.engine
         finally:
             self._release()
+
+    def _load_adapters(self) -> None:
+        """lora.merge=false: the base weights on the first load only, then this step's adapters alone."""
+        from tripod.engine.rollout.vllm_lora import adapter_payload
+
+        if not self._base_loaded:
+            shard = self.hybrid.to_rollout(self.actor_model, merge=False)
+            self.engine.load_weights(shard)
+            self.sync_bytes += tensor_bytes(shard)
+            self._base_loaded = True
+            del shard
+        tensors, config = adapter_payload(self.actor_model, self.hybrid.arch, self.hybrid.plan.dtype)
+        self.engine.load_adapter(tensors, config)
+        self.sync_bytes += tensor_bytes(tensors)
+
+    def take_metrics(self) -> dict[str, float]:
+        """rollout/weight_sync_bytes: bytes of weights this rank handed its rollout engine since the last call (the
+        generation shard: merged weights, or with lora.merge=false the adapters, plus the base on the first load)."""
+        out, self.sync_bytes = {"rollout/weight_sync_bytes": float(self.sync_bytes)}, 0
+        return out
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, timer=None) -> RolloutOutput:
         timed = timer if timer is not None else (lambda name: contextlib.nullcontext())

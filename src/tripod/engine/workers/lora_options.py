@@ -20,8 +20,8 @@ def lora_settings(lora, key: str, seed: int = 0) -> LoraSettings | None:
 
 
 def lora_problems(cfg, arch) -> list[str]:
-    """One line per `model.lora` setting the model or the layout cannot take: a target the family lacks, experts
-    under expert tensor parallelism, MLA attention under tensor parallelism, an offloaded actor that is the reference, Transformer Engine layers, an adapter directory that is not a peft adapter of the
+    """One line per `model.lora` setting the model or the layout cannot take: a target the family lacks, an offloaded
+    actor that is the reference, Transformer Engine layers, an adapter directory that is not a peft adapter of the
     same rank and alpha."""
     sections = [("actor_rollout_ref", cfg.actor_rollout_ref.model.lora, cfg.actor_rollout_ref.actor.megatron)]
     if cfg.uses_critic:
@@ -32,18 +32,10 @@ def lora_problems(cfg, arch) -> list[str]:
         if lora.rank <= 0:
             continue
         try:
-            chosen = resolve_targets(arch, lora.target_modules, lora.exclude_modules, key)
+            resolve_targets(arch, lora.target_modules, lora.exclude_modules, key)
         except ValueError as err:
             e.append(str(err))
             continue
-        etp = m.expert_tensor_parallel_size or m.tensor_model_parallel_size
-        if etp > 1 and any(".experts." in path for path in chosen):
-            e.append(f"{key}: LoRA on experts needs expert_tensor_parallel_size=1 ({name} has {etp}); set "
-                     f"{name}.megatron.expert_tensor_parallel_size=1 or add the experts to exclude_modules")
-        if arch.mla is not None and m.tensor_model_parallel_size > 1 and \
-                any(path.startswith("self_attention.") for path in chosen):
-            e.append(f"{key}: LoRA on MLA attention at tensor_model_parallel_size > 1 is not supported yet; use TP 1 "
-                     "or add the MLA projections to exclude_modules")
         if name == "actor_rollout_ref" and cfg.uses_reference and m.param_offload:
             e.append(f"{key}: the reference pass runs on the actor (adapters off), which "
                      "actor_rollout_ref.actor.megatron.param_offload would keep on the host in that phase; set it false")

@@ -19,16 +19,21 @@ from tripod.parallel.hybrid_engine.plan import ReshardPlan, build_reshard_plan
 from tripod.parallel.hybrid_engine.transport import MicroDPGather
 
 
-def train_shard_from_model(model, layout, arch: ModelArch, plan: ReshardPlan) -> dict[str, torch.Tensor]:
+def train_shard_from_model(model, layout, arch: ModelArch, plan: ReshardPlan,
+                           merge_stats=None, merge: bool = True) -> dict[str, torch.Tensor]:
     """This rank's training shard as {global megatron name: parameter data} (views, no copies).
 
-    `model` is the actor's GPTModel or its list of virtual-pipeline chunks (DDP-wrapped or not)."""
+    `model` is the actor's GPTModel or its list of virtual-pipeline chunks (DDP-wrapped or not). With LoRA the rollout
+    gets W + scale * B @ A: each adapted weight is a `MergedWeight` (parallel/lora/merge.py), merged a bucket at a time
+    as the transport reads it (counted in `merge_stats`), never written into the parameter; `merge=False`: the base
+    weights alone (for a rollout engine that serves the adapters itself, engine/rollout/vllm_lora.py)."""
     wanted = {s.name for s in plan.owned_specs(_global_rank()) + plan.owned_expert_specs(_global_rank())}
     params = global_params(model)
     shard = {name: p.data for name, p in params.items() if name in wanted}
-    if any(".lora." in name for name in params):  # LoRA: the rollout gets W + scale * B @ A (parallel/lora/merge.py)
-        from tripod.parallel.lora.merge import merge_into_shard
-        shard = merge_into_shard(model, shard, {id(p): name for name, p in params.items()})
+    if merge and any(".lora." in name for name in params):
+        from tripod.parallel.lora.merge import merged_shard
+        shard = merged_shard(model, shard, {id(p): name for name, p in params.items()}, plan.bucket_bytes,
+                             merge_stats)
     missing = sorted(wanted - set(shard))
     if missing:
         raise ValueError(f"actor model on rank {_global_rank()} lacks parameters the rollout needs: {missing[:6]}")
@@ -62,6 +67,7 @@ class HybridEngine:
         self.gather = MicroDPGather(self.plan)
         self.keep_buffer = keep_buffer
         self._buffer: dict[str, torch.Tensor] | None = None
+        self.merge_stats = None  # LoRA: the last `to_rollout`'s merged bytes alive (parallel/lora/merge.py MergeStats)
 
     @property
     def rollout_tp_group(self):
@@ -96,16 +102,21 @@ class HybridEngine:
         dtypes = p.generation_dtypes()
         from tripod.parallel.convert import model_chunks
         from tripod.parallel.lora import lora_adapters
-        if any(True for _ in lora_adapters(model_chunks(model))):  # merged LoRA weights are new tensors, not views
+        if any(True for _ in lora_adapters(model_chunks(model))):  # LoRA: W + scale * B @ A, never the parameters
             return False
         return p.pp == 1 and p.tp == p.rollout_tp and same_experts and all(
             t.dtype == dtypes[n] for n, t in train_shard_from_model(model, self.layout, self.arch, p).items())
 
-    def to_rollout(self, model: torch.nn.Module, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def to_rollout(self, model: torch.nn.Module, out: dict[str, torch.Tensor] | None = None,
+                   merge: bool = True) -> dict[str, torch.Tensor]:
         """Gather this rank's generation shard (in the plan's dtype: the rollout dtype) from the actor's training
         shards; into `out` (e.g. the rollout engine's own buffers) when given; views of the parameters when the
-        layouts and dtypes coincide (`aliases_training_shard`) and no `out` is given."""
-        shard = train_shard_from_model(model, self.layout, self.arch, self.plan)
+        layouts and dtypes coincide (`aliases_training_shard`) and no `out` is given. `merge=False`: LoRA's base
+        weights without the adapters."""
+        from tripod.parallel.lora.merge import MergeStats
+
+        self.merge_stats = MergeStats()
+        shard = train_shard_from_model(model, self.layout, self.arch, self.plan, self.merge_stats, merge)
         if out is None and not self.keep_buffer and self.aliases_training_shard(model):
             return shard
         with torch.no_grad():

@@ -17,7 +17,9 @@ rank - s, each only when the plan has segments for that pair; both sides enumera
 stages), then takes its rollout TP slice from it (what "all-gather full tensors on every rank" costs).
 
 Both take the training shard as `{global megatron name: this rank's TP slice}` and return the generation shard as
-`{global megatron name: rollout TP slice}` (see parallel/hybrid_engine/plan.py for the layout).
+`{global megatron name: rollout TP slice}` (see parallel/hybrid_engine/plan.py for the layout). `MicroDPGather` reads
+the training shard only through `read_into`, slice by slice, so a value may also be a weight merged on read (LoRA:
+parallel/lora/merge.py's `MergedWeight`, merged a bucket at a time as the transport packs it).
 """
 from __future__ import annotations
 
@@ -88,6 +90,16 @@ class MicroDPGather:
         q = plan.train_coords(me)[0] % k
         for spec in plan.owned_specs(me):  # own pieces: local copies, no traffic
             _copy_own(spec, q, k, plan.tp, train_shard[spec.name], gen[spec.name])
+        if self.group is not None:  # a micro-DP group of one has nothing to send: its own copies were everything
+            self._broadcast_buckets(train_shard, gen, device)
+        exchange_experts(plan, me, train_shard, gen, self.stats)
+        return gen
+
+    def _broadcast_buckets(self, train_shard: dict[str, torch.Tensor], gen: dict[str, torch.Tensor],
+                           device: torch.device) -> None:
+        """Each member of the micro-DP group in turn packs its buckets (a merged LoRA weight is merged here, a bucket
+        at a time) and broadcasts them; the others unpack them into place."""
+        plan, me = self.plan, self.rank
         bufs: dict[torch.dtype, torch.Tensor] = {}  # one reusable buffer per dtype (fp32 rows: a small one)
         for owner in self.members:
             for bucket in plan.buckets[owner]:
@@ -97,14 +109,10 @@ class MicroDPGather:
                 flat = bufs[bucket.dtype][: bucket.numel]
                 if owner == me:
                     _pack(bucket, train_shard, flat)
-                if self.group is not None:
-                    dist.broadcast(flat, src=owner, group=self.group)
-                    self.stats.count(flat, received=owner != me)
+                dist.broadcast(flat, src=owner, group=self.group)
+                self.stats.count(flat, received=owner != me)
                 if owner != me:
                     _unpack(bucket, flat, gen)
-        del bufs
-        exchange_experts(plan, me, train_shard, gen, self.stats)
-        return gen
 
 
 def exchange_experts(plan: ReshardPlan, me: int, train_shard: dict[str, torch.Tensor], gen: dict[str, torch.Tensor],
@@ -114,7 +122,7 @@ def exchange_experts(plan: ReshardPlan, me: int, train_shard: dict[str, torch.Te
         return
     recv, send = plan.expert_recv(me), plan.expert_send(me)
     for seg in recv.pop(me, []):  # pieces this rank holds itself
-        gen[seg.name][seg.dst_slices].copy_(train_shard[seg.name][seg.src_slices])
+        read_into(train_shard[seg.name], seg.src_slices, gen[seg.name][seg.dst_slices])
     device = next(iter(gen.values())).device
     world = plan.world_size
     for shift in range(1, world):
@@ -143,7 +151,7 @@ def exchange_dense(plan: ReshardPlan, me: int, train_shard: dict[str, torch.Tens
     from tripod.parallel.hybrid_engine.regroup import buffer_numels, rounds_of
 
     for seg in plan.dense_recv(me).get(me, []):
-        gen[seg.name][seg.dst_slices].copy_(train_shard[seg.name][seg.src_slices])
+        read_into(train_shard[seg.name], seg.src_slices, gen[seg.name][seg.dst_slices])
     rounds = rounds_of(plan, me)
     # one send and one receive buffer per dtype, reused by every round (like the micro-DP gather's bucket buffer)
     device = next(iter(gen.values())).device
@@ -181,15 +189,23 @@ def _check_train_shard(plan: ReshardPlan, rank: int, shard: dict[str, torch.Tens
                              f"plan expects {shape} (floating point)")
 
 
-def _copy_own(spec: ParamSpec, q: int, k: int, tp: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+def read_into(src, slices: tuple[slice, ...], dst: torch.Tensor) -> None:
+    """dst <- src[slices]: a tensor's slice, or a lazily merged weight's (`copy_into`: merged just that slice)."""
+    if isinstance(src, torch.Tensor):
+        dst.copy_(src[slices])
+    else:
+        src.copy_into(slices, dst)
+
+
+def _copy_own(spec: ParamSpec, q: int, k: int, tp: int, src, dst: torch.Tensor) -> None:
     for seg in segments_of(spec, q, k, tp):
-        dst[seg.dst_slices].copy_(src[seg.src_slices])
+        read_into(src, seg.src_slices, dst[seg.dst_slices])
 
 
 def _pack(bucket: Bucket, shard: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
     off = 0
     for seg in bucket.segments:
-        flat[off: off + seg.numel].view(seg.shape).copy_(shard[seg.name][seg.src_slices])
+        read_into(shard[seg.name], seg.src_slices, flat[off: off + seg.numel].view(seg.shape))
         off += seg.numel
 
 

@@ -13,8 +13,21 @@ Row-parallel (linear_proj, linear_fc2): A [r, in / tp] holds the input columns o
 replicated; the partial A x is all-reduced (as the base output is), and under sequence parallelism B's output is
 split over the sequence like the base output's reduce-scatter.
 
-Experts (megatron's explicit expert communication: the dispatcher gathers and reduces the tokens) get the plain
-product on their own rank; with expert tensor parallelism > 1 they are refused (`check_module`).
+MLA (megatron's local spec) makes every projection but linear_proj column-parallel, the down projections included
+(their outputs all-gathered over TP, then scattered over the sequence under SP; nothing is duplicated over TP): their
+adapters are the column-parallel ones above. The adapter's share must be in kv_down's output before cpu_compat's
+mla_rope_key_grad hook tags it (apply.py registers the adapter's hook first), or the RoPE key's gradient misses its
+TP sum for the adapted output.
+
+Experts (megatron's explicit expert communication: the dispatcher all-gathers the tokens over the expert TP x EP ranks
+and reduce-scatters the expert outputs, summing the partial products of a row-parallel fc2) take no TP communication
+of their own. Under expert tensor parallelism (ETP > 1) the adapters shard as the expert's linears do (fc1: B split
+by rows; fc2: A split by columns) and their products stay partial like the expert's: the column-parallel h = A x is
+the same on every ETP rank and each rank's B sees only its rows, the row-parallel h = A x is partial and B's output
+is summed by the dispatcher with the base's. Only the replicated factor's gradient is then partial on each ETP rank
+(fc1's A: a rank's h gradient comes from its rows only; fc2's B: from its h share), so that factor enters the
+product through copy_to_tensor_model_parallel_region (identity forward, gradient all-reduced over expert TP). The
+input's gradient stays partial, as the base linear's is: the dispatcher's reduce-scatter sums it.
 """
 from __future__ import annotations
 
@@ -52,7 +65,7 @@ class AdapterSpec:
         return f"{layer_prefix}{self.layer}.{name}"
 
 
-def check_module(module: torch.nn.Module, target: LinearTarget, where: str, mla: bool = False) -> None:
+def check_module(module: torch.nn.Module, target: LinearTarget, where: str) -> None:
     """Refuse (one line) a linear whose layout the adapter does not implement."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -61,13 +74,6 @@ def check_module(module: torch.nn.Module, target: LinearTarget, where: str, mla:
         raise ValueError(f"LoRA on {where}: {type(module).__name__} is not supported (megatron's local "
                          f"{cls.__name__} only; Transformer Engine layers fold norms into linears); drop it from "
                          "target_modules or build without Transformer Engine (megatron.use_te=false)")
-    tp = torch.distributed.get_world_size(module.tp_group) if module.tp_group is not None else 1
-    if mla and tp > 1 and target.path.startswith("self_attention."):
-        raise ValueError(f"LoRA on {where}: MLA attention at tensor_model_parallel_size={tp} is not supported yet (its "
-                         "adapter gradients do not match HF's); use TP 1 or leave the MLA projections out")
-    if getattr(module, "explicit_expert_comm", False) and tp > 1:
-        raise ValueError(f"LoRA on {where}: experts under expert tensor parallelism (expert_tensor_parallel_size="
-                         f"{tp}) are not supported yet; set expert_tensor_parallel_size=1 or exclude the experts")
     if target.fuse == Fuse.CONCAT and target.split != Split.GATED_ROW or \
             target.split not in (Split.ROW, Split.COL, Split.GATED_ROW):
         raise ValueError(f"LoRA on {where}: a {target.fuse.value}/{target.split.value} weight is not supported")
@@ -119,10 +125,12 @@ class LoraAdapter(torch.nn.Module):
             x = self.dropout(x)
         keys = [part_key(p) for p in self.spec.parts]
         if self.row:
-            h = x @ self.lora_A[keys[0]].t()
-            if self.tp > 1 and not self.expert:
+            h, b = x @ self.lora_A[keys[0]].t(), self.lora_B[keys[0]]
+            if self.tp > 1 and self.expert:
+                b = self._sum_grad_over_expert_tp(b)
+            elif self.tp > 1:
                 h = mappings.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
-            y = (h @ self.lora_B[keys[0]].t()) * self.scale
+            y = (h @ b.t()) * self.scale
             if self.sequence_parallel and self.tp > 1:
                 y = mappings.scatter_to_sequence_parallel_region(y, group=self.tp_group)
             return y
@@ -130,6 +138,8 @@ class LoraAdapter(torch.nn.Module):
             x = mappings.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False,
                                                               group=self.tp_group)
         a = torch.cat([self.lora_A[k] for k in keys], 0) if len(keys) > 1 else self.lora_A[keys[0]]
+        if self.tp > 1 and self.expert:
+            a = self._sum_grad_over_expert_tp(a)
         h = x @ a.t()
         if self.tp > 1 and not self.expert:
             h = mappings.copy_to_tensor_model_parallel_region(h, group=self.tp_group)
@@ -138,6 +148,12 @@ class LoraAdapter(torch.nn.Module):
         if self.gather_output and self.tp > 1:
             y = mappings.gather_from_tensor_model_parallel_region(y, group=self.tp_group)
         return y
+
+    def _sum_grad_over_expert_tp(self, factor: torch.Tensor) -> torch.Tensor:
+        """An expert's replicated factor, its gradient (partial on each expert-TP rank) all-reduced over expert TP."""
+        from megatron.core.tensor_parallel import mappings
+
+        return mappings.copy_to_tensor_model_parallel_region(factor, group=self.tp_group)
 
     def _combine(self, outs: list[torch.Tensor], transpose: bool = False) -> torch.Tensor:
         """The parts' local outputs [..., rows_p] -> the base linear's local output rows (`transpose`: the parts are

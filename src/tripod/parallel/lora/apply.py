@@ -83,7 +83,7 @@ def apply_lora(chunks: list[torch.nn.Module], arch, settings: LoraSettings,
                     continue
                 target = linears[path]
                 where = f"decoder layer {global_layer} {name}"
-                check_module(module, target, where, arch.mla is not None)
+                check_module(module, target, where)
                 expert = first_expert + int(m.group(1)) if m else None
                 spec = AdapterSpec(target, chosen[path], global_layer, expert)
                 adapter = LoraAdapter(module, spec, settings.rank, settings.alpha, settings.dropout)

@@ -9,9 +9,9 @@ for a part of `rows` output rows of a linear of `in` input features, at rank r a
 
 so a rank holds r * (in + rows / t) or r * (in / t + rows) per part, in every adapted linear of its stage's layers,
 and in each of its num_experts / EP experts of a routed-expert linear (t: the expert TP size there). The targets are
-resolved as `apply_lora` resolves them (`resolve_targets`). With LoRA on, the rollout gets W + scale * B @ A:
-`merge_into_shard` makes a new tensor of every adapted weight of the rank's training shard, all alive together
-during the sync (`merged` below: their numel).
+resolved as `apply_lora` resolves them (`resolve_targets`). With LoRA on, the rollout gets W + scale * B @ A, merged
+lazily as the transport packs it (parallel/lora/merge.py): what that holds at once follows from the largest adapted
+weight (`largest` below; `merge_peak_bytes`), not from all of them (`merged`: their numel, what the sync merges).
 """
 from __future__ import annotations
 
@@ -27,12 +27,13 @@ _EXPERT = re.compile(r"local_experts\.\d+\.")
 
 @dataclass(frozen=True)
 class LoraStage:
-    """One rank's LoRA numbers on one PP stage: adapter parameters (dense, routed-expert) and the numel of the
-    adapted base weights the sync merges (dense + its experts)."""
+    """One rank's LoRA numbers on one PP stage: adapter parameters (dense, routed-expert), the numel of the
+    adapted base weights the sync merges (dense + its experts) and of the largest of them."""
 
     adapters: int
     expert_adapters: int
     merged: int
+    largest: int = 0
 
 
 def part_adapter_numel(target: LinearTarget, part_rows: int, rank: int, tp: int) -> int:
@@ -49,7 +50,7 @@ def lora_stage_numel(arch: ModelArch, rank: int, target_modules, exclude_modules
     """Per PP stage, what one rank of that stage holds of LoRA (expert counts already this rank's 1/ep share)."""
     chosen = resolve_targets(arch, list(target_modules), list(exclude_modules), key)
     linears = family_linears(arch)
-    dense, experts, merged, merged_experts = [0] * pp, [0] * pp, [0] * pp, [0] * pp
+    dense, experts, merged, merged_experts, largest = [0] * pp, [0] * pp, [0] * pp, [0] * pp, [0] * pp
     for spec in actor_param_specs(arch, tp, pp, first=first, last=last):
         if not spec.name.startswith("decoder.layers.") or not spec.name.endswith(".weight"):
             continue
@@ -64,6 +65,7 @@ def lora_stage_numel(arch: ModelArch, rank: int, target_modules, exclude_modules
         weight = 1
         for d in local_shape(spec, t):
             weight *= int(d)
+        largest[spec.stage] = max(largest[spec.stage], weight)
         if spec.expert is not None:
             experts[spec.stage] += numel
             merged_experts[spec.stage] += weight
@@ -72,7 +74,8 @@ def lora_stage_numel(arch: ModelArch, rank: int, target_modules, exclude_modules
             merged[spec.stage] += weight
     if any(x % ep for x in experts + merged_experts):
         raise ValueError(f"expert_model_parallel_size={ep} must divide the number of experts")
-    return [LoraStage(d, x // ep, m + mx // ep) for d, x, m, mx in zip(dense, experts, merged, merged_experts)]
+    return [LoraStage(d, x // ep, m + mx // ep, big)
+            for d, x, m, mx, big in zip(dense, experts, merged, merged_experts, largest)]
 
 
 def value_head_numel(arch: ModelArch) -> int:
