@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
 
-.PHONY: test test-launch test-gpu-bundle test-peers test-vllm vllm-venv demo demo-rm venv clean bench gpu-bundle lint
+.PHONY: test test-launch test-gpu-bundle test-peers test-vllm vllm-venv demo demo-rm demo-agent venv clean bench gpu-bundle lint
 
 $(STAMP): requirements.txt setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -64,8 +64,9 @@ test-vllm: $(VLLM_STAMP)
 test-peers: $(STAMP)
 	$(BIN)/python -m pytest -q -m peers tests/multiprocess/test_bench.py
 
+# `make demo LORA=1`: the same PPO run with LoRA adapters on the actor and the critic (outputs/demo_lora)
 demo: $(STAMP)
-	$(BIN)/python scripts/demo.py
+	$(BIN)/python scripts/demo.py $(if $(filter 1,$(LORA)),--lora)
 
 # a reward model trained on arithmetic preference pairs, then PPO on it alone: the held-out rule reward rises (~9 min)
 demo-rm: $(STAMP)
@@ -80,3 +81,7 @@ gpu-bundle: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) outputs
+
+# multi-turn with a tool: SFT cold start on calculator transcripts, then GRPO with the calculator (~20 min)
+demo-agent: $(STAMP)
+	$(BIN)/python scripts/demo_agent.py

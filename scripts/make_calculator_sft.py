@@ -2,7 +2,8 @@
 
 Each row is one conversation: a system message naming the `calculator` tool and the hermes call syntax, an
 arithmetic question, the assistant's hermes `<tool_call>` to `calculator` with {"expression": ...}, the tool's answer
-(role `tool`), and the final assistant turn `#### N`. Operands have 2 to 3 digits, so the model cannot do without the
+(role `tool`), and the final assistant turn `#### N`; with --word_fraction some questions are word problems whose
+expression the model has to write. Operands have 2 to 3 digits, so the model cannot do without the
 tool. Columns: `messages` (data.messages_key) and `tools` (data.tools_key: the calculator's OpenAI function schema,
 as a JSON string). The validation questions are distinct from the training ones.
 
@@ -29,6 +30,12 @@ SYSTEM_PROMPT = ("You are a helpful assistant with one tool, calculator, which e
                  "\"...\"}}\n</tool_call>\nYou will get its result; then end your answer with #### followed by the "
                  "number.")
 QUESTIONS = ("What is {e}?", "Compute {e}.", "Calculate {e}.", "What does {e} equal?")
+WORD_PROBLEMS = {  # the expression is the model's to write: "{a}{op}{b}"
+    "+": "{name} has {a} marbles and finds {b} more. How many marbles does {name} have now?",
+    "-": "{name} had {a} stickers and gave away {b} of them. How many stickers are left?",
+    "*": "Each box holds {a} pencils. How many pencils are in {b} boxes?",
+}
+NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Farah", "Gus", "Hana")
 
 
 def hermes_call(expression: str) -> str:
@@ -44,26 +51,38 @@ def problem(rng: random.Random) -> tuple[str, int]:
     return expression, {"+": a + b, "-": a - b, "*": a * b}[op]
 
 
-def conversation(expression: str, value: int, rng: random.Random, call_format: str) -> list[dict]:
-    question = rng.choice(QUESTIONS).format(e=expression)
+def question(expression: str, value: int, rng: random.Random, word: bool) -> str:
+    """The question: a template naming the expression, or (`word`, when the answer is not negative) a word problem."""
+    if word and value >= 0:
+        op = next(c for c in "+-*" if c in expression[1:])
+        a, b = expression.split(op, 1)
+        return WORD_PROBLEMS[op].format(name=rng.choice(NAMES), a=a, b=b)
+    return rng.choice(QUESTIONS).format(e=expression)
+
+
+def conversation(expression: str, value: int, rng: random.Random, call_format: str, word: bool = False) -> list[dict]:
+    text = question(expression, value, rng, word)
     if call_format == "content":
         call = {"role": "assistant", "content": hermes_call(expression)}
     else:
         call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
             "name": "calculator", "arguments": json.dumps({"expression": expression})}}]}
-    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}, call,
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": text}, call,
             {"role": "tool", "content": str(value)}, {"role": "assistant", "content": f"#### {value}"}]
 
 
-def make_splits(train_count: int, val_count: int, seed: int, call_format: str) -> tuple[list, list]:
-    """(train conversations, validation conversations): distinct expressions, none of validation's in train."""
+def make_splits(train_count: int, val_count: int, seed: int, call_format: str,
+                word_fraction: float = 0.0) -> tuple[list, list]:
+    """(train conversations, validation conversations): distinct expressions, none of validation's in train; about
+    `word_fraction` of the questions are word problems."""
     rng, seen, splits = random.Random(seed), set(), ([], [])
     for split, count in ((1, val_count), (0, train_count)):
         while len(splits[split]) < count:
             expression, value = problem(rng)
             if expression not in seen:
                 seen.add(expression)
-                splits[split].append(conversation(expression, value, rng, call_format))
+                word = word_fraction > 0 and rng.random() < word_fraction  # the default draws as before
+                splits[split].append(conversation(expression, value, rng, call_format, word))
     return splits
 
 
@@ -82,9 +101,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train_count", type=int, default=512)
     parser.add_argument("--val_count", type=int, default=64)
     parser.add_argument("--call_format", choices=("content", "tool_calls"), default="content")
+    parser.add_argument("--word_fraction", type=float, default=0.0,
+                        help="share of word problems ('Each box holds 36 pencils...'): the model writes the expression")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    train, val = make_splits(args.train_count, args.val_count, args.seed, args.call_format)
+    train, val = make_splits(args.train_count, args.val_count, args.seed, args.call_format, args.word_fraction)
     for name, rows in (("train", train), ("val", val)):
         write_rows(rows, os.path.join(args.output_dir, f"{name}.parquet"))
     print(f"wrote {len(train)} train / {len(val)} val calculator transcripts to {args.output_dir}")

@@ -122,3 +122,16 @@ def test_a_planted_re_encoding_is_caught(tmp_path):
         assert "not the engine's" in str(e) or "never an engine input" in str(e), e
     else:
         raise AssertionError("the re-encoded trajectories passed the token identity check")
+
+
+def test_val_only_validates_multi_turn_rows_with_their_tools_and_stops(tmp_path):
+    """trainer.val_only: one greedy multi-turn validation (each row's interaction_kwargs reach the interaction, so
+    its rows have user turns), its agent metrics under val/, no training step and no checkpoint."""
+    proc, run_dir, _ = run(tmp_path, "val", extra_args=("trainer.val_only=true",))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    steps = metrics(run_dir)
+    assert [m["step"] for m in steps] == [0], steps
+    m = steps[0]
+    assert m["val/multi_turn/turns_mean"] > 1 and m["val/tool/call_rate"] == 0.0, m
+    assert not any(k.startswith(("actor/", "multi_turn/")) for k in m), m
+    assert not os.path.exists(os.path.join(run_dir, "checkpoints")) or not os.listdir(os.path.join(run_dir, "checkpoints"))

@@ -142,6 +142,34 @@ def test_a_malformed_call_and_an_unknown_tool_give_error_turns():
     assert t.tool_errors == 2 and stats["errors"] == 2
 
 
+def test_call_rate_and_parse_fraction_count_rows():
+    """tool/call_rate: the share of rows with a tool call (a malformed block counts); tool/parse_frac: of those, the
+    share whose every call parsed (what make demo-agent prints)."""
+    from tripod.engine.agent.rollout import AgentRollout
+
+    tok = chatml_tokenizer()
+
+    class Engine(ScriptedEngine):
+        def answer(self, prompt_len, seq):
+            kind = self.tok.decode(seq[:prompt_len]).split("user\n")[-1][:4]
+            first = {"good": format_tool_call("add", {"a": 1, "b": 2}), "bad!": "<tool_call>{not json</tool_call>",
+                     "both": format_tool_call("add", {"a": 1, "b": 2}) + "<tool_call>[]</tool_call>"}.get(kind)
+            return char_ids(self.tok, first if first and self.turns(prompt_len, seq) == 0 else "#### 3") + [self.end]
+
+    loop = make_loop(tok, response_length=600)
+    rows, stats = loop.run(Engine(tok).generate, prompts_of(tok, ["good", "bad!", "none", "both"]), 2,
+                           SamplingParams(max_new_tokens=600))
+    assert [t.tool_parse_errors for t in rows] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert stats["called_rows"] == 6 and stats["parsed_rows"] == 2
+    agent = AgentRollout(loop)
+    agent._add(stats)
+    m = agent.take_metrics()
+    assert m["tool/call_rate"] == 6 / 8 and m["tool/parse_frac"] == 2 / 6, m
+    agent._add(loop.run(Engine(tok).generate, prompts_of(tok, ["none"]), 1, SamplingParams(max_new_tokens=600))[1])
+    m = agent.take_metrics()
+    assert m["tool/call_rate"] == 0 and "tool/parse_frac" not in m  # no row called: nothing to parse
+
+
 def test_an_interaction_answers_with_a_user_turn_until_it_ends_the_row():
     tok = chatml_tokenizer()
 

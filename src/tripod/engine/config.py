@@ -313,8 +313,10 @@ class LoraConfig:
     exclude_modules: list = field(default_factory=list)
     """Names (as in target_modules) removed from the targets. verl: model.lora.exclude_modules."""
     merge: bool = True
-    """Send merged weights (W + alpha / rank * B @ A, computed on each training shard) to the rollout engine. Only true
-    is implemented (verl's merge: false sends adapters to a LoRA-serving vLLM). verl: model.lora.merge."""
+    """Send merged weights (W + alpha / rank * B @ A, computed on each training shard) to the rollout engine. false: the
+    rollout serves the adapters itself, with the base weights pushed once and only the adapters every step (actor,
+    rollout.name=vllm only: vLLM's LoRA, engine/rollout/vllm_lora.py; rollout/weight_sync_bytes logs both modes'
+    bytes). verl: model.lora.merge."""
     adapter_path: Optional[str] = None
     """A peft adapter directory (adapter_config.json + adapter_model.safetensors) to start from; its r and lora_alpha
     must equal rank and alpha. null: fresh adapters (A as peft's kaiming init, B zero). verl: model.lora.adapter_path."""
@@ -326,8 +328,6 @@ class LoraConfig:
         if self.rank > 0:
             e += [f"{key}.alpha={self.alpha} must be > 0"] if not self.alpha > 0 else []
             e += [f"{key}.dropout={self.dropout} must be in [0, 1)"] if not 0 <= self.dropout < 1 else []
-            e += [f"{key}.merge=false (adapters served by the rollout engine) is not implemented; set it to true"] \
-                if not self.merge else []
             e += [f"{key}.target_modules is empty; name linears or all-linear"] if not self.target_modules else []
         return e
 
@@ -966,6 +966,9 @@ class TrainerConfig:
     """Validate every this many PPO steps (and at the end); <= 0: only at the end. verl: trainer.test_freq."""
     val_before_train: bool = True
     """Validate once before the first step. verl: trainer.val_before_train."""
+    val_only: bool = False
+    """Validate once (greedy, val_kwargs), log it as step 0 and stop: no training step, no checkpoint. verl:
+    trainer.val_only."""
     resume: str = "auto"
     """auto (latest complete checkpoint under default_local_dir), disable, or a global_step_<k> directory.
     verl: trainer.resume_mode / resume_from_path."""

@@ -86,6 +86,21 @@ def _dapo_problems(cfg: TripodConfig) -> list[str]:
     return e
 
 
+def _adapter_sync_problems(cfg: TripodConfig) -> list[str]:
+    """lora.merge=false (adapters only to the rollout) where the rollout cannot serve LoRA."""
+    lora, name = cfg.actor_rollout_ref.model.lora, cfg.actor_rollout_ref.rollout.name
+    key = "actor_rollout_ref.model.lora.merge=false"
+    if lora.rank <= 0 or lora.merge:
+        return []
+    if name != "vllm":
+        return [f"{key} with rollout.name={name}: only the vLLM backend serves LoRA adapters (tripod's embedded and "
+                "SGLang backends load merged weights); set actor_rollout_ref.rollout.name=vllm or lora.merge=true"]
+    if cfg.separate_rollout:
+        return [f"{key}: the rollout on its own ranks (rollout.n_gpus_per_node > 0) receives merged weights only; "
+                "set lora.merge=true"]
+    return []
+
+
 def _async_problems(cfg: TripodConfig) -> list[str]:
     """The rollout's own ranks (`rollout.*`) and the staleness keys (`async_training.*`) against the rest; refused
     combinations each name the key to change (docs/async.md says why)."""
@@ -140,13 +155,15 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
     e += ref.check() if use_ref else []
     e += arr.model.lora.check("actor_rollout_ref.model.lora") + (critic.model.lora.check("critic.model.lora")
                                                                   if use_critic else [])
+    e += _adapter_sync_problems(cfg)
 
     if tr.n_gpus_per_node * tr.nnodes != world_size:
         e.append(f"trainer.n_gpus_per_node * trainer.nnodes = {tr.n_gpus_per_node}*{tr.nnodes} does not match the "
                  f"world size {world_size}; set trainer.n_gpus_per_node={world_size // max(tr.nnodes, 1)}")
-    if not d.val_files and (tr.val_before_train or tr.test_freq > 0):
-        e.append("data.val_files is empty but validation is on (trainer.val_before_train / trainer.test_freq); "
-                 "give validation parquet files or set trainer.val_before_train=false trainer.test_freq=-1")
+    if not d.val_files and (tr.val_before_train or tr.test_freq > 0 or tr.val_only):
+        e.append("data.val_files is empty but validation is on (trainer.val_before_train / trainer.test_freq / "
+                 "trainer.val_only); give validation parquet files or set trainer.val_before_train=false "
+                 "trainer.test_freq=-1 trainer.val_only=false")
     if alg.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
         e.append(f"algorithm.adv_estimator={alg.adv_estimator} needs a group of responses per prompt; set "
                  f"actor_rollout_ref.rollout.n >= 2 (it is {rollout.n})")

@@ -33,7 +33,7 @@ from tripod.engine.data import PromptBatch, PromptDataLoader, PromptDataset, pro
 from tripod.engine.data.token_cache import resolve_cache_dir
 from tripod.engine.device import DeviceGuard, check_devices_enabled, current_device, freeze_long_lived_objects
 from tripod.engine.divergence_guard import DivergenceGuard
-from tripod.engine.logging import StepProfiler, Timer, Tracker, validation_samples
+from tripod.engine.logging import StepProfiler, Timer, Tracker
 from tripod.engine.offload import flags_of, manager_for
 from tripod.engine.precision import rollout_dtype
 from tripod.engine.rewards import RewardPool, registered_data_sources
@@ -45,6 +45,7 @@ from tripod.engine.rollout.routing_record import attach_rollout_routing
 from tripod.engine.rollout.weight_sync import WeightSync
 from tripod.engine.throughput import PerfCounter
 from tripod.engine.trainer_state import TrainerState
+from tripod.engine.validation import validate
 from tripod.engine.workers.batch import batch_metrics, response_span
 from tripod.engine.workers.model_options import layout_of, model_options, reference_pass
 from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
@@ -323,28 +324,7 @@ class PPOTrainer(TrainerState):
 
     # ---- validation -----------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
-        """Greedy (val_kwargs) generation over the validation set in batches of data.val_batch_size prompts."""
-        if self.val_set is None:
-            return {}
-        params = self.sampling_params(True, -1)
-        size = self.cfg.data.val_batch_size or len(self.val_set)
-        scores: list[float] = []
-        by_source: dict[str, list[float]] = {}
-        self.val_samples = []
-        want = self.cfg.trainer.log_val_generations if self.rank == 0 else 0
-        for start in range(0, len(self.val_set), size):
-            prompts = self.val_set.batch(list(range(start, min(start + size, len(self.val_set)))))
-            responses = self.generate(prompts.input_ids, params)
-            batch_scores, _ = self.score(prompts, responses, params.n)
-            self.val_samples += validation_samples(self.tokenizer, prompts.input_ids, responses, batch_scores, params.n,
-                                                   prompts.ground_truths, limit=want - len(self.val_samples))
-            scores += batch_scores
-            rep_sources = [s for s in prompts.data_sources for _ in range(params.n)]
-            for s, x in zip(rep_sources, batch_scores):
-                by_source.setdefault(s, []).append(x)
-        out = {"val/reward_mean": sum(scores) / len(scores)}
-        out.update({f"val/{s}/reward_mean": sum(v) / len(v) for s, v in by_source.items()})
-        return out
+        return validate(self)  # engine/validation.py
 
     # ---- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -359,12 +339,12 @@ class PPOTrainer(TrainerState):
                           experiment_name=cfg.trainer.experiment_name, config=config_to_dict(cfg)) \
             if self.rank == 0 else None
         last_val: dict[str, float] = {}
-        if self.step == 0 and cfg.trainer.val_before_train and self.val_set is not None:
+        if (self.step == 0 and cfg.trainer.val_before_train or cfg.trainer.val_only) and self.val_set is not None:
             last_val = self.validate()
             if tracker:
                 tracker.log(last_val, 0)
                 tracker.log_samples(self.val_samples, 0)
-        while self.step < self.total_steps:
+        while self.step < self.total_steps and not cfg.trainer.val_only:
             self.profiler.begin_step(self.step + 1)  # traces of global_profiler.steps (logging/profiler.py)
             metrics = self.guard.run_step(self.checked_train_step)
             self.step += 1

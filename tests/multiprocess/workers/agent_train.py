@@ -45,7 +45,8 @@ def _hooks() -> None:
 
     class TalkingRollout(agent_rollout.AgentRollout):
         def generate_rows(self, sync, prompts, params, timer=None, needs=None, extra_infos=None):
-            infos = [{"interaction_kwargs": {"name": "again"}}] * len(prompts)
+            # rows without an extra_info (a caller that drops them) get no interaction, as with a real config
+            infos = None if extra_infos is None else [{"interaction_kwargs": {"name": "again"}}] * len(prompts)
             return super().generate_rows(sync, prompts, params, timer, needs, infos)
 
     def build_agent(cfg, tokenizer):

@@ -50,6 +50,7 @@ class Trajectory:
     tool_calls: int = 0
     tool_errors: int = 0
     tool_timeouts: int = 0
+    tool_parse_errors: int = 0  # <tool_call> blocks that did not parse (they count in tool_calls and tool_errors)
     reward: float = 0.0  # tool step rewards + the tools' calc_reward + interaction turn scores and final score
     tool_rewards: list[float] = field(default_factory=list)  # each tool call's step reward, in order (verl's name)
     turn_scores: list[float] = field(default_factory=list)  # each interaction reply's turn score (verl's name)
@@ -66,6 +67,7 @@ class EnvStep:
     calls: int = 0
     errors: int = 0
     timeouts: int = 0
+    parse_errors: int = 0
     reward: float = 0.0
     tool_rewards: list[float] = field(default_factory=list)
     turn_score: float | None = None
@@ -153,6 +155,7 @@ class AgentLoop:
         r.tool_calls += step.calls
         r.tool_errors += step.errors
         r.tool_timeouts += step.timeouts
+        r.tool_parse_errors += step.parse_errors
         r.reward += step.reward
         r.tool_rewards += step.tool_rewards
         if step.turn_score is not None:
@@ -199,6 +202,7 @@ class AgentLoop:
             step.calls = len(calls) + len(errors)
             step.errors = sum(res.error is not None for res in results) + len(errors)
             step.timeouts = sum(bool(res.timed_out) for res in results)
+            step.parse_errors = len(errors)
             step.tool_rewards = [float(res.reward) for res in results]
             step.reward = float(sum(step.tool_rewards))
         elif talks:
@@ -223,11 +227,15 @@ class AgentLoop:
 
 
 def stats(rows: list[Trajectory], gen_s: float, tool_s: float, non_append_only: int) -> dict[str, float]:
-    """Sums over a batch's rows (a replica's: the rollout adds them over replicas, engine/agent/rollout.py)."""
+    """Sums over a batch's rows (a replica's: the rollout adds them over replicas, engine/agent/rollout.py).
+    called_rows: rows with at least one tool call (a malformed <tool_call> block counts); parsed_rows: those of them
+    whose every call parsed."""
     turns = [len(r.turns) for r in rows]
+    called = [r for r in rows if r.tool_calls]
     model = sum(c == MODEL for r in rows for c in r.codes)
     return {"rows": float(len(rows)), "turns": float(sum(turns)), "turns_max": float(max(turns, default=0)),
             "calls": float(sum(r.tool_calls for r in rows)), "errors": float(sum(r.tool_errors for r in rows)),
             "timeouts": float(sum(r.tool_timeouts for r in rows)), "model_tokens": float(model),
             "tokens": float(sum(len(r.codes) for r in rows)), "generate_s": gen_s, "tool_s": tool_s,
-            "non_append_only": float(non_append_only)}
+            "non_append_only": float(non_append_only), "called_rows": float(len(called)),
+            "parsed_rows": float(sum(not r.tool_parse_errors for r in called))}

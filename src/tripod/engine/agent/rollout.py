@@ -9,9 +9,11 @@ response mask (engine/workers/batch.py) and the rollout dump its `turns` (engine
 
 Metrics (`take_metrics`, every step, over every replica's rows of the step's generation batches):
 multi_turn/turns_mean|max (model, tool and user turns after the prompt), tool/calls_mean (per response), tool/errors
-and tool/timeouts (counts), multi_turn/model_token_frac (trained share of the response tokens),
-multi_turn/generate_s and multi_turn/tool_s (the slowest replica's seconds in generate calls and in tool / interaction
-steps, rendering included), multi_turn/non_append_only_turns (engine/agent/chat_suffix.py).
+and tool/timeouts (counts), tool/call_rate (the share of rows with at least one tool call), tool/parse_frac (of
+those, the share whose every <tool_call> block parsed; absent when no row called), multi_turn/model_token_frac
+(trained share of the response tokens), multi_turn/generate_s and multi_turn/tool_s (the slowest replica's seconds in
+generate calls and in tool / interaction steps, rendering included), multi_turn/non_append_only_turns
+(engine/agent/chat_suffix.py). Validation (engine/validation.py) logs its own rows' under val/.
 
 Rewards: after each generation batch `row_fields` holds the trajectory fields of this replica's rows (on every rank
 of the replica) and `add_rewards` says whether their rollout rewards join the score; the scorer
@@ -32,7 +34,8 @@ from tripod.engine.rollout.base import SamplingParams
 from tripod.engine.rollout.exchange import exchange_rollout
 
 TOOL_TIMEOUT_S = 60.0  # wall-clock limit of one tool call or interaction step (the runners')
-SUMMED = ("rows", "turns", "calls", "errors", "timeouts", "model_tokens", "tokens", "non_append_only")
+SUMMED = ("rows", "turns", "calls", "errors", "timeouts", "model_tokens", "tokens", "non_append_only", "called_rows",
+          "parsed_rows")
 MAXED = ("turns_max", "generate_s", "tool_s")
 
 
@@ -129,11 +132,15 @@ class AgentRollout:
         s, self.sums = self.sums, {}
         if not s.get("rows"):
             return {}
-        return {"multi_turn/turns_mean": s["turns"] / s["rows"], "multi_turn/turns_max": s["turns_max"],
-                "tool/calls_mean": s["calls"] / s["rows"], "tool/errors": s["errors"], "tool/timeouts": s["timeouts"],
-                "multi_turn/model_token_frac": s["model_tokens"] / max(s["tokens"], 1.0),
-                "multi_turn/generate_s": s["generate_s"], "multi_turn/tool_s": s["tool_s"],
-                "multi_turn/non_append_only_turns": s["non_append_only"]}
+        out = {"multi_turn/turns_mean": s["turns"] / s["rows"], "multi_turn/turns_max": s["turns_max"],
+               "tool/calls_mean": s["calls"] / s["rows"], "tool/errors": s["errors"], "tool/timeouts": s["timeouts"],
+               "tool/call_rate": s["called_rows"] / s["rows"],
+               "multi_turn/model_token_frac": s["model_tokens"] / max(s["tokens"], 1.0),
+               "multi_turn/generate_s": s["generate_s"], "multi_turn/tool_s": s["tool_s"],
+               "multi_turn/non_append_only_turns": s["non_append_only"]}
+        if s["called_rows"]:
+            out["tool/parse_frac"] = s["parsed_rows"] / s["called_rows"]
+        return out
 
 
 def trajectory_rows(rows: list[Trajectory], replicas: list[list[int]], mine: int,
