@@ -82,6 +82,6 @@ gpu-bundle: $(STAMP)
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) outputs
 
-# multi-turn with a tool: SFT cold start on calculator transcripts, then GRPO with the calculator (~20 min)
+# multi-turn with a tool: SFT cold start on calculator transcripts, then GRPO with the calculator (~21 min)
 demo-agent: $(STAMP)
 	$(BIN)/python scripts/demo_agent.py
