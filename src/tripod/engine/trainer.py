@@ -178,11 +178,6 @@ class PPOTrainer(TrainerState):
         engine/algorithms/dynamic_sampling.py) or for validation, on this rank's rollout replica."""
         return step_sampling_params(self.cfg, validate, step, gen_batch, self.hybrid.rollout_dp_rank)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, timer: Timer | None = None) -> list[list[int]]:
-        """Every prompt's responses on every rank (the rollout replicas split the prompts: WeightSync.generate_all)."""
-        self.offload.enter("rollout")
-        return self.weight_sync.generate_all(prompts, params, timer or Timer())
-
     def score(self, batch: PromptBatch, responses: list[list[int]], n: int) -> tuple[list[float], dict]:
         """Rule rewards (each rollout replica's rows on its first rank's pool, exchanged as one float tensor),
         combined with the reward model's scores when it is on (every rank)."""

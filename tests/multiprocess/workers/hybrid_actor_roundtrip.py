@@ -92,7 +92,7 @@ def round_trip(hf_dir, arch, layout, tg, label):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, arch.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 7, 4)]
     params = SamplingParams(max_new_tokens=6, greedy=True, ignore_eos=True)
-    engine.load_weights(hybrid.to_rollout(actor.model))  # the trainer's round trip (PPOTrainer.generate)
+    engine.load_weights(hybrid.to_rollout(actor.model))  # the trainer's round trip (WeightSync.generate_rows)
     out = engine.generate(prompts, params)
     engine.release_memory()
     for n, p in actor.module.named_parameters():

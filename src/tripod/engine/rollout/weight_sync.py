@@ -7,8 +7,7 @@
 `generate_rows` is the rollout boundary: it takes the whole batch's prompts, splits them among the rollout DP
 replicas (each replica = one rollout TP group), generates this replica's share (`generate`) and moves the responses
 with their rollout log-probs and finish reasons to the other ranks as tensors, point to point
-(engine/rollout/exchange.py: nothing pickled), so every rank returns every prompt's rows in prompt order
-(`generate_all`: the responses only).
+(engine/rollout/exchange.py: nothing pickled), so every rank returns every prompt's rows in prompt order.
 
 `generate` re-reserves the engine's memory (`resume_memory`: SGLang requires it after
 `release_memory_occupation`; the embedded engine re-allocates its weight buffers), gathers the generation shard
@@ -105,10 +104,6 @@ class WeightSync:
             self.events.append("generate")
         self.last_routed = out.routed_experts  # MoE: this replica's rows' experts, when the engine records them
         return out
-
-    def generate_all(self, prompts: list[list[int]], params: SamplingParams, timer=None) -> list[list[int]]:
-        """Every prompt's responses, in prompt order (n per prompt): `generate_rows(...).responses`."""
-        return self.generate_rows(prompts, params, timer).responses
 
     def generate_rows(self, prompts: list[list[int]], params: SamplingParams, timer=None,
                       needs: Callable[[list[int]], list[int] | None] | None = None,
