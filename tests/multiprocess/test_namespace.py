@@ -25,11 +25,11 @@ print(json.dumps({"top": top, "hf": hf, "gae": adv.tolist(), "tripod": tripod.__
 """
 
 
-def _probe(tmp_path, extra_path=None):
+def _probe(cwd, extra_path=None):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if extra_path:
         env["PYTHONPATH"] = str(extra_path)
-    out = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=cwd, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     import json
@@ -48,6 +48,18 @@ def test_hugging_face_kernels_beside_tripod(tmp_path):
                           "kernels"], capture_output=True, text=True, timeout=300)
     if pip.returncode != 0:
         pytest.skip(f"Hugging Face's kernels package could not be installed here: {pip.stderr.strip()[-300:]}")
-    got = _probe(tmp_path, target)
-    assert got["hf"]["file"].startswith(str(target)) and got["hf"]["get_kernel"], got  # HF's package, untouched
-    assert got["gae"] == [[3.0, 2.0, 1.0]] and got["tripod"].startswith(str(REPO_ROOT)), got  # tripod's ops too
+    for cwd in (tmp_path, REPO_ROOT):  # the checkout's root too: `python -m`, pytest and `pip install -e .` start there
+        got = _probe(cwd, target)
+        assert got["hf"]["file"].startswith(str(target)) and got["hf"]["get_kernel"], (cwd, got)  # HF's, untouched
+        assert got["gae"] == [[3.0, 2.0, 1.0]] and got["tripod"].startswith(str(REPO_ROOT)), got  # tripod's ops too
+
+
+def test_root_kernels_folder_links_every_kernel_and_is_no_package():
+    """The root kernels/ shows src/tripod/kernels file by file; an __init__.py there (or a symlink to the package)
+    would shadow Hugging Face's `kernels` for every Python started in the checkout (transformers >= 5.25 imports it)."""
+    root, package = REPO_ROOT / "kernels", REPO_ROOT / "src" / "tripod" / "kernels"
+    assert not root.is_symlink() and not (root / "__init__.py").exists()
+    want = {p.name for p in package.glob("*.py") if p.name != "__init__.py"}
+    have = {p.name for p in root.glob("*.py")}
+    assert have == want, f"kernels/ links {sorted(have)}, src/tripod/kernels has {sorted(want)}"
+    assert all((root / name).resolve() == (package / name).resolve() for name in want)

@@ -1,0 +1,1 @@
+../src/tripod/kernels/_triton_dispatch.py

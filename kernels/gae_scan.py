@@ -1,0 +1,1 @@
+../src/tripod/kernels/gae_scan.py

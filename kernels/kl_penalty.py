@@ -1,0 +1,1 @@
+../src/tripod/kernels/kl_penalty.py

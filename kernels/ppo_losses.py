@@ -1,0 +1,1 @@
+../src/tripod/kernels/ppo_losses.py
