@@ -171,22 +171,31 @@ def _merged_moe_case(tmp_path, rank: int = 4, alpha: float = 8.0) -> dict:
 
 @pytest.mark.dist
 def test_lora_on_moe_experts_under_expert_parallelism(tmp_path):
-    """LoRA on a tiny Qwen3-MoE at EP2 x DP2 and at TP2 x DP2 with EP2 x ETP2 (each expert and its adapters split over
-    two ranks; tests/multiprocess/workers/lora_moe_worker.py): logits equal the HF model with the adapters merged
-    (1e-5), the adapters' gradients after megatron's DDP equal the merged model's (relative 1e-5). Planted: at EP2 the
-    expert adapters marked as dense parameters (DDP averages two different experts); at ETP2 the experts' replicated
-    factors without their gradient's all-reduce over expert TP."""
+    """LoRA on a tiny Qwen3-MoE at EP2 x DP2, at TP2 x DP2 with EP2 x ETP2 (each expert and its adapters split over two
+    ranks), at TP2 with ETP1 and at TP1 with ETP2 (tests/multiprocess/workers/lora_moe_worker.py): logits equal the HF
+    model with the adapters merged (1e-5), the adapters' gradients after megatron's DDP equal the merged model's
+    (relative 1e-5), and megatron's optimizer's gradient norm is the norm of those gradients (relative 1e-5). Planted:
+    at ETP1 the expert adapters marked as dense parameters (DDP averages two different experts); at ETP2 the experts'
+    replicated factors without their gradient's all-reduce over expert TP; the grad-norm marks as before the fix (the
+    norm then misses experts or counts a replicated factor twice where the expert TP is not the dense TP)."""
     torch.save(_merged_moe_case(tmp_path), tmp_path / "case.pt")
     out = run_torchrun("lora_moe_worker.py", 4, tmp_path / "case.pt", timeout=300).stdout
     found = {what: {(lay, int(r)): x for lay, r, x in re.findall(rf"{what} (\S+) rank (\d) max\w+ {FLOAT}", out)}
              for what in ("LORA_MOE_LOGITS", "LORA_MOE_GRAD", "PLANTED_MOE")}
-    ranks = {("EP2DP2", r) for r in (0, 1)} | {("TP2EP2ETP2DP2SP", r) for r in range(4)}
-    assert all(set(v) == ranks for v in found.values()), out[-3000:]
+    norms = {(lay, int(r)): (float(x), float(y))
+             for lay, r, x, y in re.findall(rf"LORA_MOE_NORM (\S+) rank (\d) rel {FLOAT} planted {FLOAT}", out)}
+    ranks = {("EP2DP2", r) for r in (0, 1)} | {(lay, r) for lay in ("TP2EP2ETP2DP2SP", "TP2EP2ETP1DP2SP", "DP4EP2ETP2")
+                                               for r in range(4)}
+    assert set(found["LORA_MOE_LOGITS"]) == set(found["LORA_MOE_GRAD"]) == ranks, out[-3000:]
+    assert set(found["PLANTED_MOE"]) == {(lay, r) for lay, r in ranks if lay != "TP2EP2ETP1DP2SP"}, out[-3000:]
+    assert set(norms) == {(lay, r) for lay, r in ranks if lay != "EP2DP2"}, out[-3000:]
     logits, grads, planted = (list(found[w].values()) for w in ("LORA_MOE_LOGITS", "LORA_MOE_GRAD", "PLANTED_MOE"))
-    print(f"LoRA on experts at EP2 and EP2 x ETP2: worst |logits diff| {worst(logits):.3e}, worst relative grad error "
-          f"{worst(grads):.3e}; planted {found['PLANTED_MOE']}")
-    assert worst(logits) < 1e-5 and worst(grads) < 1e-5
+    print(f"LoRA on experts at EP2, EP2 x ETP2, TP2 with ETP1, TP1 with ETP2: worst |logits diff| {worst(logits):.3e}, "
+          f"worst relative grad error {worst(grads):.3e}, grad norm {max(x for x, _ in norms.values()):.3e}; planted "
+          f"{found['PLANTED_MOE']}, grad-norm marks before the fix: {norms}")
+    assert worst(logits) < 1e-5 and worst(grads) < 1e-5 and max(x for x, _ in norms.values()) < 1e-5
     assert all(float(x) > 1e-2 for x in planted), found["PLANTED_MOE"]
+    assert all(y > 1e-2 for (lay, _), (_, y) in norms.items() if lay in ("TP2EP2ETP1DP2SP", "DP4EP2ETP2")), norms
 
 
 @pytest.mark.dist

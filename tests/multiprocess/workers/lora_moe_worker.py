@@ -1,15 +1,19 @@
 """torchrun worker (4 ranks): LoRA on a tiny Qwen3-MoE's experts (one adapter per expert, living with its expert)
 and on its dense MLP layer, against the HF model with the adapters merged into its weights (float64 merge), at
-EP2 x DP2 [ranks 0, 1] and at TP2 x DP2 with EP2 x ETP2 (sequence parallel) [0..3]: each expert's linears and
-adapters split over two ranks, the dense MLP's adapters at TP2.
+EP2 x DP2 [ranks 0, 1], at TP2 x DP2 with EP2 x ETP2 (sequence parallel) [0..3]: each expert's linears and
+adapters split over two ranks, the dense MLP's adapters at TP2; and where the expert TP differs from the dense TP:
+TP2 x DP2 with EP2 x ETP1, DP4 with EP2 x ETP2 [0..3].
 
 argv: case.pt from the pytest side: hf_dir, input_ids (DP rank 1 takes them flipped), the merged model's logits of
 both batches, the loss weights, the adapters (peft names) and the adapters' expected gradients of the DP-mean loss.
 Through megatron's DDP (expert adapters reduced over the expert-data-parallel group only, like the experts).
 Prints `LORA_MOE_LOGITS <layout> rank <r> maxdiff <x>` (last-stage ranks), `LORA_MOE_GRAD <layout> rank <r> maxrel
-<x>`, and for the planted bugs `PLANTED_MOE <layout> rank <r> maxrel <x>`: at EP2 the expert adapters marked as dense
-parameters (DDP then averages different experts' gradients over DP); at ETP2 the experts' replicated factors (fc1's
-A, fc2's B) without their gradient's all-reduce over expert TP (adapter.py's `_sum_grad_over_expert_tp`).
+<x>`, and for the planted bugs `PLANTED_MOE <layout> rank <r> maxrel <x>`: at ETP1 the expert adapters marked as
+dense parameters (DDP then averages different experts' gradients over DP); at ETP2 the experts' replicated factors
+(fc1's A, fc2's B) without their gradient's all-reduce over expert TP (adapter.py's `_sum_grad_over_expert_tp`).
+`LORA_MOE_NORM <layout> rank <r> rel <x> planted <y>`: megatron's optimizer's gradient norm (what clipping and
+actor/grad_norm use) against the norm of all expected gradients, and with the adapters' grad-norm marks as they were
+before adapter.py's `_count_once_in_grad_norm` (the planted bug: wrong wherever the expert TP is not the dense TP).
 """
 import sys
 
@@ -17,8 +21,10 @@ import torch
 
 from tests.helpers.common import dist_worker
 
-LAYOUTS = {"EP2DP2": (dict(tp=1, ep=2, etp=1, dp=2), [0, 1]), "TP2EP2ETP2DP2SP": (dict(tp=2, ep=2, etp=2, dp=2),
-                                                                                 [0, 1, 2, 3])}
+LAYOUTS = {"EP2DP2": (dict(tp=1, ep=2, etp=1, dp=2), [0, 1]),
+           "TP2EP2ETP2DP2SP": (dict(tp=2, ep=2, etp=2, dp=2), [0, 1, 2, 3]),
+           "TP2EP2ETP1DP2SP": (dict(tp=2, ep=2, etp=1, dp=2), [0, 1, 2, 3]),
+           "DP4EP2ETP2": (dict(tp=1, ep=2, etp=2, dp=4), [0, 1, 2, 3])}
 
 
 def _build(case, layout, plant: bool):
@@ -80,12 +86,13 @@ def _check(case, layout) -> None:
     from tests.multiprocess.workers.lora_parity_worker import _loss_grads
     from tripod.parallel.lora.adapter import LoraAdapter
 
-    rank, tag = layout.dp_rank, f"{layout.name} rank {torch.distributed.get_rank()}"
+    rank, tag = layout.dp_rank % 2, f"{layout.name} rank {torch.distributed.get_rank()}"  # odd DP ranks: flipped
     ids, weight = case["input_ids"], case["weight"]
     ref = case["ref_logits"][rank]
     if rank == 1:
         ids, weight = ids.flip(0), weight.flip(0)
-    for plant in (False, True):
+    # at TP2 x DP2 with EP2 x ETP1 the expert-DP group is the dense DP group: a dense mark would change nothing there
+    for plant in (False,) if layout.etp == 1 and layout.edp == layout.dp else (False, True):
         model, ddp, adapters, arch = _build(case, layout, plant)
         if not plant:
             with torch.no_grad():
@@ -102,6 +109,28 @@ def _check(case, layout) -> None:
             LoraAdapter._sum_grad_over_expert_tp = real
         what = "PLANTED_MOE" if plant else "LORA_MOE_GRAD"
         print(f"{what} {tag} maxrel {_grad_error(adapters, case['grads']):.3e}", flush=True)
+        if not plant and len(layout.ranks) == torch.distributed.get_world_size():  # megatron's optimizer: world-wide
+            _check_grad_norm(case, layout, ddp, adapters, tag)                      # collectives at its construction
+
+
+def _check_grad_norm(case, layout, ddp, adapters, tag) -> None:
+    """megatron's optimizer's gradient norm over the adapters just back-propagated, with tripod's marks and with the
+    marks before the fix (only an ETP-split factor tensor-parallel, nothing shared)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    with layout.activate():
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0), [ddp],
+                                     use_gloo_process_groups=False, pg_collection=layout.pg_collection)
+    want = sum(g.double().pow(2).sum() for g in case["grads"].values()).sqrt().item()
+    opt.prepare_grads()  # main_grad -> grad, as step() does first
+    got = opt.get_grad_norm()
+    for a in (a for a in adapters if a.expert):
+        for key in a.lora_A:
+            split = a.lora_A[key] if a.row else a.lora_B[key]
+            for factor in (a.lora_A[key], a.lora_B[key]):
+                factor.tensor_model_parallel, factor.shared = factor is split and a.tp > 1, False
+    planted = opt.get_grad_norm()
+    print(f"LORA_MOE_NORM {tag} rel {abs(got - want) / want:.3e} planted {abs(planted - want) / want:.3e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -112,6 +112,21 @@ class LoraAdapter(torch.nn.Module):
             if self.expert:  # reduced over the expert-data-parallel group only, like the expert's weight
                 self.lora_A[key].allreduce = False
                 self.lora_B[key].allreduce = False
+        if self.expert:
+            self._count_once_in_grad_norm()
+
+    def _count_once_in_grad_norm(self) -> None:
+        """megatron's optimizer counts a parameter in the gradient norm where it is `tensor_model_parallel` or on
+        dense-TP rank 0, never where it is `shared`, then sums over its ranks. An expert's adapters live on one expert
+        rank whatever its dense-TP rank, so both factors are marked tensor-parallel (as megatron marks the expert's
+        own weights, split or not); the replicated factor (fc1's A, fc2's B) has a copy on every expert-TP rank and is
+        counted on expert-TP rank 0 only. Without this the norm (clipping, actor/grad_norm) missed the experts of
+        dense-TP ranks > 0 at ETP1, and counted the replicated factor ETP times where the dense TP was 1."""
+        for key in self.lora_A:
+            for factor in (self.lora_A[key], self.lora_B[key]):
+                factor.tensor_model_parallel = True
+            if self.tp_rank > 0:
+                (self.lora_B[key] if self.row else self.lora_A[key]).shared = True
 
     def local_delta_weight(self) -> torch.Tensor:
         """scale * B @ A laid out as this rank's shard of the base weight (rows and columns), in the adapter dtype."""
