@@ -29,13 +29,12 @@ SCRIPT = textwrap.dedent("""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    def run(rank, port, backend, plant, q):
+    def world(rank, port, backend, plant):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        torch.set_num_threads(1)
         dist.init_process_group(backend, rank=rank, world_size=2)
         from megatron.core import parallel_state as ps
         from tripod.parallel.layout import ParallelLayout
-        if plant:  # the old mapping: megatron's gloo names on the device groups
+        if plant:  # the old mapping: megatron's gloo names on the device groups (the last world: it stays planted)
             from tripod.parallel.megatron_patches import parallel_state_groups as psg
             for name in list(psg.GROUPS):
                 if psg.GROUPS[name].endswith("_gloo"):
@@ -49,27 +48,34 @@ SCRIPT = textwrap.dedent("""
             distinct = all(g is not device for g in hosts)
             parts = [torch.empty(3) for _ in range(2)]
             dist.all_gather(parts, torch.full((3,), float(rank)), group=hosts[0])
-        gathered = torch.stack(parts)[:, 0].tolist()
-        if rank == 0:
-            q.put((dist.get_backend(), backends, distinct, gathered))
+        result = (dist.get_backend(), backends, distinct, torch.stack(parts)[:, 0].tolist())
         dist.barrier()
         dist.destroy_process_group()
+        return result
+
+    def run(rank, worlds, q):
+        torch.set_num_threads(1)
+        results = [world(rank, *w) for w in worlds]  # one process pair, the worlds one after another
+        if rank == 0:
+            q.put(results)
 
     if __name__ == "__main__":
-        port, backend, plant = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+        worlds = json.loads(sys.argv[1])
         ctx = mp.get_context("spawn")
         q = ctx.SimpleQueue()
-        mp.start_processes(run, args=(port, backend, plant, q), nprocs=2, start_method="spawn")
+        mp.start_processes(run, args=(worlds, q), nprocs=2, start_method="spawn")
         print("GROUPS", json.dumps(q.get()))
 """)
 
 
-def _world(tmp_path, backend: str, plant: bool):
+def _worlds(tmp_path, *worlds: tuple[str, bool]) -> list:
+    """Each (backend, plant) world's (world backend, the three gloo groups' backends, distinct, gathered)."""
     from tests.helpers.common import free_port
 
     script = tmp_path / "gloo_groups.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(free_port()), backend, "1" if plant else "0"],
+    spec = json.dumps([(str(free_port()), backend, plant) for backend, plant in worlds])
+    proc = subprocess.run([sys.executable, str(script), spec],
                           cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -84,11 +90,10 @@ def _gloo_twins_ok(result) -> bool:
 
 
 def test_megatrons_gloo_groups_are_gloo_groups(tmp_path):
-    result = _world(tmp_path, "cpu:gloo", plant=False)
+    plain, result, planted = _worlds(tmp_path, ("gloo", False), ("cpu:gloo", False), ("cpu:gloo", True))
     assert result[0] == "cpu:gloo" and _gloo_twins_ok(result), result
-    planted = _world(tmp_path, "cpu:gloo", plant=True)
     assert not _gloo_twins_ok(planted), planted
-    world_backend, backends, distinct, gathered = _world(tmp_path, "gloo", plant=False)
+    world_backend, backends, distinct, gathered = plain
     assert backends == ["gloo"] * 3 and not distinct and gathered == [0.0, 1.0]  # a gloo world reuses its groups
 
 
