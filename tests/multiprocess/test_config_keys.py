@@ -166,7 +166,7 @@ def test_every_config_key_is_read(runs):
     done = honoured(reads)  # once: it walks the whole schema
     unread = [k for k in leaves if k not in done]
     assert unread == [], (f"config keys nothing reads: {unread}. Make the engine honour each, or refuse it at start "
-                          "with one line (engine/config.py check or config_validation), and drop it from the schema")
+                          "with one line (engine/config/ check or config_validation), and drop it from the schema")
     stale = [p for p in NOT_EXERCISED if any(fnmatch.fnmatchcase(k, p) for k in reads)]
     assert stale == [], f"now read, remove from NOT_EXERCISED: {stale}"
 

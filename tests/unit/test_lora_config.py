@@ -1,4 +1,4 @@
-"""LoRA's keys (engine/config.py's LoraConfig, engine/workers/lora_options.py) and target names (parallel/lora/targets.py):
+"""LoRA's keys (engine/config/models.py's LoraConfig, engine/workers/lora_options.py) and target names (parallel/lora/targets.py):
 megatron names, HF names and all-linear resolve through the family table to the fused linears and their parts; bad
 input is refused in one line naming the key, before any model is built."""
 import json

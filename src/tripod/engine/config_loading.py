@@ -1,6 +1,6 @@
 """Loading a config dataclass from YAML and `key=value` overrides with omegaconf, and writing it back.
 
-Generic over the schema (engine/config.py passes `TripodConfig`), so this module imports nothing of tripod's: an
+Generic over the schema (engine/config/ passes `TripodConfig`), so this module imports nothing of tripod's: an
 unknown key is reported with its closest valid key (or, for keys tripod has on purpose left out, a pointer to the
 one to use), a bad value with its key and the expected type.
 """
@@ -54,7 +54,7 @@ def _merge(base: DictConfig, layer: DictConfig, source: str, moved: dict[str, st
         key = getattr(e, "full_key", None) or "?"
         reason = str(e).splitlines()[0]
         raise ConfigError(f"{source}: bad value for {key}: {reason}; give {key} a value of the type in "
-                          "engine/config.py (see recipes/defaults.yaml)") from None
+                          "engine/config/ (see recipes/defaults.yaml)") from None
 
 
 def load_structured(schema: type, yaml_path: str | os.PathLike | None = None, overrides: list[str] | None = None,

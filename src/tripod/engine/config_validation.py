@@ -1,6 +1,6 @@
 """Up-front validation of a whole `TripodConfig` against the world it will run in.
 
-`validate_config(cfg, world_size)` runs every section's own `check()` (engine/config.py, beside the fields) and then
+`validate_config(cfg, world_size)` runs every section's own `check()` (engine/config/, beside the fields) and then
 the checks that need several sections or the world size (layouts, verl's batch divisibility rules, which models the
 algorithm needs). It raises one `ConfigError` listing every problem, each naming its key and the fix. This module
 imports engine.config; engine.config never imports it.

@@ -1,4 +1,4 @@
-"""`model.lora` (engine/config.py's LoraConfig) -> the workers' LoRA: the settings parallel/lora/ builds adapters from,
+"""`model.lora` (engine/config/models.py's LoraConfig) -> the workers' LoRA: the settings parallel/lora/ builds adapters from,
 the checks that need the model family (run by preflight before any model is built), a saved adapter's loading, and
 the reference pass that is the actor with its adapters switched off."""
 from __future__ import annotations

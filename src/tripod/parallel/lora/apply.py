@@ -26,7 +26,7 @@ from tripod.parallel.lora.targets import VERL_DEFAULT_TARGETS, family_linears, r
 
 @dataclass
 class LoraSettings:
-    """The parallel side of `model.lora` (engine/config.py's LoraConfig)."""
+    """The parallel side of `model.lora` (engine/config/models.py's LoraConfig)."""
 
     rank: int
     alpha: float = 16.0

@@ -1,0 +1,139 @@
+"""The PPO trainer's configuration: the typed schema (every field documented where it is declared) and the checks
+that need only one section. Loading mechanics (omegaconf merging, unknown-key hints) are in engine/config_loading.py.
+
+One module per part of the schema: data.py, megatron_args.py (`*.optim`, `*.megatron`), models.py (`*.model`, the
+actor's and critic's keys), rollout.py (`actor_rollout_ref.rollout` / `.ref`), algorithm.py (`algorithm`,
+`reward_model`), trainer.py (`trainer`, `global_profiler`, `rollout`, `async_training`); `TripodConfig` joins them
+here and every name is importable from `tripod.engine.config`.
+
+Keys mirror verl's `ppo_megatron_trainer.yaml` wherever they mean the same thing, so a verl user can read a tripod
+recipe. Loading is three layers, later wins:
+
+    1. the dataclass defaults (`TripodConfig`),
+    2. a YAML recipe (only the keys it changes; see recipes/defaults.yaml for every key),
+    3. `key=value` command-line overrides in omegaconf dot-list syntax (`data.train_batch_size=64`).
+
+Every field carries an attribute docstring (the string literal right below it): meaning, unit, and the verl /
+Megatron-LM name it mirrors. `scripts/gen_config_docs.py` turns them into docs/config.md (a test keeps it in sync);
+`python -m tripod.engine.config > recipes/defaults.yaml` (__main__.py) writes every key with its default.
+
+Each section has a `check(key)` that returns its own problems (ranges, choices taken from the registries that
+implement them). Checks that need several sections or the world size live in engine/config_validation.py, which
+imports this module (never the reverse).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from tripod.engine.config.algorithm import (  # noqa: F401 (re-exported: the schema is importable from here)
+    REWARD_COMBINE,
+    AlgorithmConfig,
+    FilterGroupsConfig,
+    KLControlConfig,
+    OverlongBufferConfig,
+    RewardModelConfig,
+    RolloutCorrectionConfig,
+)
+from tripod.engine.config.common import (  # noqa: F401
+    CRITIC_ESTIMATORS,
+    DEVICES,
+    LR_DECAY_STYLES,
+    MOE_LOAD_BALANCING_TYPES,
+    OPTIMIZERS,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
+    _choice,
+    _positive,
+)
+from tripod.engine.config.data import DataConfig
+from tripod.engine.config.megatron_args import MegatronConfig, OptimConfig  # noqa: F401
+from tripod.engine.config.models import (  # noqa: F401
+    ActorConfig,
+    CriticConfig,
+    LoraConfig,
+    ModelConfig,
+    PPOModelConfig,
+    RouterReplayConfig,
+    TrainedModelConfig,
+)
+from tripod.engine.config.rollout import (  # noqa: F401
+    ActorRolloutRefConfig,
+    MultiTurnConfig,
+    RefConfig,
+    RolloutConfig,
+    ValKwargsConfig,
+)
+from tripod.engine.config.trainer import (  # noqa: F401
+    AsyncTrainingConfig,
+    DivergenceGuardConfig,
+    GlobalProfilerConfig,
+    RolloutPlacementConfig,
+    TrainerConfig,
+)
+from tripod.engine.config_loading import (  # noqa: F401 (re-exported)
+    ConfigError,
+    config_to_yaml,
+    load_structured,
+    save_resolved_config,
+)
+
+
+@dataclass
+class TripodConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt data."""
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    """The policy: actor, rollout and reference."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model (built only for critic-based estimators: gae)."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages and KL."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """Reward scoring."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The loop: steps, validation, checkpoints, logging, world."""
+    global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
+    """Traces of chosen steps (off by default)."""
+    rollout: RolloutPlacementConfig = field(default_factory=RolloutPlacementConfig)
+    """The rollout's own ranks (asynchronous training); unset: colocated with the trainer."""
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    """Staleness bounds of asynchronous training (read only with rollout on its own ranks)."""
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the run builds and trains a critic: its advantage estimator reads values (CRITIC_ESTIMATORS)."""
+        return self.algorithm.adv_estimator in CRITIC_ESTIMATORS
+
+    @property
+    def separate_rollout(self) -> bool:
+        """Whether the rollout runs on ranks of its own (rollout.nnodes x rollout.n_gpus_per_node > 0)."""
+        return self.rollout.ranks > 0
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the run builds the reference model: a KL term needs it (in the reward, or the actor's KL loss)."""
+        return self.algorithm.use_kl_in_reward or self.actor_rollout_ref.actor.use_kl_loss
+
+
+
+# ---------------------------------------------------------------------------------------------- loading
+# Keys verl (or an older tripod) has that tripod takes from elsewhere: a one-line pointer instead of "unknown key".
+MOVED_KEYS = {
+    "reward_model.reward_fn_key": "the reward function is chosen per row by the column named in data.reward_fn_key; "
+                                  "set data.reward_fn_key instead",
+    "actor_rollout_ref.rollout.prompt_length": "the prompt budget is data.max_prompt_length; set that instead",
+    "reward_model.overlong_buffer.log": "tripod always logs the overlong penalty (reward/overlong_penalty_mean, "
+                                        "reward/overlong_frac); drop the key",
+    "trainer.profile_steps": "tripod takes verl's name for it; set global_profiler.steps instead",
+    "trainer.profile_tool": "tripod takes verl's name for it; set global_profiler.tool instead",
+}
+
+
+def load_config(yaml_path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> TripodConfig:
+    """Defaults <- YAML recipe <- `key=value` overrides, resolved into a `TripodConfig` (engine/config_loading.py).
+
+    Raises ConfigError for an unknown key, a wrong-typed value, a malformed override or a missing YAML file. Checks
+    of the values are `tripod.engine.config_validation.validate_config`'s job.
+    """
+    return load_structured(TripodConfig, yaml_path, overrides, MOVED_KEYS)
