@@ -27,8 +27,9 @@ COUNTED = tuple(os.path.join(PACKAGE, d) + os.sep for d in ("engine", "parallel"
 # Loading, validating or pre-checking a key is not honouring it: preflight only checks that files exist, so a key
 # read only there would still do nothing in training. launch.check_world does count: the world size it computes from
 # trainer.nnodes x trainer.n_gpus_per_node is the number of ranks `tripod train` starts.
-NOT_COUNTED = tuple(os.path.join(PACKAGE, "engine", f) for f in ("config.py", "config_loading.py",
-                                                                 "config_validation.py", "preflight.py"))
+NOT_COUNTED = tuple(os.path.join(PACKAGE, "engine", f) for f in ("config_loading.py", "config_validation.py",
+                                                                 "preflight.py"))
+SCHEMA = os.path.join(PACKAGE, "engine", "config") + os.sep  # the schema's own checks and properties
 
 
 def record_reads(cfg) -> set[str]:
@@ -53,7 +54,8 @@ def record_reads(cfg) -> set[str]:
         names = field_names.get(type(self))
         if names and name in names:
             caller = sys._getframe(1).f_code.co_filename
-            if caller.startswith(COUNTED) and caller not in NOT_COUNTED and id(self) in paths:
+            if caller.startswith(COUNTED) and caller not in NOT_COUNTED and not caller.startswith(SCHEMA) \
+                    and id(self) in paths:
                 reads.add(paths[id(self)] + name)
         return value
 
