@@ -16,16 +16,18 @@ HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 MLA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 
 
-def peft_case(tmp_path, family: str, rank: int = 4, alpha: float = 8.0, targets: list[str] = HF_TARGETS) -> dict:
+def peft_case(tmp_path, family: str, rank: int = 4, alpha: float = 8.0, targets: list[str] = HF_TARGETS,
+              **overrides) -> dict:
     """A tiny HF model with peft adapters of random non-zero A and B on `targets`: its logits, and the adapters'
-    gradients of sum(logits * weight) for a fixed random weight. `family`: qwen2, or deepseek_v3 (MLA)."""
+    gradients of sum(logits * weight) for a fixed random weight. `family`: qwen2, qwen3_moe or deepseek_v3 (MLA);
+    `overrides` change the MoE models' HF config."""
     from peft import LoraConfig, get_peft_model
     from peft.utils import get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
     if family in ("deepseek_v3", "qwen3_moe"):
         from tests.helpers.moe_models import make_tiny_moe_model
-        hf_dir = make_tiny_moe_model(tmp_path, family, seed=3)
+        hf_dir = make_tiny_moe_model(tmp_path, family, seed=3, subdir=f"{family}_{len(overrides)}", **overrides)
     else:
         hf_dir = make_tiny_hf_model(tmp_path, family, seed=3)
     base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -51,15 +53,18 @@ def peft_case(tmp_path, family: str, rank: int = 4, alpha: float = 8.0, targets:
 def test_lora_matches_peft_at_every_layout(tmp_path):
     """A dense Qwen2 (fused QKV with bias, fused gate/up) with adapters on every linear; a Qwen3-MoE's attention (MoE
     at TP2 runs sequence parallel); a DeepSeek-V3's MLA projections (q_a/q_b/kv_a/kv_b/o_proj; MoE, so sequence
-    parallel at TP2). MLA at TP2 fails with its adapter's hook after cpu_compat's RoPE-key gradient fix, or without
-    that fix's all-reduce over TP."""
+    parallel at TP2), and the same MLA with every layer dense at TP2 without sequence parallelism. MLA at TP2 fails
+    with its adapter's hook after cpu_compat's RoPE-key gradient fix, or without that fix's all-reduce over TP."""
     mla = peft_case(tmp_path, "deepseek_v3", targets=MLA_TARGETS)
+    mla_dense = {**peft_case(tmp_path, "deepseek_v3", targets=MLA_TARGETS, first_k_dense_replace=4),
+                 "name": "deepseek_v3_dense", "layouts": ["TP2PP1"]}
     dense = peft_case(tmp_path, "qwen2")
     dense["export_dir"] = str(tmp_path / "peft_export")  # written at TP2 x PP2, loaded back by peft below
-    cases = [dense, peft_case(tmp_path, "qwen3_moe", targets=HF_TARGETS[:4]), mla]
+    cases = [dense, peft_case(tmp_path, "qwen3_moe", targets=HF_TARGETS[:4]), mla, mla_dense]
     torch.save(cases, tmp_path / "cases.pt")
     out = run_torchrun("lora_parity_worker.py", 4, tmp_path / "cases.pt", timeout=400).stdout
-    expected = {(m, lay) for m in ("qwen2", "qwen3_moe", "deepseek_v3") for lay in LAYOUTS}
+    expected = {(m, lay) for m in ("qwen2", "qwen3_moe", "deepseek_v3") for lay in LAYOUTS} | \
+        {("deepseek_v3_dense", "TP2PP1")}
     logits = {(m, lay): x for m, lay, x in re.findall(rf"LORA_LOGITS (\S+) (\S+) maxdiff {FLOAT}", out)}
     off = {(m, lay): x for m, lay, x in re.findall(rf"LORA_OFF (\S+) (\S+) maxdiff {FLOAT}", out)}
     grads = re.findall(rf"LORA_GRAD (\S+) (\S+) maxrel {FLOAT}", out)
