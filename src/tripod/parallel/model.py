@@ -86,7 +86,7 @@ def transformer_config_from_arch(arch: ModelArch, layout: ParallelLayout, *,
         ffn = arch.moe.expert_ffn_hidden_size
         raise ValueError(f"{layout.name} expert_tensor_parallel_size={layout.etp} does not divide "
                          f"moe_intermediate_size={ffn}; use one of {[d for d in range(1, ffn + 1) if ffn % d == 0]}")
-    if arch.moe is not None and layout.tp > 1:
+    if arch.moe is not None and any(arch.moe.layer_is_moe) and layout.tp > 1:
         sequence_parallel = True  # megatron: MoE + TP trains only with SP (moe_layer.py)
     if sequence_parallel and layout.tp == 1:
         sequence_parallel = False  # megatron requires tp > 1 for SP; it is a no-op at tp=1

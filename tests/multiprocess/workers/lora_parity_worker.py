@@ -137,6 +137,7 @@ def _check(case, name, layout, sp, plants: bool, mla_plants: bool = False) -> No
     ids, ref = case["input_ids"], case["ref_logits"]
     tag = f"{case['name']} {name}"
     model = build_gpt_model(arch, layout, sequence_parallel=sp)
+    assert not case.get("no_sequence_parallel") or not model.config.sequence_parallel, tag  # MLA's dense case
     assert not load_hf_weights(model, case["hf_dir"], arch, layout)
     base = forward_logits(model, layout, ids)
     adapters = apply_lora([model], arch, settings)
