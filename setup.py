@@ -2,7 +2,7 @@
 
 The package lives in src/tripod (src layout): an editable install is then one plain `.pth` line naming src/, which
 pyright, mypy, jedi and ruff read like any site-packages directory, and nothing but `tripod` becomes importable.
-The product brief's rooms stay visible at the repository root as symlinks (engine/, parallel/, kernels/).
+The product brief's rooms stay visible at the repository root as symlinks (engine/, parallel/, runtime/, kernels/).
 """
 from setuptools import find_packages, setup
 

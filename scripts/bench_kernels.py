@@ -24,7 +24,7 @@ import time
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from tripod.engine.memory import peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
+from tripod.runtime.memory import peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

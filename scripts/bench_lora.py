@@ -51,10 +51,10 @@ def _bench_on_rank(config_yaml: str, out_prefix: str) -> None:
 
     from tripod.engine.config import TripodConfig
     from tripod.engine.logging import tracker
-    from tripod.engine.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
     from tripod.engine.trainer import PPOTrainer
     from tripod.parallel.convert import model_chunks
     from tripod.parallel.lora import lora_adapters
+    from tripod.runtime.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
     def nbytes(tensors) -> int:
         return sum(t.numel() * t.element_size() for t in tensors)

@@ -20,7 +20,6 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)  # the test suite's helpers (tests.helpers) live in the checkout, not in the package
 
 MiB = 1 << 20
 
@@ -72,7 +71,7 @@ class StageRSS:
 
     @staticmethod
     def _rss() -> int:
-        from tripod.engine.memory import rss_bytes
+        from tripod.runtime.memory import rss_bytes
         return rss_bytes()
 
     def _charge(self, name: str, rss: int) -> None:
@@ -106,8 +105,8 @@ class StageRSS:
 
 def _measure_activations(trainer, measured: dict, stages: "StageRSS") -> None:
     """Wrap the training pipeline runs: per model, the peak saved-activation bytes and the micro-batch shape."""
-    from tripod.engine.memory import SavedTensorBytes
     from tripod.parallel import pipeline
+    from tripod.runtime.memory import SavedTensorBytes
 
     original = pipeline.run_pipeline
     names = {id(w.model[0]): name for name, w in (("actor", trainer.actor), ("critic", trainer.critic))
@@ -142,8 +141,8 @@ def _run_config(config_yaml: str, result_path: str) -> None:
     from omegaconf import OmegaConf
 
     from tripod.engine.config import TripodConfig
-    from tripod.engine.memory import peak_rss_bytes, rss_bytes
     from tripod.engine.trainer import PPOTrainer
+    from tripod.runtime.memory import peak_rss_bytes, rss_bytes
 
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TripodConfig), OmegaConf.create(config_yaml)))
     stages = StageRSS()
@@ -207,7 +206,7 @@ def run_config(overrides: list[str], label: str) -> dict:
     arch = arch_from_hf(cfg.actor_rollout_ref.model.path)
     plan = plan_from_config(cfg, 2, arch)
     r = got["rollout"]
-    gdt = __import__("tripod.engine.precision", fromlist=["rollout_dtype"]).rollout_dtype(cfg.actor_rollout_ref.rollout.dtype,
+    gdt = __import__("tripod.parallel.precision", fromlist=["rollout_dtype"]).rollout_dtype(cfg.actor_rollout_ref.rollout.dtype,
                                                                                   "cpu")
     kv_plan = kv_cache_bytes(arch, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, r["sequences"],
                              r["prompt_len"] + cfg.actor_rollout_ref.rollout.response_length, gdt)
@@ -245,7 +244,7 @@ def table(results: list[dict]) -> str:
 
 
 def tiny_setup(tmp: str) -> list[str]:
-    from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
+    from tripod.engine.data.tiny_ppo import make_ppo_setup, tiny_overrides
     setup = make_ppo_setup(tmp)
     return tiny_overrides(setup, os.path.join(tmp, "run"), world=2, steps=1) + [
         "trainer.logger=[jsonl]", "trainer.val_before_train=false", "data.val_files=[]"]

@@ -69,10 +69,10 @@ def training_groups(plan):
 
 
 def run(args: argparse.Namespace) -> None:
-    from tripod.engine.memory import measure_peak_memory
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.hybrid_engine import MicroDPGather, TransferStats, build_reshard_plan, naive_full_gather
     from tripod.parallel.hybrid_engine.plan import local_shape
+    from tripod.runtime.memory import measure_peak_memory
 
     torch.set_num_threads(1)
     device = torch.device("cpu")

@@ -35,7 +35,8 @@ class Context:
 
 
 def child_env(extra: dict | None = None) -> dict:
-    """The environment of a process a step starts: the checkout on PYTHONPATH (tests.helpers, scripts)."""
+    """The environment of a process a step starts: the checkout (the optim step runs a worker of tests/multiprocess/)
+    and scripts/ (the steps themselves) on PYTHONPATH."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", **(extra or {}))
     env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "scripts"), env.get("PYTHONPATH", "")])
     return env

@@ -35,7 +35,7 @@ def run(ctx: Context) -> dict:
     import torch
 
     import tripod.kernels as kernels
-    from tripod.engine.memory import measure_peak_memory
+    from tripod.runtime.memory import measure_peak_memory
 
     cuda, dev = not ctx.dry, ctx.device
     seconds = _timer(cuda)

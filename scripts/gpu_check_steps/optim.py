@@ -23,7 +23,7 @@ DISTOPT_BOUND = 0.0
 
 
 def run_optim(ctx: Context) -> dict:
-    from tests.helpers.common import make_tiny_hf_model
+    from tripod.engine.data.tiny_models import make_tiny_hf_model
     hf_dir = make_tiny_hf_model(os.path.join(ctx.work, "offload"), "qwen2", seed=3, num_hidden_layers=2)
     worker = os.path.join(REPO, "tests", "multiprocess", "workers", "offload_movers_worker.py")
     env = child_env({"TRIPOD_DEVICE": ctx.device, "OMP_NUM_THREADS": "1",

@@ -22,7 +22,7 @@ REAL_MODEL = os.path.join(REPO, "recipes", "model_configs", "Qwen--Qwen2.5-0.5B-
 
 
 def run_guarded(ctx: Context) -> dict:
-    from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
+    from tripod.engine.data.tiny_ppo import make_ppo_setup, tiny_overrides
     size = {} if ctx.dry else dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
                                    num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
     work = os.path.join(ctx.work, "guarded")
@@ -98,10 +98,10 @@ def plan_prediction(ctx: Context, model: str, overrides: list[str]) -> dict:
     """`tripod plan`'s numbers for this run: the memory plan's peak device bytes over the step's phases (CUDA) or
     the process's host peak (CPU), parallel/memory_plan.py + parallel/memory_phases.py."""
     from tripod.engine.config import load_config
-    from tripod.engine.offload import flags_of
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.memory_phases import phase_memory
     from tripod.parallel.memory_plan import plan_from_config
+    from tripod.runtime.offload import flags_of
 
     cfg = load_config(os.path.join(REPO, "recipes", "defaults.yaml"), overrides)
     plan = plan_from_config(cfg, 1, arch_from_hf(model), gpu_memory_gb=None if ctx.dry else 139.0)

@@ -13,8 +13,8 @@ def run_steps(config_yaml: str, out_path: str) -> None:
 
     from tripod.engine.bench.runner import _time_checkpoint
     from tripod.engine.config import TripodConfig
-    from tripod.engine.memory import peak_memory_gb
     from tripod.engine.trainer import PPOTrainer
+    from tripod.runtime.memory import peak_memory_gb
 
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TripodConfig), OmegaConf.create(config_yaml)))
     t0 = time.perf_counter()

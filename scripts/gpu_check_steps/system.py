@@ -38,12 +38,12 @@ def probe_attention(hf_dir: str, out_path: str) -> None:
 
     import torch
 
-    from tests.helpers.ppo_setup import random_ppo_batch
-    from tripod.engine.device import current_device
-    from tripod.engine.precision import PrecisionSettings
+    from tripod.engine.data.tiny_ppo import random_ppo_batch
     from tripod.engine.workers.ppo_workers import PolicyWorker
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.layout import ParallelLayout
+    from tripod.parallel.precision import PrecisionSettings
+    from tripod.runtime.device import current_device
 
     arch = arch_from_hf(hf_dir)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
@@ -86,7 +86,7 @@ def run_env(ctx: Context) -> dict:
                    multiprocessors=props.multi_processor_count)
     elif not ctx.dry:
         raise RuntimeError("no CUDA device visible; run with --dry-run on a CPU machine")
-    from tests.helpers.common import make_tiny_hf_model
+    from tripod.engine.data.tiny_models import make_tiny_hf_model
     from tripod.engine.launch import run_distributed
 
     hf_dir = make_tiny_hf_model(os.path.join(ctx.work, "probe"), "qwen2", num_hidden_layers=2,

@@ -1,9 +1,10 @@
 """tripod: a Megatron-based 3D-parallel (TP x PP x DP) engine for PPO-style RLHF.
 
 The rooms are `tripod.engine` (training loop, workers, rollout, rewards, CLI), `tripod.parallel` (layouts, model
-building, conversion, the hybrid engine) and `tripod.kernels` (fused ops with plain-torch twins). They live here, in
-src/tripod, and the repository root shows them as symlinks (engine/, parallel/, kernels/); only `tripod` is
-importable once installed, so Hugging Face's hub package `kernels` can sit beside it.
+building, conversion, the hybrid engine, precision), `tripod.runtime` (the rank's device, memory readers, host offload)
+and `tripod.kernels` (fused ops with plain-torch twins); each imports only the rooms below it (docs/layout.md). They
+live here, in src/tripod, and the repository root shows them as symlinks (engine/, parallel/, runtime/, kernels/);
+only `tripod` is importable once installed, so Hugging Face's hub package `kernels` can sit beside it.
 
 Importing tripod changes nothing in megatron-core: its patches are installed by the entry points (the CLI, each
 rank of a launched world, the tests' workers) through `tripod.parallel.megatron_patches.apply_megatron_patches()`.

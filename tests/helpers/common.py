@@ -1,4 +1,5 @@
-"""Shared test helpers for tripod: tiny random HF checkpoints and torchrun (gloo) launches.
+"""Shared test helpers for tripod: tiny random HF checkpoints (`make_tiny_hf_model`, defined in
+tripod/engine/data/tiny_models.py, which scripts/ use too) and torchrun (gloo) launches.
 
 Usable from pytest files (`from tests.helpers.common import make_tiny_hf_model, run_torchrun`; pytest.ini puts
 the repository root on sys.path) and from torchrun worker scripts in tests/multiprocess/workers/ (run_torchrun puts
@@ -13,17 +14,11 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from tripod.engine.data.tiny_models import make_tiny_hf_model  # noqa: F401  (the tests' name for it, one definition)
+
 TESTS_DIR = Path(__file__).resolve().parent.parent
 REPO_ROOT = TESTS_DIR.parent
 DIST_DIR = TESTS_DIR / "multiprocess" / "workers"
-
-# Tiny shapes: heads=4 / kv=2 / layers=4 so that TP in {1, 2} and PP in {1, 2, 4} all divide.
-_TINY_COMMON: dict[str, Any] = dict(
-    vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-    bos_token_id=1, eos_token_id=2, pad_token_id=0,
-)
 
 
 def launch_env(**extra: str) -> dict[str, str]:
@@ -40,51 +35,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def make_tiny_hf_model(tmp_path: str | os.PathLike, family: str, *, seed: int = 0,
-                       subdir: str | None = None, sequence_classification: bool = False, **overrides: Any) -> str:
-    """Save a tiny random fp32 Llama, Qwen2 or Qwen3 checkpoint with `save_pretrained`; return its directory.
-
-    `family` is "llama", "qwen2" (always has QKV bias) or "qwen3" (per-head q/k norm; pass `head_dim`, whose
-    Qwen3Config default is 128). `overrides` go into the HF config,
-    e.g. `tie_word_embeddings=True`, `num_hidden_layers=2`,
-    `rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0, "original_max_position_embeddings": 32}`.
-    Weights are drawn from N(0, 0.02) but biases and norm weights are randomised too, so no
-    parameter is at a trivial value. The same (family, seed, overrides) gives the same weights.
-    `sequence_classification=True` saves a `*ForSequenceClassification` model with one label (a reward model:
-    a `score` head [1, hidden] instead of `lm_head`).
-    """
-    import torch
-    import transformers
-
-    configs = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
-    models = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-              "qwen3": transformers.Qwen3ForCausalLM}
-    if family not in configs:
-        raise ValueError(f"make_tiny_hf_model family={family!r}; use one of {sorted(configs)}")
-    kwargs = dict(_TINY_COMMON)
-    if sequence_classification:
-        kwargs["num_labels"] = 1
-        models = {k: getattr(transformers, v.__name__.replace("ForCausalLM", "ForSequenceClassification"))
-                  for k, v in models.items()}
-    kwargs.update(overrides)
-    config = configs[family](**kwargs)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = models[family](config).to(torch.float32)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.copy_(1.0 + 0.1 * torch.randn_like(p))
-                elif name.endswith(".bias"):
-                    p.copy_(0.1 * torch.randn_like(p))
-                else:
-                    p.copy_(0.05 * torch.randn_like(p))
-    out = Path(tmp_path) / (subdir or f"{family}_seed{seed}")
-    model.save_pretrained(out, safe_serialization=True)
-    return str(out)
 
 
 def torchrun_command(script: str | os.PathLike, nproc: int, *args: Any,

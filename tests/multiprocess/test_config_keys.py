@@ -27,10 +27,10 @@ from tests.helpers.ppo_setup import make_ppo_setup, tiny_overrides
 NOT_EXERCISED = {
     "actor_rollout_ref.rollout.mem_fraction_static": "SGLang backend only (needs a GPU and sglang)",
     "actor_rollout_ref.ref.megatron.recompute_*": "the frozen reference has no backward: refused when set "
-                                                 "(engine/precision.py)",
+                                                 "(parallel/precision.py)",
     "actor_rollout_ref.ref.megatron.[og]*_offload": "optimizer_offload, optimizer_cpu_offload, grad_offload: the "
                                                    "reference has no optimizer or gradients: refused when set",
-    "reward_model.megatron.recompute_*": "the frozen reward model has no backward: refused when set (engine/precision.py)",
+    "reward_model.megatron.recompute_*": "the frozen reward model has no backward: refused when set (parallel/precision.py)",
     "reward_model.megatron.[og]*_offload": "optimizer_offload, optimizer_cpu_offload, grad_offload: the reward model "
                                            "has no optimizer or gradients: refused when set",
     "async_training.*": "read by a rollout on its own ranks (engine/async_rollout/: tests/multiprocess/test_async.py); "

@@ -25,8 +25,7 @@ def test_apply_is_idempotent_and_cpu_only():
 @pytest.mark.dist
 def test_no_unlisted_cuda_call_site_in_a_tp2_pp2_sp_distopt_step(tmp_path):
     hf_dir = make_tiny_hf_model(tmp_path, "qwen2", seed=5, num_hidden_layers=2)
-    out = run_torchrun("canary_model_worker.py", 4, hf_dir, timeout=300,
-                       env={"TRIPOD_CPU_COMPAT_TRACE": "1"}).stdout
+    out = run_torchrun("canary_model_worker.py", 4, hf_dir, timeout=300).stdout
     assert out.count("CANARY_STEP 1") == 4, out[-3000:]
     traced = set(re.findall(r"TRACED (\S+) (\S+):\d+ (\S+)", out))
     shims = {shim for shim, _, _ in traced}

@@ -2,8 +2,9 @@
 random non-zero adapters, checkpointed by tripod at TP1 x PP2 and exported at TP2
 (tests/multiprocess/workers/lora_export_worker.py). The peft directory loaded by `peft.PeftModel.from_pretrained` onto
 the HF base, and the merged HF model loaded by transformers, give tripod's logits; mismatched flags are refused in one
-line before any model is built. Planted by hand: TRIPOD_PLANT_LORA_EXPORT_ALPHA=2 (the adapters rebuilt with twice the
-saved alpha) makes both logit checks fail."""
+line before any model is built. Planted by hand: TRIPOD_TEST_PLANT=lora_export_alpha (the adapters rebuilt with twice
+the saved alpha: tests/multiprocess/workers/train_with_hooks.py, which the worker imports) makes both logit checks
+fail."""
 import argparse
 import json
 

@@ -1,8 +1,8 @@
 """The rollout sync of a LoRA actor merges lazily (parallel/lora/merge.py): with 4 KiB buckets (an adapted weight of
 the tiny model is up to 24 KiB on a TP2 rank) the generation shard equals the eager merge's bit for bit, at rollout TP1
 (fp32 and bf16) and TP2 into the embedded engine's buffers, while at most one bucket of merged values and one adapted
-weight's delta are alive at once; merging everything up front (TRIPOD_PLANT_LORA_EAGER_MERGE=1) breaks the bound
-(tests/multiprocess/workers/lora_sync_worker.py)."""
+weight's delta are alive at once; merging everything up front (the worker plants train_with_hooks.py's
+lora_eager_merge) breaks the bound (tests/multiprocess/workers/lora_sync_worker.py)."""
 import re
 
 import pytest

@@ -1,6 +1,7 @@
-"""tripod installs under one namespace: `tripod.engine`, `tripod.parallel`, `tripod.kernels` (src layout),
-so nothing named `engine`, `parallel` or `kernels` lands at the top of site-packages, and Hugging Face's hub
-package `kernels` (which transformers probes for) can sit next to tripod without either shadowing the other."""
+"""tripod installs under one namespace: `tripod.engine`, `tripod.parallel`, `tripod.runtime`, `tripod.kernels` (src
+layout), so nothing named `engine`, `parallel`, `runtime` or `kernels` lands at the top of site-packages, and Hugging
+Face's hub package `kernels` (which transformers probes for) can sit next to tripod without either shadowing the
+other."""
 import os
 import subprocess
 import sys
@@ -11,12 +12,12 @@ from tests.helpers.common import REPO_ROOT
 
 PROBE = """
 import importlib.util, json, sys
-import tripod, tripod.engine.cli, tripod.parallel.layout
+import tripod, tripod.engine.cli, tripod.parallel.layout, tripod.runtime.device
 import tripod.kernels as tk
 import torch
 adv, ret = tk.gae(torch.ones(1, 3), torch.zeros(1, 3), torch.ones(1, 3), gamma=1.0, lam=1.0)
 top = {name: (importlib.util.find_spec(name).origin if importlib.util.find_spec(name) else None)
-       for name in ("engine", "parallel", "kernels")}
+       for name in ("engine", "parallel", "runtime", "kernels")}
 hf = None
 if top["kernels"]:
     import kernels
@@ -41,7 +42,7 @@ def test_only_tripod_at_the_top(tmp_path):
     ours = [str(REPO_ROOT / "src"), *(str(REPO_ROOT / name) for name in got["top"])]
     theirs = {name: origin for name, origin in got["top"].items()
               if origin and not any(os.path.realpath(origin).startswith(p + os.sep) for p in ours)}
-    assert got["top"] == {"engine": None, "parallel": None, "kernels": None, **theirs}, got["top"]  # HF's kernels: ok
+    assert got["top"] == {"engine": None, "parallel": None, "runtime": None, "kernels": None, **theirs}, got["top"]  # HF's kernels: ok
     assert "kernels" not in theirs or got["hf"]["get_kernel"], got  # (transformers >= 5.25 installs it)
     assert got["gae"] == [[3.0, 2.0, 1.0]]
 

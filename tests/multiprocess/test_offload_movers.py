@@ -1,4 +1,4 @@
-"""engine/offload.py's movers executed on CPU (tests/multiprocess/workers/offload_movers_worker.py; the stand-in for
+"""runtime/offload.py's movers executed on CPU (tests/multiprocess/workers/offload_movers_worker.py; the stand-in for
 the device side is described there and in docs/operating.md): over two PPO steps with every offload kind on, each
 kind the manager puts on the host has released its device storage (0 bytes), params and optimizer states come back
 bit for bit, gradients come back zeroed, log-probs, weights and optimizer states equal a twin's that never offloads,

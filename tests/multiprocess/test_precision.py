@@ -1,4 +1,4 @@
-"""Mixed precision and the distributed optimizer (engine/precision.py): bf16 against fp32, distributed against
+"""Mixed precision and the distributed optimizer (parallel/precision.py): bf16 against fp32, distributed against
 non-distributed optimizer, and a distributed-optimizer checkpoint resumed at another layout.
 
 The bf16 bounds. bf16 keeps 8 significant bits (7 stored + the implicit one), so one rounding to nearest has

@@ -1,4 +1,4 @@
-"""engine/device.py: one device decision per rank, and the guard that proves a trainer step stayed on it.
+"""runtime/device.py: one device decision per rank, and the guard that proves a trainer step stayed on it.
 
 The trainer-step check itself runs in tests/multiprocess/test_precision.py (TRIPOD_CHECK_DEVICES=1 on a DP=2 run) and in
 scripts/gpu_check.py on CUDA; here the guard is shown to catch what it must and to let transfers through."""
@@ -9,7 +9,7 @@ import torch
 def test_guard_flags_ops_that_mix_devices_not_host_bookkeeping():
     """The meta device plays the GPU: a host index fed to a device op is flagged; building a small host tensor and
     moving it (batch assembly), and 0-dim host scalars, are not."""
-    from tripod.engine.device import DeviceGuard
+    from tripod.runtime.device import DeviceGuard
 
     with DeviceGuard("meta") as guard:
         x = torch.randn(5, 3, device="meta")
@@ -21,7 +21,7 @@ def test_guard_flags_ops_that_mix_devices_not_host_bookkeeping():
 
 
 def test_guard_flags_large_host_compute_only():
-    from tripod.engine.device import LARGE_HOST_NUMEL, DeviceGuard
+    from tripod.runtime.device import LARGE_HOST_NUMEL, DeviceGuard
 
     n = int(LARGE_HOST_NUMEL ** 0.5)
     with DeviceGuard("meta") as guard:
@@ -37,7 +37,7 @@ def test_guard_flags_large_host_compute_only():
 
 
 def test_select_device_refuses_cuda_without_a_gpu(monkeypatch):
-    from tripod.engine import device
+    from tripod.runtime import device
 
     monkeypatch.setattr(device, "_chosen", None)
     if torch.cuda.is_available():

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from tests.helpers.common import _TINY_COMMON
 from tests.helpers.moe_models import hf_moe_model
+from tripod.engine.data.tiny_models import TINY_CONFIG
 from tripod.engine.throughput import PerfCounter, active_matmul_params, attention_width
 from tripod.parallel.arch import arch_from_hf
 
@@ -26,7 +26,7 @@ def _dense_model(family: str):
 
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                   "qwen3": transformers.Qwen3Config}[family]
-    config = config_cls(**{**_TINY_COMMON, **DENSE[family]})
+    config = config_cls(**{**TINY_CONFIG, **DENSE[family]})
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
 

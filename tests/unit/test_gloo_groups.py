@@ -98,9 +98,9 @@ def test_megatrons_gloo_groups_are_gloo_groups(tmp_path):
 
 
 def _padded_on_meta() -> tuple[list, str | None]:
-    from tripod.engine.device import DeviceGuard
     from tripod.engine.workers.packing import PackedRows
     from tripod.parallel.context_parallel import split_for_cp
+    from tripod.runtime.device import DeviceGuard
 
     g, s, seq = 2, 6, 8
     rows = PackedRows(torch.zeros(g, s, dtype=torch.long, device="meta"),

@@ -44,7 +44,7 @@ def test_critic_builds_every_module_on_cuda(tmp_path):
 
 
 def test_guard_flags_a_host_index_on_cuda():
-    from tripod.engine.device import DeviceGuard
+    from tripod.runtime.device import DeviceGuard
 
     with DeviceGuard("cuda") as guard:
         x = torch.randn(8, 4, device="cuda")

@@ -4,8 +4,8 @@ import pytest
 
 
 def test_jsonl_prompts_equal_parquet_prompts(tmp_path):
-    from tests.helpers.ppo_setup import char_tokenizer
     from tripod.engine.data import PromptDataset, make_arithmetic_rows, write_prompt_parquet
+    from tripod.engine.data.char_tokenizer import char_tokenizer
 
     rows = make_arithmetic_rows(12, seed=4, max_digits=2, instruction="Answer as #### N.", split="train")
     write_prompt_parquet(rows, tmp_path / "p.parquet")

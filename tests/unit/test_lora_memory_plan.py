@@ -1,6 +1,7 @@
 """`tripod plan` with LoRA (parallel/lora/memory.py, parallel/memory_plan.py): the adapter parameters the plan counts
 equal those `apply_lora` creates on a tiny dense and a tiny MoE model (exactly), and the gradients, fp32 main weights
-and optimizer states are the adapters' only (planted: TRIPOD_PLANT_LORA_PLAN_BASE_TRAINED=1 counts the frozen base)."""
+and optimizer states are the adapters' only (planted: train_with_hooks.py's lora_plan_base_trained counts the frozen
+base, and the check fails)."""
 import subprocess
 import sys
 import textwrap
@@ -63,6 +64,22 @@ def built(tmp_path_factory):
 
 @pytest.mark.parametrize("family", sorted(TARGETS))
 def test_plan_counts_the_adapters_apply_lora_makes_and_trains_only_them(built, family):
+    _check_counts(built, family)
+
+
+def test_the_count_check_fails_on_the_frozen_base_counted_as_trained(built):
+    from tests.multiprocess.workers.train_with_hooks import plant, unplant
+
+    plant("lora_plan_base_trained")
+    try:
+        for family in sorted(TARGETS):
+            with pytest.raises(AssertionError, match="'grads'"):
+                _check_counts(built, family)
+    finally:
+        unplant()
+
+
+def _check_counts(built, family: str) -> None:
     import torch
 
     from tripod.parallel.memory_plan import ModelMemory

@@ -45,10 +45,10 @@ def test_reward_model_rows_match_the_hf_classifier_and_get_a_phase(tmp_path, tie
     from transformers import AutoModelForSequenceClassification
 
     from tripod.engine.config import load_config
-    from tripod.engine.offload import OffloadFlags
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.memory_phases import phase_memory
     from tripod.parallel.memory_plan import plan_from_config, stage_numel
+    from tripod.runtime.offload import OffloadFlags
 
     rm_dir = make_tiny_hf_model(tmp_path / "rm", "qwen2", vocab_size=128 * 2, tie_word_embeddings=tie,
                                 sequence_classification=True)

@@ -1,11 +1,11 @@
-"""Host offload between phases (engine/offload.py), on CPU where it records its moves and touches nothing: the
+"""Host offload between phases (runtime/offload.py), on CPU where it records its moves and touches nothing: the
 state after each phase of two PPO steps against verl's semantics written out by hand, the moves a CUDA run would
 make (in order: host-bound first), and the bad-input line for offload keys on a CPU run."""
 import pytest
 
-from tripod.engine.offload import DEVICE as D
-from tripod.engine.offload import HOST as H
-from tripod.engine.offload import Move, OffloadFlags, OffloadManager
+from tripod.runtime.offload import DEVICE as D
+from tripod.runtime.offload import HOST as H
+from tripod.runtime.offload import Move, OffloadFlags, OffloadManager
 
 # the trainer's order (engine/trainer.py train_step): a GAE step with the old log-probs recomputed, then a save
 STEP = ["rollout", "old_log_prob", "ref", "values", "update_critic", "update_actor"]

@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent("""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
     dist.init_process_group("gloo", rank=0, world_size=1)
     from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from tripod.engine.memory import SavedTensorBytes
+    from tripod.runtime.memory import SavedTensorBytes
     from tripod.engine.workers.batch import build_ppo_batch
     from tripod.engine.workers.packing import pack_shared_prompts, pack_without_padding
     from tripod.parallel.arch import arch_from_hf

@@ -16,8 +16,8 @@ from tripod.engine.checkpoints import CheckpointManager
 from tripod.engine.config import TripodConfig
 from tripod.engine.data import PromptDataLoader
 from tripod.engine.divergence_guard import DivergenceGuard
-from tripod.engine.offload import OffloadManager
 from tripod.engine.trainer import PPOTrainer
+from tripod.runtime.offload import OffloadManager
 
 
 class _Prompts:

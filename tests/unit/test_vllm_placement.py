@@ -4,7 +4,7 @@ vLLM's uni-process executor runs its worker on cuda:<index of device_config.devi
 external launcher runs it on the visible ordinal LOCAL_RANK (vLLM 0.32: v1/executor/uniproc_executor.py
 `_distributed_args`, v1/worker/gpu_worker.py `init_device`, platforms/interface.py
 `logical_device_id_to_visible_device_id`; read, not run: no GPU here). `vllm_device` below is that rule, so the
-test states the device each rank's engine gets: its own CUDA device (what engine/device.py set from LOCAL_RANK,
+test states the device each rank's engine gets: its own CUDA device (what runtime/device.py set from LOCAL_RANK,
 under any CUDA_VISIBLE_DEVICES), and no two ranks of a node share one. Planted: the old choice (the external
 launcher only at TP > 1) puts every TP1 rank of an 8-GPU node on cuda:0, and the same check fails.
 """
@@ -26,7 +26,7 @@ def node_devices(tp: int, world: int, visible: str | None, place=placement) -> l
         env = {"RANK": str(rank), "LOCAL_RANK": str(rank)}
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible
-        kwargs, overrides = place(tp, True, world, rank, rank, env)  # engine/device.py: cuda:LOCAL_RANK
+        kwargs, overrides = place(tp, True, world, rank, rank, env)  # runtime/device.py: cuda:LOCAL_RANK
         devices.append(vllm_device(kwargs, {**env, **overrides}))
     return devices
 

@@ -231,7 +231,7 @@ def _run_in_world(fn: Callable[..., Any], args: tuple) -> None:
         import warnings
         warnings.filterwarnings("ignore")  # megatron's TE/apex fallbacks, torch DCP deprecations
     torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))[0])
-    from tripod.engine.device import process_group_backend, select_device
+    from tripod.runtime.device import process_group_backend, select_device
 
     device = select_device()  # $TRIPOD_DEVICE (trainer.device) and LOCAL_RANK; sets the CUDA device first
     own_group = not dist.is_initialized()

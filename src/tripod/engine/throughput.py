@@ -1,4 +1,4 @@
-"""Throughput, MFU and peak memory of a PPO step (perf/* metrics; memory read by engine/memory.py).
+"""Throughput, MFU and peak memory of a PPO step (perf/* metrics; memory read by runtime/memory.py).
 
 FLOPs follow the usual transformer count: 2 * params * tokens for a forward, 6 * params * tokens for a forward +
 backward, where params are the matmul weights one token runs through (`active_matmul_params`: with MoE the router,
@@ -19,16 +19,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from tripod.engine.memory import peak_memory_gb
 from tripod.engine.workers.batch import RowLengths
 from tripod.parallel.arch import ModelArch
+from tripod.runtime.memory import peak_memory_gb
 
 PER_RANK_MEMORY_KEYS = 16
 CUDA_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
 
 def peak_memory_per_rank(mine: float) -> dict[str, float]:
-    """Every rank's peak memory `mine` (GiB, engine.memory.peak_memory_gb), gathered: a collective, so every rank
+    """Every rank's peak memory `mine` (GiB, runtime.memory.peak_memory_gb), gathered: a collective, so every rank
     calls it.
     Keys: `perf/peak_memory_gb/rank{r}` (worlds of up to PER_RANK_MEMORY_KEYS ranks), `perf/peak_memory_gb/max`
     and `perf/peak_memory_gb/min` over the ranks."""

@@ -204,7 +204,7 @@ def training_microbatches(c, world_size: int, n_samples: int, seq: int) -> tuple
 def activations_from_config(c, arch: ModelArch, world_size: int, n_samples: int, seq: int,
                             dtype: torch.dtype, fused_attention: bool | None = None) -> int:
     """`activation_bytes` of a trained model's PPO update from its config section (`c`: actor or critic)."""
-    from tripod.engine.precision import resolve_precision
+    from tripod.parallel.precision import resolve_precision
 
     m = c.megatron
     prec = resolve_precision(m, m.data_parallel_size(world_size) * m.context_parallel_size, True, c.optim.optimizer)

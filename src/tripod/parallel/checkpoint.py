@@ -41,6 +41,9 @@ METADATA_FILE = "tripod_checkpoint.json"
 MODEL_SUBDIR = "model"
 HF_SUBDIR = "hf"
 FORMAT_VERSION = 1
+# a save gathers the distributed optimizer's state this many fp32 elements at a time (64 MiB; a larger parameter is a
+# chunk of its own): engine/checkpoints/optimizer_state.py streams by it, parallel/memory_plan.py counts it
+OPTIMIZER_CHUNK_ELEMENTS = 16 * 2 ** 20
 
 
 def sharded_model_state(model) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """The memory plan phase by phase: where each byte of a PPO step lives (device or host) in each phase, with the
-offload keys (engine/offload.py's `placement`, the table the trainer's moves follow), each phase's device peak, and
+offload keys (runtime/offload.py's `placement`, the table the trainer's moves follow), each phase's device peak, and
 the verdict against the device memory (`tripod plan --gpu-memory-gb`).
 
 Per phase, on one rank (the largest PP stage of each model, parallel/memory_plan.py):
@@ -10,7 +10,7 @@ Per phase, on one rank (the largest PP stage of each model, parallel/memory_plan
              their transient logits chunks are not counted); checkpoint = the save after a step (params and
              optimizer states of the trained models on the device, gradients where grad_offload leaves them)
     host   = the params and optimizer states on the host in that phase (pinned host memory on CUDA): the bytes
-             engine/offload.py's movers release, with or without the distributed optimizer
+             runtime/offload.py's movers release, with or without the distributed optimizer
              (tests/multiprocess/test_offload_movers.py measures them per kind); offloaded gradient buffers are freed,
              not copied, so they count nowhere; with optimizer_cpu_offload a model's optimizer states are there in
              every phase (megatron's HybridDeviceOptimizer updates on the host).
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tripod.engine.offload import DEVICE, KINDS, USES, OffloadFlags, placement
 from tripod.parallel.memory_plan import MemoryPlan, ModelMemory
+from tripod.runtime.offload import DEVICE, KINDS, USES, OffloadFlags, placement
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -31,7 +31,6 @@ flight): parallel/activation_plan.py.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -132,18 +131,18 @@ class ModelMemory:
             self.merged_largest = lora.largest
             head = value_head_numel(arch) if self.value_head and stage == self.pp - 1 else 0
             dense, expert = lora.adapters + head, lora.expert_adapters
-            if os.environ.get("TRIPOD_PLANT_LORA_PLAN_BASE_TRAINED"):  # planted bug hook: the frozen base trained
-                dense, expert = dense + self.numel - self.expert_numel, expert + self.expert_numel
         self.rows = {"params": (self.numel + self.adapter_numel) * pbytes}
         if self.trainable:
-            numel = dense + expert  # what the grad buffer and the optimizer hold
-            # the distributed optimizer shards dense state over DP, expert state over expert-DP
-            sharded = (dense // (self.dp * self.cp) + expert // self.edp if self.distributed_optimizer
-                       else numel)
-            self.rows["grads"] = numel * 4
-            self.rows["main_params"] = sharded * 4 if pbytes < 4 else 0
-            self.rows["optim"] = sharded * 8
+            self.rows.update(self.optimizer_rows(dense, expert, pbytes))
         return self
+
+    def optimizer_rows(self, dense: int, expert: int, pbytes: int) -> dict[str, int]:
+        """grads, main_params and optim of `dense` + `expert` trained elements (what the grad buffer and the
+        optimizer hold) with parameters of `pbytes` bytes: the distributed optimizer shards dense state over DP x CP,
+        expert state over expert-DP."""
+        numel = dense + expert
+        sharded = dense // (self.dp * self.cp) + expert // self.edp if self.distributed_optimizer else numel
+        return {"grads": numel * 4, "main_params": sharded * 4 if pbytes < 4 else 0, "optim": sharded * 8}
 
     @property
     def layout(self) -> str:
@@ -186,13 +185,14 @@ class MemoryPlan:
     def checkpoint_bytes(self) -> tuple[int, int]:
         """(synchronous, asynchronous) bytes a checkpoint save adds to a rank that writes (engine/checkpoints/): a
         synchronous save writes from the live tensors and gathers the distributed optimizer's state one chunk of
-        CHUNK_ELEMENTS fp32 at a time (x 2: the chunk and this rank's part of it, at most); an asynchronous one stages
-        the parameters and the optimizer's state it writes (fp32 main weights + two Adam moments: 1.5 x optim)."""
-        from tripod.engine.checkpoints.optimizer_state import CHUNK_ELEMENTS
+        OPTIMIZER_CHUNK_ELEMENTS fp32 at a time (x 2: the chunk and this rank's part of it, at most); an asynchronous
+        one stages the parameters and the optimizer's state it writes (fp32 main weights + two Adam moments: 1.5 x
+        optim)."""
+        from tripod.parallel.checkpoint import OPTIMIZER_CHUNK_ELEMENTS
 
         trainable = [m for m in self.models if m.trainable]
         staged = sum(m.rows["params"] + m.rows.get("optim", 0) * 3 // 2 for m in trainable)
-        return (2 * CHUNK_ELEMENTS * 4 if any(m.distributed_optimizer for m in trainable) else 0), staged
+        return (2 * OPTIMIZER_CHUNK_ELEMENTS * 4 if any(m.distributed_optimizer for m in trainable) else 0), staged
 
     def describe(self) -> str:
         mib = 1 << 20
@@ -238,7 +238,7 @@ def runtime_rss() -> int:
     import megatron.core.models.gpt  # noqa: F401
     import transformers  # noqa: F401
 
-    from tripod.engine.memory import rss_bytes
+    from tripod.runtime.memory import rss_bytes
     return rss_bytes()
 
 
@@ -287,8 +287,8 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
     """The memory plan of a (resolved) `TripodConfig` on `world_size` ranks (`critic_arch` / `reward_arch`: the
     critic's and the reward model's checkpoints where they differ from the actor's; `gpu_memory_gb`: the device
     memory SGLang's / vLLM's fraction is of, 80 GiB when None; `bucket_bytes`: the hybrid engine's bucket)."""
-    from tripod.engine.precision import resolve_precision, rollout_dtype
     from tripod.parallel.lora.merge import merge_peak_bytes
+    from tripod.parallel.precision import resolve_precision, rollout_dtype
 
     arc = cfg.actor_rollout_ref
     device = "cuda" if cfg.trainer.device == "cuda" else "cpu"
@@ -370,7 +370,7 @@ def rollout_ranks_plan(cfg, arch: ModelArch, bucket_bytes: int = 64 << 20,
                        gpu_memory_gb: float | None = None) -> RolloutRankMemory:
     """The memory of each of a config's own rollout ranks (`cfg.rollout`), see RolloutRankMemory (`gpu_memory_gb`:
     the device memory SGLang's / vLLM's fraction is of, 80 GiB when None)."""
-    from tripod.engine.precision import rollout_dtype
+    from tripod.parallel.precision import rollout_dtype
 
     r, device = cfg.actor_rollout_ref.rollout, "cuda" if cfg.trainer.device == "cuda" else "cpu"
     gdt = rollout_dtype(r.dtype, device)

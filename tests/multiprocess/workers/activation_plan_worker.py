@@ -4,7 +4,7 @@ really saves in a megatron training pass on CPU.
 argv: OUT_JSON NAME=HF_DIR ... For each model and each layout of the 2 ranks (PP2, 4 micro-batches under 1F1B; TP2
 with sequence parallelism, 2 micro-batches), the model is built as the trainer builds it (build_gpt_model, the output
 layer bypassed, tripod's log-prob kernel as the head), run forward + backward through parallel/pipeline.py, and the
-peak of the tensors saved for backward (tripod.engine.memory.SavedTensorBytes: unique storages, parameters and
+peak of the tensors saved for backward (tripod.runtime.memory.SavedTensorBytes: unique storages, parameters and
 buffers excluded) is taken on every rank. Rank 0 writes {name/layout: [max over ranks measured, planned,
 planned with one micro-batch in flight]} to OUT_JSON.
 """
@@ -22,7 +22,6 @@ LAYOUTS = {"pp2": dict(tp=1, pp=2, sequence_parallel=False, microbatches=4),
 
 
 def measure(hf_dir: str, tp: int, pp: int, sequence_parallel: bool, microbatches: int) -> tuple[int, int, int]:
-    from tripod.engine.memory import SavedTensorBytes
     from tripod.kernels import logprobs_from_hidden
     from tripod.parallel.activation_plan import ActivationLayout, activation_bytes
     from tripod.parallel.arch import arch_from_hf
@@ -30,6 +29,7 @@ def measure(hf_dir: str, tp: int, pp: int, sequence_parallel: bool, microbatches
     from tripod.parallel.megatron_patches.gpt_model import bypass_output_layer
     from tripod.parallel.model import build_gpt_model
     from tripod.parallel.pipeline import run_pipeline
+    from tripod.runtime.memory import SavedTensorBytes
 
     arch = arch_from_hf(hf_dir)
     layout = ParallelLayout(tp=tp, pp=pp, name="actor", arch=arch)

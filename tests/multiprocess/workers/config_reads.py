@@ -4,10 +4,10 @@
 
 The config is loaded and validated as `tripod train` does; then every config dataclass's attribute reads are
 recorded while the CLI's world-size and preflight code, `PPOTrainer(cfg)` and `fit()` run. A read counts only when
-the reading code is tripod's own (engine/, parallel/, kernels/) and not the config's loading or validation
-(engine/config*.py) or the pre-training checks (engine/preflight.py): a key only the validator or preflight looks
-at is not honoured. Reads by omegaconf or dataclasses (saving
-the resolved config) do not count either.
+the reading code is tripod's own (engine/, parallel/, runtime/, kernels/) and not the config's loading or validation
+(engine/config*.py) or the pre-training checks (engine/preflight.py): a key only the
+validator or preflight looks at is not honoured. Reads by omegaconf or dataclasses (saving the resolved config) do not
+count either.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import tests.helpers.dapo_reward  # noqa: E402,F401  (registers the dynamic-samp
 import tripod  # noqa: E402  (the package actually imported: src/tripod of this checkout under PYTHONPATH)
 
 PACKAGE = os.path.dirname(os.path.abspath(tripod.__file__))
-COUNTED = tuple(os.path.join(PACKAGE, d) + os.sep for d in ("engine", "parallel", "kernels"))
+COUNTED = tuple(os.path.join(PACKAGE, d) + os.sep for d in ("engine", "parallel", "runtime", "kernels"))
 # Loading, validating or pre-checking a key is not honouring it: preflight only checks that files exist, so a key
 # read only there would still do nothing in training. launch.check_world does count: the world size it computes from
 # trainer.nnodes x trainer.n_gpus_per_node is the number of ranks `tripod train` starts.

@@ -17,11 +17,11 @@ def main() -> None:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from tripod.engine.config import OptimConfig
-    from tripod.engine.precision import PrecisionSettings
     from tripod.engine.workers.ppo_workers import PolicyWorker
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.layout import ParallelLayout
     from tripod.parallel.megatron_patches.cpu_adam import torch_adams
+    from tripod.parallel.precision import PrecisionSettings
 
     hf_dir = sys.argv[1]
     arch = arch_from_hf(hf_dir)

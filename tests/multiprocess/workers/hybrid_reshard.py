@@ -82,8 +82,8 @@ def p2p_expected_bytes(plan, want, rank):
 
 
 def check(plan, full, tag, measure_memory):
-    from tripod.engine.memory import measure_peak_memory
     from tripod.parallel.hybrid_engine import MicroDPGather
+    from tripod.runtime.memory import measure_peak_memory
     rank = dist.get_rank()
     shard = train_shard_from_full(plan, full, rank)
     before = {n: t.clone() for n, t in shard.items()}

@@ -13,6 +13,7 @@ import torch
 
 
 def main() -> None:
+    import tests.multiprocess.workers.train_with_hooks  # noqa: F401  (plants $TRIPOD_TEST_PLANT, if set, in this rank)
     from tests.helpers.model_forward import forward_logits
     from tripod.engine.cli import main as tripod_main
     from tripod.parallel.arch import arch_from_hf

@@ -8,10 +8,10 @@ embedded engine's weight buffers:
   ((W.float() + local_delta_weight().float()).to(W.dtype) of every adapted weight, the merge as it was);
 - prints `LORA_SYNC <case> rank <r> merged_peak <b> delta_peak <b> largest <b> adapted <b>`: the most bytes of merged
   chunks and of deltas alive at once during the sync (MergeStats), this rank's largest adapted weight and all of them;
-- `PLANTED_EAGER rank <r> merged_peak <b>`: the same with TRIPOD_PLANT_LORA_EAGER_MERGE=1 (all merged up front);
+- `PLANTED_EAGER rank <r> merged_peak <b>`: the same with train_with_hooks.py's lora_eager_merge planted (all merged
+  up front);
 - the actor's parameters are bit-identical after every sync, and the engine's weights never share their storage.
 """
-import os
 import sys
 
 import torch
@@ -50,6 +50,7 @@ def report(label: str, stats, adapters) -> None:
 
 
 def main() -> None:
+    from tests.multiprocess.workers.train_with_hooks import plant, unplant
     from tripod.engine.rollout import make_rollout_engine
     from tripod.engine.rollout.weight_sync import WeightSync
     from tripod.parallel.arch import arch_from_hf
@@ -78,11 +79,11 @@ def main() -> None:
         check_equal(hybrid.to_rollout(model), want, label)
         report(label, hybrid.merge_stats, adapters)
         if dtype == torch.float32:
-            os.environ["TRIPOD_PLANT_LORA_EAGER_MERGE"] = "1"
+            plant("lora_eager_merge")
             try:
                 check_equal(hybrid.to_rollout(model), want, "planted eager merge")
             finally:
-                del os.environ["TRIPOD_PLANT_LORA_EAGER_MERGE"]
+                unplant()
             print(f"PLANTED_EAGER rank {dist.get_rank()} merged_peak {hybrid.merge_stats.merged_peak}", flush=True)
 
     # rollout TP == training TP, PP 1, same dtype: without LoRA the engine would read the parameters themselves

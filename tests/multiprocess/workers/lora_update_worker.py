@@ -21,12 +21,12 @@ def _buffer_params(worker) -> set:
 
 def main() -> None:
     from tripod.engine.config import OptimConfig
-    from tripod.engine.precision import PrecisionSettings
     from tripod.engine.workers.batch import build_ppo_batch
     from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.layout import ParallelLayout
     from tripod.parallel.lora import LoraSettings, adapters_disabled
+    from tripod.parallel.precision import PrecisionSettings
 
     hf_dir = sys.argv[1]
     arch = arch_from_hf(hf_dir)

@@ -1,4 +1,4 @@
-"""torchrun worker (1 rank): engine/offload.py's movers executed through its OffloadManager over two PPO steps, with
+"""torchrun worker (1 rank): runtime/offload.py's movers executed through its OffloadManager over two PPO steps, with
 every offload kind on, next to a twin worker that never offloads.
 
 argv: HF_DIR. Device: $TRIPOD_DEVICE (cpu unless set; scripts/gpu_check.py runs it with cuda, on NCCL).
@@ -48,7 +48,7 @@ PHASES = ["rollout", "old_log_prob", "ref", "values", "update_critic", "update_a
 
 
 def plant(bug: str) -> None:
-    from tripod.engine import offload
+    from tripod.runtime import offload
 
     if bug == "optim_skips_main":
         original = offload.optimizer_state_tensors
@@ -97,7 +97,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 class Kinds:
-    """The tensors of each kind of one worker, found here (not through engine/offload.py's lists). Built while
+    """The tensors of each kind of one worker, found here (not through runtime/offload.py's lists). Built while
     everything is on the device: the main weights are the optimizer's params that are not model storages."""
 
     def __init__(self, worker):
@@ -161,11 +161,11 @@ def compare(name: str, mine: list[torch.Tensor], twin: list[torch.Tensor], noise
 
 def run_case(name, hf_dir, arch, layout, batch, dtype, dist_opt, trainable, cuda) -> dict:
     from tripod.engine.config import ActorConfig, OptimConfig
-    from tripod.engine.offload import DEVICE, HOST, OffloadFlags, OffloadManager, worker_movers
-    from tripod.engine.precision import PrecisionSettings
     from tripod.engine.workers.ppo_workers import PolicyWorker
     from tripod.parallel.memory_phases import kind_bytes
     from tripod.parallel.memory_plan import ModelMemory
+    from tripod.parallel.precision import PrecisionSettings
+    from tripod.runtime.offload import DEVICE, HOST, OffloadFlags, OffloadManager, worker_movers
 
     def build():
         torch.manual_seed(0)
@@ -262,9 +262,9 @@ def padding(kinds: Kinds) -> int:
 
 
 def main() -> None:
-    from tripod.engine.device import current_device
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.layout import ParallelLayout
+    from tripod.runtime.device import current_device
 
     if os.environ.get("TRIPOD_TEST_OFFLOAD_PLANT"):
         plant(os.environ["TRIPOD_TEST_OFFLOAD_PLANT"])
@@ -297,7 +297,7 @@ def main() -> None:
 
 
 def run_on_cuda(fn) -> None:
-    from tripod.engine.device import process_group_backend, select_device
+    from tripod.runtime.device import process_group_backend, select_device
 
     device = select_device("cuda")
     dist.init_process_group(backend=process_group_backend(device))

@@ -42,11 +42,11 @@ def main() -> None:
 
     from tripod.engine.checkpoints.optimizer_state import OPTIM_METADATA, plan_optimizer_save
     from tripod.engine.config import OptimConfig
-    from tripod.engine.precision import PrecisionSettings
     from tripod.engine.workers.ppo_workers import PolicyWorker
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.checkpoint import sharded_model_state
     from tripod.parallel.layout import ParallelLayout
+    from tripod.parallel.precision import PrecisionSettings
 
     hf_dir, root = sys.argv[1], sys.argv[2]
     rank = dist.get_rank()

@@ -18,8 +18,8 @@ from tests.helpers.ppo_setup import random_ppo_batch
 
 def build(kind, hf_dir, arch, layout, dtype, dist_opt, critic=False):
     from tripod.engine.config import OptimConfig
-    from tripod.engine.precision import PrecisionSettings
     from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
+    from tripod.parallel.precision import PrecisionSettings
 
     cls = CriticWorker if critic else PolicyWorker
     return cls(kind, arch, layout, hf_dir, value_head=critic, optim=OptimConfig(lr=1e-4, weight_decay=0.0), grad_clip=1e9,
@@ -58,7 +58,7 @@ def run(hf_dir, arch, layout, batch, dtype, dist_opt):
                       clip_ratio_high=0.2)
     ccfg = CriticConfig(ppo_mini_batch_size=batch.size // 2, ppo_micro_batch_size_per_gpu=2, ppo_epochs=1,
                         use_dynamic_bsz=False)
-    from tripod.engine.memory import SavedTensorBytes
+    from tripod.runtime.memory import SavedTensorBytes
 
     exclude = {p.untyped_storage().data_ptr() for p in actor.module.parameters()} | {
         t.untyped_storage().data_ptr() for chunk in actor.model for b in chunk.buffers

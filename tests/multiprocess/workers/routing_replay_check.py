@@ -69,10 +69,11 @@ def forward(actor, batch, mode, micro=4):
 
 
 def check_layout(name, hf_dir, arch, batch, layout_kw, model, micro=4, **worker_kw):
+    from tests.multiprocess.workers.train_with_hooks import plant, unplant
     from tripod.engine.config import ActorConfig, OptimConfig
-    from tripod.engine.precision import PrecisionSettings
     from tripod.engine.workers.ppo_workers import PolicyWorker
     from tripod.parallel.layout import ParallelLayout
+    from tripod.parallel.precision import PrecisionSettings
     from tripod.parallel.router_replay import ROUTED_EXPERTS_KEY
 
     layout = ParallelLayout(name=name, arch=arch, **layout_kw)
@@ -107,9 +108,11 @@ def check_layout(name, hf_dir, arch, batch, layout_kw, model, micro=4, **worker_
     assert abs(m_r2["moe/routing_mismatch_frac"] - m_free["moe/routing_mismatch_frac"]) < 1e-12, (m_r2, m_free)
 
     # planted: layer i's ids replayed into layer i+1
-    actor.routing._shift = 1
-    logp_bad, m_bad = forward(actor, batch, "replay", micro)
-    actor.routing._shift = 0
+    plant("replay_layer_shift")
+    try:
+        logp_bad, m_bad = forward(actor, batch, "replay", micro)
+    finally:
+        unplant()
     say("planted_mismatch", m_bad["moe/routing_mismatch_frac"])
     say("planted_gap", gap(logp_bad, batch))
     assert m_bad["moe/routing_mismatch_frac"] > 0, f"{name}: the planted layer shift was not caught"

@@ -17,8 +17,8 @@ import torch
 def main(spec_path: str, raw_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tripod.engine.memory import GiB, peak_rss_bytes
     from tripod.engine.rewards import get_reward_fn
+    from tripod.runtime.memory import GiB, peak_rss_bytes
 
     with open(spec_path) as f:
         spec = json.load(f)

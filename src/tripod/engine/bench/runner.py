@@ -94,9 +94,9 @@ def _time_checkpoint(trainer, asynchronous: bool) -> dict[str, float]:
 
 
 def _bench(cfg, placement, steps: int, warmup: int, raw_path: str) -> None:
-    from tripod.engine.memory import peak_memory_gb
     from tripod.engine.throughput import active_matmul_params, measure_peak_flops
     from tripod.engine.trainer import PPOTrainer
+    from tripod.runtime.memory import peak_memory_gb
 
     t0 = time.perf_counter()
     trainer = PPOTrainer(cfg, placement)

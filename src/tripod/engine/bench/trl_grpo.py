@@ -2,7 +2,7 @@
 python of the separate TRL virtualenv (`python engine/bench/trl_grpo.py SPEC.json RAW.json`).
 
 It imports no tripod code except the reward rule (`tripod.engine.rewards`, pure python) and the memory reader
-(`tripod.engine.memory`), so it measures TRL itself.
+(`tripod.runtime.memory`), so it measures TRL itself.
 Per step it records the wall time of the optimizer step (callback on_step_begin -> on_step_end), the time spent
 in TRL's `_generate` ("gen"), `_calculate_rewards` ("reward"), the rest of `_prepare_inputs` (old log-probs when
 TRL needs them, advantages: "adv"), the forward+backward of the loss ("update_actor"; optimizer step in "other"),
@@ -28,8 +28,8 @@ def main(spec_path: str, raw_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from tripod.engine.memory import GiB, peak_rss_bytes
     from tripod.engine.rewards import get_reward_fn
+    from tripod.runtime.memory import GiB, peak_rss_bytes
 
     rows = [p for step in spec["prompts"] for p in step]
     data = Dataset.from_list([{"prompt": r["messages"], "ground_truth": r["ground_truth"],

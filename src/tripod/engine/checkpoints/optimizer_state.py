@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 KEYS = ("param", "exp_avg", "exp_avg_sq")
-CHUNK_ELEMENTS = 16 * 2 ** 20  # gathered at once (64 MiB of fp32); a larger parameter is a chunk of its own
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 _GROUPS: dict[tuple[int, ...], Any] = {}
 
@@ -134,10 +133,12 @@ class GatheredOptimizerState:
 
 
 def _chunks(param_ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Consecutive world ranges of whole parameters, each up to CHUNK_ELEMENTS (or one larger parameter)."""
+    """Consecutive world ranges of whole parameters, each up to OPTIMIZER_CHUNK_ELEMENTS (or one larger parameter)."""
+    from tripod.parallel.checkpoint import OPTIMIZER_CHUNK_ELEMENTS
+
     out: list[tuple[int, int]] = []
     for start, end in param_ranges:
-        if out and end - out[-1][0] <= CHUNK_ELEMENTS:
+        if out and end - out[-1][0] <= OPTIMIZER_CHUNK_ELEMENTS:
             out[-1] = (out[-1][0], max(out[-1][1], end))
         else:
             out.append((start, end))

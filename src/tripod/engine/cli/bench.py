@@ -107,14 +107,14 @@ def run_tripod_point(recipe: str, overrides: list[str], steps: int, warmup: int,
 
     from tripod.engine.bench.runner import bench_on_rank
     from tripod.engine.config import config_to_yaml
-    from tripod.engine.device import DEVICE_ENV
     from tripod.engine.launch import detect_launch, run_distributed
     from tripod.engine.preflight import prepare_train
+    from tripod.runtime.device import DEVICE_ENV
 
     run_dir = os.path.join(out_dir, "runs", label)
     cfg, world = prepare_train(recipe, [*overrides, *BENCH_OVERRIDES, f"trainer.total_training_steps={steps + warmup}",
                                         f"trainer.default_local_dir={run_dir}"], detect_launch())
-    os.environ[DEVICE_ENV] = cfg.trainer.device  # read by engine.device.select_device on every rank
+    os.environ[DEVICE_ENV] = cfg.trainer.device  # read by runtime.device.select_device on every rank
     raw_path = os.path.join(run_dir, "raw.json")
     if not from_raw:
         run_distributed(world, bench_on_rank, config_to_yaml(cfg), steps, warmup, raw_path)

@@ -82,9 +82,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"architecture: {source}")
     plan = reshard_plan_from_config(cfg, world, arch, bucket_bytes=int(args.bucket_mb * (1 << 20)))
     print(plan.describe(per_rank=args.per_rank))
-    from tripod.engine.offload import flags_of
     from tripod.parallel.memory_phases import describe_phases
     from tripod.parallel.memory_plan import plan_from_config
+    from tripod.runtime.offload import flags_of
 
     critic_arch = arch_from_hf(plan_model_config(cfg.critic.model.path, "critic.model.path")) \
         if cfg.uses_critic and cfg.critic.model.path else None

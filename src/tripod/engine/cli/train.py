@@ -48,9 +48,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def rank_environment(cfg) -> dict[str, str]:
     """What every rank's process environment must agree on before the process group starts: the device
-    (`trainer.device`, read by engine.device.select_device) and, for SGLang, the NCCL variables it would otherwise
+    (`trainer.device`, read by runtime.device.select_device) and, for SGLang, the NCCL variables it would otherwise
     rewrite only in the process that creates its engine."""
-    from tripod.engine.device import DEVICE_ENV
+    from tripod.runtime.device import DEVICE_ENV
 
     env = {DEVICE_ENV: cfg.trainer.device}
     if cfg.actor_rollout_ref.rollout.name == "sglang":

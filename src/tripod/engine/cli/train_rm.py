@@ -62,7 +62,7 @@ def prepare_train_rm(recipe: str | None, overrides: list[str], launch):
 
 def cmd_train_rm(args: argparse.Namespace) -> int:
     from tripod.engine.config import config_to_yaml
-    from tripod.engine.device import DEVICE_ENV
+    from tripod.runtime.device import DEVICE_ENV
 
     cfg, world = prepare_train_rm(args.config, args.overrides, detect_launch())
     os.environ[DEVICE_ENV] = cfg.trainer.device

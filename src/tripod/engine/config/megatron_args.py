@@ -96,7 +96,7 @@ class MegatronConfig:
     as the value head). verl: megatron.seed."""
     param_dtype: str = "fp32"
     """Dtype of the model's parameters: fp32 | bf16 | fp16. With bf16/fp16, megatron's optimizer keeps fp32 main
-    weights (and Adam states) and reduces gradients in fp32 (engine/precision.py)."""
+    weights (and Adam states) and reduces gradients in fp32 (parallel/precision.py)."""
     use_distributed_optimizer: Optional[bool] = None
     """Shard fp32 main weights and Adam states over DP (megatron's DistributedOptimizer, ZeRO-1).
     null = auto: on when the model's data-parallel size (x context_parallel_size) is > 1 and its optim.optimizer is adam (megatron's
@@ -112,7 +112,7 @@ class MegatronConfig:
     """With recompute_granularity=full: layers per recomputed group (uniform) or recomputed layers per stage
     (block); null = 1."""
     param_offload: bool = False
-    """Move this model's parameters to host memory between the phases that use them (engine/offload.py: the actor's
+    """Move this model's parameters to host memory between the phases that use them (runtime/offload.py: the actor's
     are on the device for the rollout, its log-probs and its update; the critic's for its values and update; the
     reference's for its log-probs), with or without the distributed optimizer. CUDA only: refused on CPU runs, where
     they already live in host memory.

@@ -63,10 +63,10 @@ class RewardModelTrainer(SupervisedLoop):
         from transformers import AutoTokenizer
 
         from tripod.engine.checkpoints import CheckpointManager
-        from tripod.engine.precision import resolve_precision
         from tripod.engine.workers.model_options import layout_of
         from tripod.engine.workers.moe_config import moe_config_overrides
         from tripod.parallel.arch import arch_from_hf, with_score_head
+        from tripod.parallel.precision import resolve_precision
 
         self.cfg, self.rank, self.world = cfg, dist.get_rank(), dist.get_world_size()
         path, d, m = cfg.model.path, cfg.data, cfg.megatron

@@ -141,7 +141,7 @@ def placement(tp_size: int, on_cuda: bool, world_size: int, rank: int, device_in
     the visible ordinal LOCAL_RANK (platforms/interface.py, logical_device_id_to_visible_device_id). So: the
     external launcher at TP > 1 (every rank one engine, vLLM's TP groups of consecutive ranks), and at TP 1 on CUDA
     whenever the world has several ranks or this rank's device is not cuda:0, with LOCAL_RANK = this rank's CUDA
-    device (`device_index`, what engine/device.py set) and RANK = its world rank where the environment says
+    device (`device_index`, what runtime/device.py set) and RANK = its world rank where the environment says
     otherwise. CPU at TP 1: the uni-process executor (no device index to choose)."""
     kwargs: dict[str, Any] = {}
     overrides: dict[str, str] = {}

@@ -102,7 +102,7 @@ class SFTConfig:
 
     def check(self, world_size: int) -> None:
         """Raise one ConfigError listing every problem of this config for a `world_size`-rank run."""
-        from tripod.engine.precision import DTYPES
+        from tripod.parallel.precision import DTYPES
 
         e = self.data.check() + self.optim.check("optim") + self.megatron.check("megatron")
         t, m, d = self.trainer, self.megatron, self.data

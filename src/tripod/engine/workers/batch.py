@@ -82,7 +82,7 @@ class PPOBatch:
     def recomputed_old_log_probs(self) -> bool:
         """Whether these rows carry old log-probs: recomputed by the trainer, or the rollout's under
         algorithm.rollout_correction.bypass_mode. The trainer skips the recompute when the actor update is exactly
-        on-policy (`PPOTrainer.on_policy_update`); the update then takes its own forward's, detached."""
+        on-policy (engine/step_plan.py, old_log_probs="update"); the update then takes its own forward's, detached."""
         return "old_log_probs" in self.tensors
 
     def __getitem__(self, key: str) -> torch.Tensor:
@@ -103,7 +103,7 @@ class PPOBatch:
         return PPOBatch({k: v[idx] for k, v in self.tensors.items()}, meta)
 
     def to(self, device: torch.device | str) -> "PPOBatch":
-        """The batch with every tensor on `device` (the device engine/device.py chose)."""
+        """The batch with every tensor on `device` (the device runtime/device.py chose)."""
         return PPOBatch({k: v.to(device, non_blocking=True) for k, v in self.tensors.items()}, self.meta,
                         shard=self.shard)
 
@@ -139,7 +139,7 @@ def build_ppo_batch(prompts: list[list[int]], responses: list[list[int]], respon
     go to meta["finish_reasons"]. `seq_len`: pad the rows to at least this many columns (a sharded batch keeps the
     whole batch's width, so its rows are laid out as in the whole batch). `response_masks[i]` ([len(responses[i])],
     multi-turn rows): row i's response mask, 0 on the tool and user tokens inside the response (every consumer reads
-    the mask; the layout's response length is `response_span`)."""
+    the mask; the layout's response length is parallel/response_span.py's)."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     if rollout_log_probs is not None and len(rollout_log_probs) != len(responses):
@@ -170,15 +170,6 @@ def build_ppo_batch(prompts: list[list[int]], responses: list[list[int]], respon
         tensors["rollout_log_probs"] = logp
     meta = {"finish_reasons": list(finish_reasons)} if finish_reasons is not None else {}
     return PPOBatch(tensors, meta)
-
-
-def response_span(response_mask: torch.Tensor) -> torch.Tensor:
-    """[N] int64: each row's response tokens up to its last counted one (its mask's sum when the counted tokens are
-    contiguous from the start; a multi-turn row's mask has holes, and tokens after its last counted one, a tool turn
-    the budget cut, predict nothing trained). What a packed layout lays out of each response."""
-    counted = response_mask > 0
-    last = counted.shape[-1] - counted.flip(-1).to(torch.int8).argmax(-1)
-    return torch.where(counted.any(-1), last, torch.zeros_like(last)).long()
 
 
 def split_rows(n: int, parts: int) -> list[slice]:

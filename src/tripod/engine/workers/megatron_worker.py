@@ -29,8 +29,6 @@ import torch
 import torch.distributed as dist
 
 from tripod.engine.config import OptimConfig
-from tripod.engine.device import current_device, to_device, trim_host_heap
-from tripod.engine.precision import PrecisionSettings
 from tripod.engine.workers.batch import PPOBatch, split_rows
 from tripod.engine.workers.lr_schedule import build_lr_scheduler
 from tripod.engine.workers.moe_config import MOE_AUX_LOSS_NAMES
@@ -43,6 +41,8 @@ from tripod.parallel.megatron_patches.gpt_model import (
     cast_floating_params,
     rope_with_slot_positions,
 )
+from tripod.parallel.precision import PrecisionSettings
+from tripod.runtime.device import current_device, to_device, trim_host_heap
 
 
 def _unwrap(model):
@@ -79,7 +79,7 @@ class MegatronWorker:
         self.name, self.arch, self.layout = name, arch, layout
         self.value_head, self.trainable = value_head, trainable
         self.precision = precision or PrecisionSettings()
-        self.device = current_device()  # engine/device.py decides; megatron allocates on the current device
+        self.device = current_device()  # runtime/device.py decides; megatron allocates on the current device
         # one GPTModel per virtual pipeline stage; `module` is the last one (it holds the output layer)
         if routing_replay and arch.moe is not None:
             config_overrides = {**(config_overrides or {}), "moe_enable_routing_replay": True}
@@ -124,12 +124,12 @@ class MegatronWorker:
         self._device = next(model.parameters()).device
         if self._device.type != self.device.type:
             raise RuntimeError(f"{name}: megatron built the model on {self._device}, the chosen device is "
-                               f"{self.device} (engine/device.py)")
+                               f"{self.device} (runtime/device.py)")
         trim_host_heap(self.device)  # the HF load's transients
 
     def _move_params(self, device: torch.device) -> None:
         """Every parameter's data to `device` (pinned on the host when CUDA is there): the reward model's move
-        between scorings (engine/workers/reward_model.py; the PPO phases' moves are engine/offload.py's)."""
+        between scorings (engine/workers/reward_model.py; the PPO phases' moves are runtime/offload.py's)."""
         for p in (p for chunk in self.chunks for p in chunk.parameters()):
             if p.device != device:
                 p.data = p.data.to(device, non_blocking=True).pin_memory() if device.type == "cpu" and \

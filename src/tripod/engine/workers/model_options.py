@@ -2,10 +2,10 @@
 section. Shared by the PPO trainer (actor, critic, reference, reward model) and `tripod train-rm`."""
 from __future__ import annotations
 
-from tripod.engine.precision import resolve_precision
 from tripod.engine.workers.lora_options import lora_settings, reference_pass  # noqa: F401 (reference_pass re-exported)
 from tripod.engine.workers.moe_config import moe_config_overrides
 from tripod.parallel.layout import ParallelLayout
+from tripod.parallel.precision import resolve_precision
 
 
 def layout_of(m, name: str, arch) -> ParallelLayout:

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tripod.engine.workers.batch import PPOBatch, response_span
+from tripod.engine.workers.batch import PPOBatch
+from tripod.parallel.response_span import response_span
 
 
 @dataclass

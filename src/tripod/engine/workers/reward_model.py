@@ -46,7 +46,7 @@ class RewardModelWorker(MegatronWorker):
     @contextlib.contextmanager
     def resident(self):
         """Parameters on the compute device while it scores, on the host between scorings with `offload` (the
-        reward model sits outside the PPO phases that engine/offload.py moves)."""
+        reward model sits outside the PPO phases that runtime/offload.py moves)."""
         if self.offload:
             self._move_params(self._device)
         try:

@@ -431,7 +431,7 @@ def reshard_plan_from_config(cfg, world_size: int, arch: ModelArch, *, bucket_by
     """The plan of a resolved `TripodConfig` on `world_size` ranks (`tripod plan`, the bench's prediction): the
     actor's TP / PP / virtual stages / EP / ETP, DP = world / (TP*PP), the rollout TP, the rollout dtype and the
     rollout groups' order (locality for the embedded engine, rank order for vLLM / SGLang)."""
-    from tripod.engine.precision import rollout_dtype
+    from tripod.parallel.precision import rollout_dtype
 
     m, r = cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.rollout
     return build_reshard_plan(arch, m.tensor_model_parallel_size, m.pipeline_model_parallel_size,

@@ -37,8 +37,8 @@ def saved_lora(meta: dict[str, Any]) -> dict[str, Any] | None:
 
 def attach_saved_adapters(chunks: list[torch.nn.Module], arch, saved: dict[str, Any]) -> list[LoraAdapter]:
     """Adapters like the saved ones on a freshly built model, before its checkpoint is loaded (which fills them)."""
-    alpha = float(saved["alpha"]) * float(os.environ.get("TRIPOD_PLANT_LORA_EXPORT_ALPHA", "1"))  # planted bug hook
-    return apply_lora(chunks, arch, LoraSettings(rank=int(saved["rank"]), alpha=alpha, dropout=float(saved["dropout"]),
+    return apply_lora(chunks, arch, LoraSettings(rank=int(saved["rank"]), alpha=float(saved["alpha"]),
+                                                 dropout=float(saved["dropout"]),
                                                  target_modules=list(saved["target_modules"]),
                                                  exclude_modules=list(saved["exclude_modules"]),
                                                  key="checkpoint lora"))

@@ -20,7 +20,6 @@ cuBLAS choose kernels by shape), and the merged values must not depend on the bu
 """
 from __future__ import annotations
 
-import os
 import weakref
 from dataclasses import dataclass
 
@@ -128,6 +127,4 @@ def merged_shard(model, shard: dict[str, torch.Tensor], names_of: dict[int, str]
         name = names_of.get(id(adapter.base_weight[0]))
         if name in shard:
             shard[name] = MergedWeight(shard[name], adapter, cache, chunk_numel(bucket_bytes))
-    if os.environ.get("TRIPOD_PLANT_LORA_EAGER_MERGE"):  # planted bug hook: every adapted weight merged up front
-        shard = {n: v[:] if isinstance(v, MergedWeight) else v for n, v in shard.items()}
     return shard

@@ -30,7 +30,7 @@ no-op on a GPU machine). Each shim is listed below with the megatron call sites 
                    already save / restore it (and the tracker's states), so the CUDA half becomes a
                    copy of the CPU state on read and a no-op on write.
 
-Trace mode (`apply_cpu_compat(trace=True)` or env TRIPOD_CPU_COMPAT_TRACE=1) records, for every shim
+Trace mode (`apply_cpu_compat(trace=True)`, also after the shims are in) records, for every shim
 hit, the innermost megatron frame (file, function, line): `traced_call_sites()`. The canary test
 (tests/multiprocess/test_cpu_compat.py) runs TP2xPP2 (+SP, +DistOpt) train steps under the trace and fails on a
 (shim, file, function) not in `ALLOWED_CALL_SITES`, so a megatron upgrade that adds a CUDA
@@ -274,15 +274,13 @@ def _allow_sequence_parallel_torch_norm() -> None:
     torch_norm.WrappedTorchNorm._tripod_sp = True
 
 
-def apply_cpu_compat(trace: bool | None = None, force: bool = False) -> bool:
+def apply_cpu_compat(trace: bool = False, force: bool = False) -> bool:
     """Install the CPU shims (idempotent). Returns True when they are active, False on a CUDA machine
     (unless `force`: a CPU run chosen by trainer.device=cpu on a machine that has GPUs).
 
-    `trace=True` (or TRIPOD_CPU_COMPAT_TRACE=1) records each megatron call site a shim catches.
+    `trace=True` records each megatron call site a shim catches from then on.
     """
     global _applied, _trace_on
-    if trace is None:
-        trace = os.environ.get("TRIPOD_CPU_COMPAT_TRACE") == "1"
     if torch.cuda.is_available() and not force:
         return False
     _trace_on = _trace_on or trace

@@ -115,7 +115,7 @@ def measure_peak_memory(device: torch.device | str = "cpu") -> Iterator[PeakMemo
         torch.cuda.synchronize()
         m.peak_bytes = torch.cuda.max_memory_allocated()
         return
-    from tripod.engine.device import release_free_heap
+    from tripod.runtime.device import release_free_heap
 
     release_free_heap()  # freed pages back to the OS first, so that reusing them later still shows up as growth
     reset_peak_rss()
