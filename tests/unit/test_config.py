@@ -155,7 +155,7 @@ def test_a_valid_config_passes(run_files):
     (["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=0"], 4,
      "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=0 must be >= 1"),
     (["algorithm.rollout_correction.rollout_is=tokens"], 4,
-     "algorithm.rollout_correction.rollout_is='tokens' is not one of ['token', 'sequence', None]"),
+     "algorithm.rollout_correction.rollout_is='tokens' is not one of ['token', 'sequence', 'auto', None]"),
     (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=0"], 4,
      "algorithm.rollout_correction.rollout_is_threshold=0.0 must be > 0"),
     (["algorithm.rollout_correction.rollout_rs=seq_mean_k3"], 4,

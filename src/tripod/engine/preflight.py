@@ -26,6 +26,9 @@ def prepare_train(recipe: str, overrides: list[str], launch: Launch):
     validate_config(cfg, world - cfg.rollout.ranks)
     preflight(cfg, world - cfg.rollout.ranks)
     resolve_threads(cfg, launch.nproc_per_node if launch.kind != "local" else world, announce=launch.rank == 0)
+    note = cfg.rollout_correction_note()  # stale batches without rollout correction, set so on purpose
+    if note and launch.rank == 0:
+        print(note, flush=True)
     return cfg, world
 
 

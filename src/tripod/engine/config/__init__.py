@@ -13,6 +13,10 @@ recipe. Loading is three layers, later wins:
     2. a YAML recipe (only the keys it changes; see recipes/defaults.yaml for every key),
     3. `key=value` command-line overrides in omegaconf dot-list syntax (`data.train_batch_size=64`).
 
+One default depends on other sections and is resolved when a `TripodConfig` is built (`__post_init__`):
+`algorithm.rollout_correction.rollout_is: auto` becomes token or null (`RolloutCorrectionConfig.resolve`,
+`TripodConfig.stale_batches`), so the engine and the run's saved config.yaml never hold "auto".
+
 Every field carries an attribute docstring (the string literal right below it): meaning, unit, and the verl /
 Megatron-LM name it mirrors. `scripts/gen_config_docs.py` turns them into docs/config.md (a test keeps it in sync);
 `python -m tripod.engine.config > recipes/defaults.yaml` (__main__.py) writes every key with its default.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Optional
 
 from tripod.engine.config.algorithm import (  # noqa: F401 (re-exported: the schema is importable from here)
     REWARD_COMBINE,
@@ -99,6 +104,36 @@ class TripodConfig:
     """The rollout's own ranks (asynchronous training); unset: colocated with the trainer."""
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     """Staleness bounds of asynchronous training (read only with rollout on its own ranks)."""
+
+    def __post_init__(self) -> None:
+        # resolved once, wherever a TripodConfig is built (load_config, a rank's config from YAML): the engine reads
+        # algorithm.rollout_correction.rollout_is as token / sequence / null, never "auto"
+        self.algorithm.rollout_correction.resolve(self.stale_batches)
+
+    @property
+    def stale_batches(self) -> bool:
+        """Whether a trained sample can come from older weights than the trainer's: the rollout on its own ranks with
+        async_training's bound allowing an age above 0 (async_training.max_age), or partial rollouts (a weight
+        version may land between two tokens). The rollout's log-probs are then the behaviour policy."""
+        a = self.async_training
+        return self.separate_rollout and (a.max_age > 0 or a.partial_rollout)
+
+    def rollout_correction_note(self) -> Optional[str]:
+        """The one line `tripod train` prints at start (rank 0) when the batches can be stale and rollout_is was set to
+        null on purpose (without bypass_mode); else None."""
+        rc, a = self.algorithm.rollout_correction, self.async_training
+        if not self.stale_batches or rc.rollout_is is not None or rc.bypass_mode:
+            return None
+        why = (f"samples up to {a.max_age} optimizer step(s) old" if a.max_age > 0 else "") + \
+              (" and " if a.max_age > 0 and a.partial_rollout else "") + \
+              ("partial rollouts" if a.partial_rollout else "")
+        left = "nothing corrects for it" if rc.rollout_rs is None else \
+            f"rollout_rs={rc.rollout_rs} only drops sequences, it reweights none"
+        return (f"algorithm.rollout_correction.rollout_is=null with stale batches ({why}): the update is on-policy in "
+                "name only: PPO's ratio is taken against the recomputed old log-probs (the trainer's weights), not "
+                f"the behaviour policy that generated the samples, and {left}; set "
+                "algorithm.rollout_correction.rollout_is=auto (or token) to weight each token by "
+                f"min(pi_old / pi_rollout, {rc.rollout_is_threshold:g}) (decoupled PPO, docs/async.md)")
 
     @property
     def uses_critic(self) -> bool:

@@ -55,16 +55,27 @@ class FilterGroupsConfig:
         return _choice(f"{key}.metric", self.metric, FILTER_METRICS) if self.enable else []
 
 
+ROLLOUT_IS_AUTO = "auto"  # algorithm.rollout_correction.rollout_is's default: token with stale batches, else null
+
+
 @dataclass
 class RolloutCorrectionConfig:
     """The train / rollout mismatch (engine/algorithms/rollout_correction.py; verl's algorithm.rollout_correction,
     decoupled mode): each sample's rollout log-probs are kept in the PPO batch beside the recomputed old ones, and
     every step logs rollout_corr/* under verl's names (the gap, the IS weights before truncation, the rejected
-    shares). All off by default; docs/config.md says where tripod differs from verl."""
-    rollout_is: Optional[str] = None
+    shares). Off by default, except token-level IS when the batches can be stale (rollout_is: auto);
+    docs/config.md says where tripod differs from verl."""
+    rollout_is: Optional[str] = ROLLOUT_IS_AUTO
     """Truncated importance sampling of the policy loss: token (weight min(pi_old / pi_rollout, threshold) per
-    token), sequence (min(product of the sequence's ratios, threshold) for all its tokens) or null (off). The weight
-    is detached and multiplies the per-token PG loss. verl: algorithm.rollout_correction.rollout_is."""
+    token), sequence (min(product of the sequence's ratios, threshold) for all its tokens), null (off) or auto. The
+    weight is detached and multiplies the per-token PG loss. auto is resolved once, when the config is loaded (the
+    run's config.yaml records the result): token when the batches can be stale (the rollout on its own ranks with
+    async_training's bound allowing a sample older than the trainer's weights, i.e. floor((1 + staleness_threshold)
+    x trigger_parameter_sync_step) > 1, or partial_rollout) and bypass_mode is off, else null. Stale, the rollout's
+    log-probs are the behaviour policy and the recomputed old log-probs the proximal one: token TIS between them is
+    decoupled PPO (docs/async.md). An explicit null with stale batches is allowed and prints one line at start: the
+    update is then on-policy in name only. verl: algorithm.rollout_correction.rollout_is, default null (no
+    correction; sequence once its section is given); tripod: auto."""
     rollout_is_threshold: float = 2.0
     """Upper bound the IS weights are clamped at (TIS); must be > 0. verl: same name (tripod takes a number only,
     not verl's "lower_upper" IcePop string)."""
@@ -80,18 +91,28 @@ class RolloutCorrectionConfig:
     pi_theta / pi_rollout and carries the correction itself). Refused with rollout_is / rollout_rs, which need the
     recompute. verl: algorithm.rollout_correction.bypass_mode (its ppo_clip loss_type)."""
 
+    def resolve(self, stale_batches: bool) -> None:
+        """Replace rollout_is=auto by what it stands for (see the field): token when `stale_batches`
+        (TripodConfig.stale_batches) and bypass_mode is off, else null. Explicit values are kept. TripodConfig calls
+        this when it is built, so the engine never sees "auto"."""
+        if self.rollout_is == ROLLOUT_IS_AUTO:
+            self.rollout_is = "token" if stale_batches and not self.bypass_mode else None
+
     @property
     def active(self) -> bool:
         """True when the policy loss is corrected (IS weights or rejection), which needs the recomputed old
-        log-probs every step."""
+        log-probs every step. Only of a resolved section (`resolve`)."""
+        if self.rollout_is == ROLLOUT_IS_AUTO:
+            raise RuntimeError("algorithm.rollout_correction.rollout_is=auto was not resolved: TripodConfig resolves "
+                               "it when it is built (RolloutCorrectionConfig.resolve)")
         return self.rollout_is is not None or self.rollout_rs is not None
 
     def check(self, key: str = "algorithm.rollout_correction") -> list[str]:
         from tripod.engine.algorithms.rollout_correction import ROLLOUT_IS_LEVELS, ROLLOUT_RS_MODES
 
-        e = _choice(f"{key}.rollout_is", self.rollout_is, (*ROLLOUT_IS_LEVELS, None))
+        e = _choice(f"{key}.rollout_is", self.rollout_is, (*ROLLOUT_IS_LEVELS, ROLLOUT_IS_AUTO, None))
         e += _choice(f"{key}.rollout_rs", self.rollout_rs, (*ROLLOUT_RS_MODES, None))
-        if self.rollout_is is not None and not self.rollout_is_threshold > 0:
+        if self.rollout_is not in (None, ROLLOUT_IS_AUTO) and not self.rollout_is_threshold > 0:
             e.append(f"{key}.rollout_is_threshold={self.rollout_is_threshold} must be > 0 (the bound the IS weights "
                      "are clamped at; verl's default is 2.0)")
         rs_threshold = self.rollout_rs_threshold
@@ -104,9 +125,10 @@ class RolloutCorrectionConfig:
         elif self.rollout_rs is not None and not rs_threshold > 0:
             e.append(f"{key}.rollout_rs_threshold={rs_threshold} must be > 0 (the largest mean k3 divergence kept); "
                      "e.g. 0.01")
-        if self.bypass_mode and self.active:
-            which = " and ".join(f"{key}.{k}={v}" for k, v in (("rollout_is", self.rollout_is),
-                                                                ("rollout_rs", self.rollout_rs)) if v is not None)
+        explicit = [(k, v) for k, v in (("rollout_is", self.rollout_is), ("rollout_rs", self.rollout_rs))
+                    if v not in (None, ROLLOUT_IS_AUTO)]  # auto resolves to null under bypass_mode
+        if self.bypass_mode and explicit:
+            which = " and ".join(f"{key}.{k}={v}" for k, v in explicit)
             e.append(f"{key}.bypass_mode=true skips the old-log-prob recompute that {which} needs (old = rollout "
                      f"makes every ratio 1); set {key}.bypass_mode=false or drop the estimator (null)")
         return e
@@ -132,29 +154,31 @@ class AlgorithmConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """Dynamic sampling (DAPO; off by default)."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
-    """Train / rollout mismatch: correction and rollout_corr/* metrics (engine/algorithms/rollout_correction.py; off
-    by default). Follows verl's decoupled mode: its key names; the IS weight exp(old - rollout) per token or
-    exp(sum over the sequence) per sequence, clamped at rollout_is_threshold and detached, multiplying the per-token PG
-    loss; rejected sequences leaving the response mask before the advantages; verl's kl and k3_kl metric names.
-    Rejected sequences keep their real scores in their groups' statistics (GRPO, RLOO, REINFORCE++-baseline) and get
-    no advantage; a step that rejects every sequence logs its metrics and goes on. rollout_corr/* every step the
-    rollout returns log-probs, with verl's names and formulas: training_ppl, rollout_ppl, log_ppl_diff, kl, k3_kl,
-    chi2_token, chi2_seq; with rollout_is rollout_is_mean / max / min (weights before truncation), rollout_is_std
-    (of the weights clamped to [1/threshold, threshold]) and rollout_is_ratio_fraction_high / low; with rollout_rs
-    rollout_rs_masked_fraction (of the response tokens) and rollout_rs_seq_masked_fraction (of every sequence).
-    Differs: thresholds are numbers (no "lower_upper" IcePop strings, no rollout_is_batch_normalize); rollout_rs is
-    one of seq_mean_k1 / seq_mean_k3 (not a comma list of verl's twelve modes), so verl's per-mode
-    rollout_rs_<mode>_* metrics are not logged, nor verl's ESS, seq_* breakdowns, training_log_ppl,
-    rollout_log_ppl, log_ppl_abs_diff, log_ppl_diff_max / min and ppl_ratio (the gap is in the names above);
-    bypass_mode is verl's ppo_clip loss_type only (no reinforce) and is refused with rollout_is / rollout_rs (verl
-    recomputes those inside the loss against pi_theta); verl's rollout_is defaults to sequence once the section is
-    given, tripod's to null. Without a recompute (an exactly on-policy step, bypass_mode) the gap is measured on the
-    actor update's first mini-batch forward (the step's starting weights; verl logs it against pi_theta on every
-    micro-batch of the update, mixing in the update's own drift), and not at all while the actor sits out
-    trainer.critic_warmup. k3_kl clamps the log-ratio to +-20 before exp as the other estimators do (verl's does not:
-    it overflows instead). A step that rejects every sequence skips the actor and critic updates (verl runs the
-    optimizer on an all-zero mask, where Adam's moments and weight decay still move the weights). Added by tripod:
-    rollout_corr/abs_diff_max and abs_diff_mean (|old - rollout| per token: the largest and the typical gap)."""
+    """Train / rollout mismatch: correction and rollout_corr/* metrics (engine/algorithms/rollout_correction.py; off by
+    default, except token-level TIS when the batches can be stale: rollout_is auto). Follows verl's decoupled mode: its
+    key names; the IS weight exp(old - rollout) per token or exp(sum over the sequence) per sequence, clamped at
+    rollout_is_threshold and detached, multiplying the per-token PG loss; rejected sequences leaving the response mask
+    before the advantages; verl's kl and k3_kl metric names. Rejected sequences keep their real scores in their groups'
+    statistics (GRPO, RLOO, REINFORCE++-baseline) and get no advantage; a step that rejects every sequence logs its
+    metrics and goes on. rollout_corr/* every step the rollout returns log-probs, with verl's names and formulas:
+    training_ppl, rollout_ppl, log_ppl_diff, kl, k3_kl, chi2_token, chi2_seq; with rollout_is rollout_is_mean / max /
+    min (weights before truncation), rollout_is_std (of the weights clamped to [1/threshold, threshold]) and
+    rollout_is_ratio_fraction_high / low; with rollout_rs rollout_rs_masked_fraction (of the response tokens) and
+    rollout_rs_seq_masked_fraction (of every sequence). Differs: thresholds are numbers (no "lower_upper" IcePop
+    strings, no rollout_is_batch_normalize); rollout_rs is one of seq_mean_k1 / seq_mean_k3 (not a comma list of verl's
+    twelve modes), so verl's per-mode rollout_rs_<mode>_* metrics are not logged, nor verl's ESS, seq_* breakdowns,
+    training_log_ppl, rollout_log_ppl, log_ppl_abs_diff, log_ppl_diff_max / min and ppl_ratio (the gap is in the names
+    above); bypass_mode is verl's ppo_clip loss_type only (no reinforce) and is refused with rollout_is / rollout_rs
+    (verl recomputes those inside the loss against pi_theta); verl corrects nothing by default (and its rollout_is
+    defaults to sequence once the section is given), tripod's rollout_is is auto: token with stale batches (the rollout
+    on its own ranks allowed samples older than the trainer's weights, or partial rollouts) unless bypass_mode, else
+    null. Without a recompute (an exactly on-policy step, bypass_mode) the gap is measured on the actor update's first
+    mini-batch forward (the step's starting weights; verl logs it against pi_theta on every micro-batch of the update,
+    mixing in the update's own drift), and not at all while the actor sits out trainer.critic_warmup. k3_kl clamps the
+    log-ratio to +-20 before exp as the other estimators do (verl's does not: it overflows instead). A step that rejects
+    every sequence skips the actor and critic updates (verl runs the optimizer on an all-zero mask, where Adam's moments
+    and weight decay still move the weights). Added by tripod: rollout_corr/abs_diff_max and abs_diff_mean (|old -
+    rollout| per token: the largest and the typical gap)."""
 
     def check(self, key: str = "algorithm") -> list[str]:
         from tripod.engine.algorithms import list_adv_estimators, list_kl_kinds

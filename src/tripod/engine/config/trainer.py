@@ -107,7 +107,7 @@ class TrainerConfig:
     and sample draws from a seed of its own: engine/rollout/factory.py's replica_seed). verl:
     actor_rollout_ref.rollout.seed."""
     device: str = "cpu"
-    """cpu | cuda. Chosen once per rank by engine/device.py (cuda: cuda:LOCAL_RANK, set as the current device);
+    """cpu | cuda. Chosen once per rank by runtime/device.py (cuda: cuda:LOCAL_RANK, set as the current device);
     models, batches, masks, the rollout engine and the kernels all follow it."""
     threads_per_rank: int = 0
     """torch intra-op threads of each rank. 0 (auto): OMP_NUM_THREADS when set, else SLURM_CPUS_PER_TASK in a SLURM
@@ -211,6 +211,18 @@ class AsyncTrainingConfig:
     it arrives (at a batch's start and between two tokens), the live sequences' KV cache is recomputed under the new
     weights, and each row records the token where its version changed. Runs then depend on timing. Embedded engine,
     without dynamic sampling. verl: async_training.partial_rollout."""
+
+    @property
+    def max_age(self) -> int:
+        """The largest age of a trained sample in optimizer steps with the rollout on its own ranks, without partial
+        rollouts (engine/async_rollout/schedule.py: floor((1 + staleness_threshold) x trigger_parameter_sync_step)
+        - 1); 0 for values `check` refuses."""
+        from tripod.engine.async_rollout.schedule import StalenessSchedule
+
+        try:
+            return StalenessSchedule(self.staleness_threshold, self.trigger_parameter_sync_step, 0).max_age
+        except ValueError:  # refused by check()
+            return 0
 
     def check(self, key: str = "async_training") -> list[str]:
         e = []
