@@ -19,6 +19,14 @@ truncated to max_tool_response_length characters by the tool runner.
 
 On a rollout replica of several TP ranks every rank runs the loop (generation is collective) but only the group's
 first rank runs tools and interactions and renders the suffixes; `share` hands its per-turn results to the others.
+
+MoE routing replay (R3): when the engine's outputs carry `routed_experts` (it records routing), each trajectory's
+`routed_experts` is the row's record, [prompt + response tokens, MoE layers, k] as a single-turn row's, joined from
+its turns by engine/rollout/routing_record.py's `join_turn`: every position takes the record of the generate call
+that first fed it (a model token but a turn's last: its own turn's decode step; a turn's last model token and the
+tool / user tokens after it: the next turn's prefill), the row's last token none. A turn's context is always the
+previous context plus the new tokens (earlier tokens are kept as generated, non-append-only templates included:
+engine/agent/chat_suffix.py), so the positions line up.
 """
 from __future__ import annotations
 
@@ -27,9 +35,12 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+import torch
+
 from tripod.engine.agent.chat_suffix import ChatSuffix
 from tripod.engine.agent.hermes import parse_tool_calls
 from tripod.engine.rollout.base import FINISH_LENGTH, FINISH_STOP, RolloutOutput, SamplingParams
+from tripod.engine.rollout.routing_record import join_turn
 
 MODEL, TOOL, USER = 1, 2, 3  # per-token codes; response_mask = (code == MODEL)
 ROLE_OF = {MODEL: "assistant", TOOL: "tool", USER: "user"}
@@ -37,7 +48,7 @@ ROLE_OF = {MODEL: "assistant", TOOL: "tool", USER: "user"}
 
 @dataclass
 class Trajectory:
-    """One row: everything after the prompt."""
+    """One row: everything after the prompt (its routing record: the prompt's too)."""
     response: list[int] = field(default_factory=list)
     codes: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
@@ -55,6 +66,8 @@ class Trajectory:
     tool_rewards: list[float] = field(default_factory=list)  # each tool call's step reward, in order (verl's name)
     turn_scores: list[float] = field(default_factory=list)  # each interaction reply's turn score (verl's name)
     reward_scores: dict[str, float] = field(default_factory=dict)  # calc_reward per tool; "interaction": its final
+    # R3: [prompt + response tokens, MoE layers, k] expert ids (module docstring); None when the engine records none
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass
@@ -123,10 +136,17 @@ class AgentLoop:
             gen_s += time.perf_counter() - start
             new: list[list[int]] = []
             generated = out.responses()
+            records = out.routed_experts
+            if turn > 0 and (records is None) != (rows[live[0]].routed_experts is None):
+                raise RuntimeError(f"agent loop: the engine recorded routing in some turns of a batch, not in all "
+                                   f"(turn {turn}: {'none' if records is None else 'recorded'})")
             for k, (i, room) in enumerate(zip(live, budget)):
                 ids, r = generated[k], rows[i]
                 logp = out.log_probs[k, : len(ids)].tolist()
                 r.finish = out.finish_reasons[k]
+                if records is not None:
+                    r.routed_experts = join_turn(r.routed_experts, records[k], len(prompts[i // n]) + len(r.response),
+                                                 len(ids), min(len(ids), room))
                 if len(ids) > room:
                     ids, logp, r.finish = ids[:room], logp[:room], FINISH_LENGTH
                 r.response += ids
@@ -143,6 +163,10 @@ class AgentLoop:
             for i, step in zip(live, share(steps)):
                 self._apply(rows[i], step)
             turn += 1
+        for i, r in enumerate(rows):
+            unfed = len(prompts[i // n]) + len(r.response) - (0 if r.routed_experts is None else len(r.routed_experts))
+            if r.routed_experts is not None and unfed:  # tool / user tokens after the last model turn: never fed
+                r.routed_experts = torch.cat([r.routed_experts, r.routed_experts[-1:].expand(unfed, -1, -1)])
         if renders:
             finals = await asyncio.gather(*(self._finish(keys[i], talks[i]) for i in range(len(rows))))
             for r, scores in zip(rows, finals):

@@ -8,6 +8,12 @@ to the model, so it has no record: it and anything unrecorded carry the no-recor
 (parallel/router_replay.py, which replays them in the trainer). `gather_rollout_routing` brings every replica's rows
 to every rank and `attach_rollout_routing` lays them out as the step's batch rows (the trainer's R3 and the
 `moe/routing_mismatch_frac` metric).
+
+Multi-turn rows (engine/agent/loop.py) are joined from one record per turn by `join_turn`: a position's record is
+the routing of the first forward that fed it, i.e. of the generate call whose log-probs depended on it. Turn t's call
+first feeds the previous turn's last model token, the tool / user tokens after it and turn t's own model tokens but
+its last; the positions before were fed by earlier calls (turn t's prefill recomputes them: those records are
+dropped), and the row's last token is never fed (no-record mark).
 """
 from __future__ import annotations
 
@@ -67,6 +73,33 @@ class RoutingRecorder:
         return out
 
 
+def join_turn(joined: torch.Tensor | None, turn: torch.Tensor, context: int, generated: int, kept: int
+              ) -> torch.Tensor:
+    """A multi-turn row's record after one more model turn (see the module docstring).
+
+    `joined`: the row's record after its previous model turn (None before its first): [context up to that turn's last
+    model token, L, k], that token marked unrecorded; the tool / user tokens after it have no entry yet. `turn`: this
+    turn's generate record of the row, [context + generated, L, k] (the context, the whole row so far, prefilled as the
+    prompt, then the generated tokens, the last marked); `kept`: the generated tokens the row keeps (fewer when the
+    response budget cuts the turn). Returns [context + kept, L, k]: `joined` up to its last (marked) position, this
+    turn's record from there on, the last kept token marked."""
+    if turn.shape[0] != context + generated or not 0 < kept <= generated:
+        raise ValueError(f"routing record of a turn: {turn.shape[0]} positions, expected the context ({context}) plus "
+                         f"the {generated} generated tokens (keeping {kept})")
+    mark = turn[-1]  # every generate record marks its last token (no record): the mark, num_experts
+    if bool((mark != mark.flatten()[0]).any()) or bool((turn[:-1] > mark.flatten()[0]).any()):
+        raise ValueError("routing record of a turn: its last token does not carry the no-record mark")
+    fed = 0
+    if joined is not None:
+        fed = joined.shape[0] - 1
+        if joined.shape[1:] != turn.shape[1:] or joined.dtype != turn.dtype or fed >= context:
+            raise ValueError(f"routing record of a turn: {tuple(turn.shape)} {turn.dtype} does not extend the row's "
+                             f"{tuple(joined.shape)} {joined.dtype} (context {context})")
+    out = torch.cat([turn[:0] if joined is None else joined[:fed], turn[fed: context + kept]])
+    out[-1] = mark
+    return out
+
+
 def from_sglang(value, tokens: int, moe: MoEArch) -> torch.Tensor:
     """One SGLang request's routed experts in tripod's per-row layout [tokens, MoE layers, k] (`tokens`: its prompt
     plus response tokens; ascending ids, the last token marked unrecorded as the embedded engine's record).
@@ -121,7 +154,7 @@ def gather_rollout_routing(local: list[torch.Tensor] | None, replica_ranks: list
     bytes. Collective over the world."""
     import torch.distributed as dist
 
-    from tripod.engine.device import current_device
+    from tripod.runtime.device import current_device
 
     dev, world = current_device(), dist.get_world_size()
     layers, k, dt = sum(moe.layer_is_moe), moe.topk, routing_dtype(moe.num_experts)
