@@ -104,6 +104,8 @@ def test_bench_on_a_tiny_model_writes_schema_and_counts_tokens(tmp_path):
 
 def _on_policy_child(model: str, train: str) -> None:
     """In a 1-rank world: the same GRPO step with the skip, with the recompute forced, and with a planted bug."""
+    import dataclasses
+
     import torch
 
     from tripod.engine.config import load_config
@@ -119,8 +121,9 @@ def _on_policy_child(model: str, train: str) -> None:
     for name in ("skip", "recompute", "planted"):
         torch.manual_seed(0)
         t = PPOTrainer(cfg)
-        if name != "skip":
-            t.on_policy_update = lambda rows: False
+        if name != "skip":  # the plan's decision overridden: the old-log-prob pass runs
+            assert t.plan.old_log_probs == "update", t.plan
+            t.plan = dataclasses.replace(t.plan, old_log_probs="recompute")
         if name == "planted":  # old log-probs that are not the current policy's: the ratio is no longer 1
             real = t.actor.compute_log_probs
             t.actor.compute_log_probs = lambda *a, **k: (real(*a, **k)[0] + 0.5, None)

@@ -88,9 +88,9 @@ def test_replay_with_the_rollout_on_its_own_ranks_and_dynamic_sampling(tmp_path)
       own          R3, 2 trainer ranks + 1 rollout rank: the mismatch is 0 every step
       measure      no replay (1 + 1 ranks): the trainer's own routing against the record that came with its rows,
                    bf16 flips only (a record of other rows would differ in most tokens)
-    Planted, each must show: layer i's ids replayed into layer i+1 under R3 (TRIPOD_PLANT_REPLAY_LAYER_SHIFT);
-    dynamic sampling keeping the first rows' records instead of the kept rows' (train_with_hooks.py's
-    routing_rows_not_kept), which R3's own mismatch cannot see (it compares the routers with the ids they were
+    Planted (tests/multiprocess/workers/train_with_hooks.py), each must show: layer i's ids replayed into layer i+1
+    under R3 (replay_layer_shift); dynamic sampling keeping the first rows' records instead of the kept rows'
+    (routing_rows_not_kept), which R3's own mismatch cannot see (it compares the routers with the ids they were
     given), the measured one does."""
     from tests.helpers import dapo_reward
     from tripod.engine.data import make_arithmetic_rows, write_prompt_parquet
@@ -110,7 +110,7 @@ def test_replay_with_the_rollout_on_its_own_ranks_and_dynamic_sampling(tmp_path)
     dirs = {name: str(tmp_path / name) for name in runs}
     train_together({name: tiny_overrides(setup, dirs[name], world=world, steps=2) + common +
                     [f"actor_rollout_ref.actor.router_replay.mode={mode}"] for name, (world, mode) in runs.items()},
-                   str(tmp_path), run_envs={"own_planted": {"TRIPOD_PLANT_REPLAY_LAYER_SHIFT": "1"},
+                   str(tmp_path), run_envs={"own_planted": {"TRIPOD_TEST_PLANT": "replay_layer_shift"},
                                             "measure_planted": {"TRIPOD_TEST_PLANT": "routing_rows_not_kept"}})
     out = {name: [m for m in metrics(d) if "moe/routed_experts_bytes" in m] for name, d in dirs.items()}
     for name, steps in out.items():
@@ -144,6 +144,6 @@ def test_config_refuses_what_replay_cannot_do():
     assert "one of disabled, R2, R3" in replay_problems(cfg("R4", False))[0]
     assert "rollout.name=vllm" in replay_problems(cfg("R3", True, name="vllm"))[0]
     assert replay_problems(cfg("R3", True, name="sglang")) == []  # SGLang's return_routed_experts
-    assert "multi_turn" in replay_problems(cfg("disabled", True, multi_turn=True))[0]
+    assert replay_problems(cfg("disabled", True, multi_turn=True)) == []  # the agent loop joins its turns' records
     from tripod.parallel.router_replay import routing_dtype
     assert routing_dtype(254) == torch.uint8 and routing_dtype(255) == torch.int16 and routing_dtype(256) == torch.int16

@@ -161,7 +161,7 @@ def test_call_rate_and_parse_fraction_count_rows():
                            SamplingParams(max_new_tokens=600))
     assert [t.tool_parse_errors for t in rows] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert stats["called_rows"] == 6 and stats["parsed_rows"] == 2
-    agent = AgentRollout(loop)
+    agent = AgentRollout(loop, engine=None, replicas=None, session=None)  # its metrics only
     agent._add(stats)
     m = agent.take_metrics()
     assert m["tool/call_rate"] == 6 / 8 and m["tool/parse_frac"] == 2 / 6, m

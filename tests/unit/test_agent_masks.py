@@ -12,9 +12,9 @@ from tests.unit.test_agent_loop import make_loop, prompts_of
 from tripod.engine.agent.loop import MODEL, TOOL
 from tripod.engine.algorithms import AGG_MODES, agg_norm, compute_advantage, entropy_loss, kl_loss, policy_loss
 from tripod.engine.rollout.base import SamplingParams
-from tripod.engine.workers.batch import response_span
 from tripod.engine.workers.packing import _unit_lengths
 from tripod.engine.workers.row_shards import step_batch
+from tripod.parallel.response_span import response_span
 
 R = 400
 

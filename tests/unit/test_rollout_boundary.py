@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tripod.engine.rollout.weight_sync import replica_bounds
+from tripod.engine.rollout.generators import replica_bounds
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 3, 4, 7])

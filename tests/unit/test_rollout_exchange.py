@@ -20,7 +20,7 @@ from tripod.engine.rollout.exchange import (
     token_dtype,
     unpack_rows,
 )
-from tripod.engine.rollout.weight_sync import replica_bounds
+from tripod.engine.rollout.generators import replica_bounds
 
 LAYOUTS = [  # (world, rollout TP): replicas are consecutive TP groups, as parallel/hybrid_engine/plan.py makes them
     (1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (8, 2), (8, 4), (6, 3)]

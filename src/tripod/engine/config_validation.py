@@ -13,6 +13,7 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 from tripod.engine.config import ConfigError, MegatronConfig, TripodConfig
+from tripod.parallel.precision import DTYPES
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # need rollout.n >= 2
 FROZEN = ("actor_rollout_ref.ref", "reward_model")  # models that never train
@@ -96,8 +97,9 @@ def _adapter_sync_problems(cfg: TripodConfig) -> list[str]:
         return [f"{key} with rollout.name={name}: only the vLLM backend serves LoRA adapters (tripod's embedded and "
                 "SGLang backends load merged weights); set actor_rollout_ref.rollout.name=vllm or lora.merge=true"]
     if cfg.separate_rollout:
-        return [f"{key}: the rollout on its own ranks (rollout.n_gpus_per_node > 0) receives merged weights only; "
-                "set lora.merge=true"]
+        return [f"{key}: the rollout on its own ranks receives each weight version as full tensors over the bridge "
+                "(engine/async_rollout/weights.py), which carries no adapters for their vLLM to serve; set "
+                "lora.merge=true (merged weights, any backend)"]
     return []
 
 
@@ -117,15 +119,18 @@ def _async_problems(cfg: TripodConfig) -> list[str]:
         e.append(f"async_training.require_batches x actor.ppo_mini_batch_size = {a.require_batches}x{mini} must equal "
                  f"data.train_batch_size={cfg.data.train_batch_size} (one trainer step); set async_training."
                  f"require_batches={max(cfg.data.train_batch_size // max(mini, 1), 1)}")
-    refused = [("reward_model.enable=true", cfg.reward_model.enable,
-                "the reward model scores on the trainer's ranks; use a rule reward or colocate the rollout"),
+    refused = [("reward_model.enable=true with algorithm.filter_groups.enable=true",
+                cfg.reward_model.enable and cfg.algorithm.filter_groups.enable,
+                "the filter needs every row's final score before the batch leaves the rollout ranks, and the reward "
+                "model scores on the trainer's ranks (engine/rewards/scorer.py); use one of the two, or colocate"),
                (f"actor_rollout_ref.rollout.name={rollout.name}", rollout.name not in ("embedded", "vllm", "sglang"),
-                "use embedded, vllm or sglang"),
-               ("actor_rollout_ref.rollout.multi_turn.enable=true", rollout.multi_turn.enable,
-                "the agent loop runs in the colocated rollout; colocate the rollout")]
+                "use embedded, vllm or sglang")]
     e += [f"{key} with rollout on its own ranks (rollout.nnodes): {why}" for key, on, why in refused if on]
     partial_refused = [(f"actor_rollout_ref.rollout.name={rollout.name}", rollout.name != "embedded",
                         "only the embedded engine switches weights between two tokens; use embedded"),
+                       ("actor_rollout_ref.rollout.multi_turn.enable=true", rollout.multi_turn.enable,
+                        "a switch is placed by its decode step within one generate call, and a multi-turn row spans "
+                        "several calls with tool and user tokens between them"),
                        ("algorithm.filter_groups.enable=true", cfg.algorithm.filter_groups.enable,
                         "a step's rows would come from several generation batches with their own switches"),
                        ("trainer.divergence_guard.enabled=true", cfg.trainer.divergence_guard.enabled,
@@ -185,7 +190,6 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
         _check_model(e, "reward_model.model.path", cfg.reward_model.model.path)
         layouts += [("reward_model", cfg.reward_model.megatron)]
     layout_ok = {key: _layout_fits(e, f"{key}.megatron", m, world_size) for key, m in layouts}
-    from tripod.engine.precision import precision_problems  # precision / memory keys (engine/precision.py)
 
     for key, m in [("actor_rollout_ref.actor", actor)] + ([("critic", critic)] if use_critic else []):
         if m.megatron.use_distributed_optimizer and m.optim.optimizer != "adam":
@@ -228,3 +232,69 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
 
     if e:
         raise ConfigError(f"{len(e)} configuration problem(s):\n  - " + "\n  - ".join(e))
+
+
+def precision_problems(cfg, world_size: int, models: list[tuple[str, MegatronConfig, bool]]) -> list[str]:
+    """One line per bad precision / memory key (`megatron.param_dtype`, `recompute_*`, `*_offload`,
+    `use_distributed_optimizer`, `optimizer_cpu_offload`, `rollout.dtype`; what they mean: parallel/precision.py and
+    runtime/offload.py). `models`: (config key, MegatronConfig, trainable) of the models the run builds."""
+    from tripod.engine.config import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
+
+    e: list[str] = []
+    on_cpu = cfg.trainer.device != "cuda"
+    for key, m, trainable in models:
+        if m.param_dtype not in DTYPES:
+            e.append(f"{key}.param_dtype={m.param_dtype!r} is not one of {list(DTYPES)}")
+        if m.recompute_granularity is not None and m.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+            e.append(f"{key}.recompute_granularity={m.recompute_granularity!r} is not one of "
+                     f"{list(RECOMPUTE_GRANULARITIES)} (or null for off)")
+        if m.recompute_method not in RECOMPUTE_METHODS:
+            e.append(f"{key}.recompute_method={m.recompute_method!r} is not one of {list(RECOMPUTE_METHODS)}")
+        if m.recompute_num_layers is not None:
+            if m.recompute_granularity != "full":
+                e.append(f"{key}.recompute_num_layers={m.recompute_num_layers} needs {key}.recompute_granularity=full;"
+                         " set it to null or turn full recomputation on")
+            elif m.recompute_num_layers < 1:
+                e.append(f"{key}.recompute_num_layers={m.recompute_num_layers} must be >= 1 (or null for 1)")
+        if on_cpu:  # the moves would save nothing: the "device" is host memory already
+            e += [f"{key}.{name}=true moves {what} to host memory between phases on CUDA; this run computes on "
+                  f"the CPU (trainer.device={cfg.trainer.device}), where they already live in host memory, so it "
+                  "would save nothing: set it to false (`tripod plan ... trainer.device=cuda` shows what it saves)"
+                  for name, what in (("param_offload", "parameters"), ("grad_offload", "gradient buffers"),
+                                     ("optimizer_offload", "optimizer states"))
+                  if getattr(m, name) and (trainable or name == "param_offload")]
+        if not trainable:
+            for name, value, default in (("use_distributed_optimizer", m.use_distributed_optimizer, None),
+                                         ("grad_offload", m.grad_offload, False),
+                                         ("optimizer_offload", m.optimizer_offload, False),
+                                         ("optimizer_cpu_offload", m.optimizer_cpu_offload, False),
+                                         ("recompute_granularity", m.recompute_granularity, None)):
+                if value != default:
+                    e.append(f"{key}.{name}={value} has no effect on a frozen model (no optimizer, no backward); "
+                             f"leave it at {default}")
+            continue
+        if m.optimizer_cpu_offload:
+            if on_cpu:
+                e.append(f"{key}.optimizer_cpu_offload=true needs trainer.device=cuda (megatron's HybridDeviceOptimizer "
+                         "runs on CUDA streams; on CPU the optimizer states already live in host memory); set it "
+                         "to false")
+            dist_opt = m.use_distributed_optimizer is not False  # null = auto: on at DP > 1 with Adam
+            if not dist_opt or m.weight_replicas(world_size) <= 1:
+                e.append(f"{key}.optimizer_cpu_offload=true needs the distributed optimizer (megatron offloads its "
+                         f"shards); set {key}.use_distributed_optimizer=true")
+        if m.optimizer_offload and m.optimizer_cpu_offload:
+            e.append(f"{key}.optimizer_offload=true and {key}.optimizer_cpu_offload=true: the second already keeps "
+                     "the optimizer states on the host; set one of them to false")
+        if m.param_dtype == "fp16" and on_cpu:
+            e.append(f"{key}.param_dtype=fp16 needs trainer.device=cuda (CPU kernels lack fp16 matmuls); use bf16 "
+                     "or fp32 on CPU")
+    rdt = cfg.actor_rollout_ref.rollout.dtype
+    if rdt is not None and rdt not in DTYPES:
+        e.append(f"actor_rollout_ref.rollout.dtype={rdt!r} is not one of {list(DTYPES)} (or null for bf16 "
+                 "on CUDA, fp32 on CPU)")
+    elif rdt == "fp16" and on_cpu:
+        e.append("actor_rollout_ref.rollout.dtype=fp16 needs trainer.device=cuda; use bf16 or fp32 on CPU")
+    if cfg.actor_rollout_ref.rollout.engine_kwargs and cfg.actor_rollout_ref.rollout.name == "embedded":
+        e.append("actor_rollout_ref.rollout.engine_kwargs is only read by rollout.name=sglang / vllm; the embedded "
+                 "engine takes no extra options, so leave it empty")
+    return e

@@ -1,16 +1,17 @@
 """The PPO trainer: one explicit step, top to bottom, every stage timed.
 
-    rollout (hybrid engine: reshard -> generate -> back) -> rewards (+ DAPO's overlong shaping and dynamic
-    sampling: engine/algorithms/dynamic_sampling.py) -> old log-probs (actor, or the rollout's: bypass_mode) -> ref
-    log-probs -> values (critic) -> KL in reward -> rollout correction (engine/algorithms/rollout_correction.py)
-    -> advantages -> critic update -> actor update -> log / checkpoint
+    rollout (engine/async_rollout/source.py: reshard -> generate -> score here, or the rollout ranks' queue)
+    -> old log-probs (actor, the rollout's under bypass_mode, or none when exactly on-policy) -> ref log-probs
+    -> values (critic) -> KL in reward -> rollout correction -> advantages -> critic update -> actor update
 
-Every rank runs this same code; each model runs on its own parallel layout (parallel/layout.py). The batch holds
-only the rows this rank's DP rank updates where the step allows it (engine/workers/row_shards.py), else every row
-(workers take their DP rows). Critic-free estimators (grpo, rloo, reinforce++) skip the
-critic entirely; the reference model is only built when a KL term needs it, the reward model
-(engine/workers/reward_model.py) only when reward_model.enable. The trainer's state across steps (checkpoint,
-resume, the divergence guard's rollback) is engine/trainer_state.py's.
+What a step does is decided once for the run (`StepPlan`, engine/step_plan.py, printed at start); the parts the
+trainer is assembled from (tokenizer, data, rewards, rollout engine, generator, scorer) are engine/components.py's,
+shared with the rollout's own ranks. Every rank runs this same code; each model runs on its own parallel layout
+(parallel/layout.py). The batch holds only the rows this rank's DP rank updates where the plan allows it
+(engine/workers/row_shards.py), else every row (workers take their DP rows). The reference model is only built when
+a KL term needs it, the critic only for GAE, the reward model (engine/workers/reward_model.py) only when
+reward_model.enable. The trainer's state across steps (checkpoint, resume, the divergence guard's rollback) is
+engine/trainer_state.py's.
 """
 from __future__ import annotations
 
@@ -22,78 +23,66 @@ import torch
 import torch.distributed as dist
 
 from tripod.engine.algorithms import apply_kl_penalty, build_kl_controller
-from tripod.engine.algorithms.dynamic_sampling import DynamicSampler
+from tripod.engine.algorithms.dynamic_sampling import Rollout
 from tripod.engine.algorithms.rollout_correction import correct_batch
 from tripod.engine.async_rollout.schedule import StalenessSchedule
 from tripod.engine.async_rollout.source import ColocatedRollout, QueuedRollout, dump_rollout
 from tripod.engine.checkpoints import CheckpointManager
+from tripod.engine.components import build_components
 from tripod.engine.config import TripodConfig, save_resolved_config
 from tripod.engine.config_loading import config_to_dict
-from tripod.engine.data import PromptBatch, PromptDataLoader, PromptDataset, prompt_tools
-from tripod.engine.data.token_cache import resolve_cache_dir
-from tripod.engine.device import DeviceGuard, check_devices_enabled, current_device, freeze_long_lived_objects
+from tripod.engine.data import PromptBatch
 from tripod.engine.divergence_guard import DivergenceGuard
 from tripod.engine.logging import StepProfiler, Timer, Tracker
-from tripod.engine.offload import flags_of, manager_for
-from tripod.engine.precision import rollout_dtype
-from tripod.engine.rewards import RewardPool, registered_data_sources
-from tripod.engine.rewards.overlong import OverlongShaper
-from tripod.engine.rewards.replica_scoring import pool_workers, score_where_generated
-from tripod.engine.rollout import SamplingParams, make_rollout_engine
-from tripod.engine.rollout.factory import describe_stops, engine_kwargs, step_sampling_params
+from tripod.engine.rollout import SamplingParams
+from tripod.engine.rollout.factory import describe_stops, step_sampling_params
+from tripod.engine.rollout.generators import RolloutReplicas
 from tripod.engine.rollout.routing_record import attach_rollout_routing
 from tripod.engine.rollout.weight_sync import WeightSync
+from tripod.engine.step_plan import StepPlan
 from tripod.engine.throughput import PerfCounter
 from tripod.engine.trainer_state import TrainerState
 from tripod.engine.validation import validate
-from tripod.engine.workers.batch import batch_metrics, response_span
+from tripod.engine.workers.batch import PPOBatch, batch_metrics
 from tripod.engine.workers.model_options import layout_of, model_options, reference_pass
 from tripod.engine.workers.ppo_workers import CriticWorker, PolicyWorker
-from tripod.engine.workers.reward_model import build_reward_model, combine_rewards
-from tripod.engine.workers.row_shards import StepRows, step_advantages, step_batch
-from tripod.parallel.arch import arch_from_hf
+from tripod.engine.workers.reward_model import build_reward_model
+from tripod.engine.workers.row_shards import RowShards, StepRows, step_advantages, step_batch
 from tripod.parallel.hybrid_engine.engine import HybridEngine
+from tripod.parallel.precision import rollout_dtype
+from tripod.parallel.response_span import response_span
 from tripod.parallel.router_replay import routed, stage_metrics
+from tripod.runtime.device import DeviceGuard, check_devices_enabled, current_device, freeze_long_lived_objects
+from tripod.runtime.offload import flags_of, manager_for
+
+
+def sequence_rewards_at_last_token(batch: PPOBatch, rewards: list[float]) -> torch.Tensor:
+    """[rows, response] token rewards: each row's sequence reward on its last model token (a multi-turn row's last
+    model token may sit before tool or user tokens), 0 elsewhere."""
+    mask = batch["response_mask"]
+    out = torch.zeros_like(mask)
+    last = (response_span(mask) - 1).clamp(min=0)
+    out[torch.arange(batch.size, device=mask.device), last] = torch.tensor(rewards, dtype=torch.float32,
+                                                                          device=mask.device)
+    return out
 
 
 class PPOTrainer(TrainerState):
     def __init__(self, cfg: TripodConfig, placement=None):
         """`placement` (engine/async_rollout/bridge.py): this trainer rank's side of a world split with the rollout's
         own ranks; None: the rollout is colocated."""
-        from transformers import AutoTokenizer
-
         self.cfg, self.rank, self.world = cfg, dist.get_rank(), dist.get_world_size()
         if cfg.trainer.threads_per_rank > 0:  # resolved before the ranks started (preflight.resolve_threads)
             torch.set_num_threads(cfg.trainer.threads_per_rank)
-        self.device = current_device()  # chosen once per rank by engine/device.py (trainer.device, LOCAL_RANK)
-        arc, actor_cfg = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor
+        self.device = current_device()  # chosen once per rank by runtime/device.py (trainer.device, LOCAL_RANK)
+        arc, actor_cfg, algo = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor, cfg.algorithm
         path = arc.model.path
-        self.arch = arch_from_hf(path)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or path)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
-        # data and rewards first: bad data stops the run before any model is built
-        ds_args = dict(tokenizer=self.tokenizer, prompt_key=cfg.data.prompt_key,
-                       max_prompt_length=cfg.data.max_prompt_length,
-                       filter_overlong_prompts=cfg.data.filter_overlong_prompts,
-                       apply_chat_template=cfg.data.apply_chat_template, reward_fn_key=cfg.data.reward_fn_key,
-                       token_cache_dir=resolve_cache_dir(cfg.data.token_cache_dir), tools=prompt_tools(cfg))
-        self.train_set = PromptDataset(cfg.data.train_files, **ds_args)
-        self.val_set = PromptDataset(cfg.data.val_files, **ds_args) if cfg.data.val_files else None
-        self.loader = PromptDataLoader(self.train_set, cfg.data.gen_batch_size, cfg.data.shuffle, cfg.data.seed)
-        sources = self.train_set.data_sources | (self.val_set.data_sources if self.val_set else set())
-        if cfg.reward_model.enable:  # the reward model scores the rows whose data source has no rule function
-            sources &= set(registered_data_sources())
-        # every rollout replica's first rank scores its own rows (engine/rewards/replica_scoring.py); the pool starts
-        # its workers on first use, so the other ranks start none
-        self.rewards = RewardPool(pool_workers(cfg.reward_model.num_workers, cfg.trainer.n_gpus_per_node,
-                                               arc.rollout.tensor_model_parallel_size), cfg.reward_model.timeout_s,
-                                  cfg.reward_model.use_ray, data_sources=sources)
-
-        algo = cfg.algorithm
-        self.sampler = DynamicSampler(algo.filter_groups, cfg.data.train_batch_size, arc.rollout.n,
-                                      draw=lambda: next(iter(self.loader)),
-                                      shaper=OverlongShaper(cfg.reward_model.overlong_buffer, arc.rollout.response_length))
+        # data and rewards first: bad data stops the run before any model is built (engine/components.py)
+        self.parts = parts = build_components(cfg, "trainer")
+        self.arch, self.tokenizer, self.pad_id = parts.arch, parts.tokenizer, parts.pad_id
+        self.train_set, self.val_set, self.loader = parts.train_set, parts.val_set, parts.loader
+        self.rewards, self.sampler = parts.pool, parts.sampler
         self.use_critic, self.use_ref = cfg.uses_critic, cfg.uses_reference
         self.kl_ctrl = build_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl,
                                            algo.kl_ctrl.horizon, warmup_steps=algo.kl_ctrl.warmup_steps)
@@ -130,34 +119,43 @@ class PPOTrainer(TrainerState):
                        if self.use_critic else None)
         self.reward_model = build_reward_model(cfg.reward_model, self.pad_id, self.tokenizer) if cfg.reward_model.enable else None
 
-        # host offload between phases (engine/offload.py): moves on CUDA, recorded only on CPU
+        # host offload between phases (runtime/offload.py): moves on CUDA, recorded only on CPU
         self.offload = manager_for({"actor": self.actor, "critic": self.critic, "reference": self.ref}, {
             "actor": flags_of(actor_cfg.megatron, True), "critic": flags_of(cfg.critic.megatron, True),
             "reference": flags_of(arc.ref.megatron, False, arc.ref.offload)}, self.device)
         rollout = arc.rollout
-        gen_dtype = rollout_dtype(rollout.dtype, self.device)
         # rollout TP groups ordered for locality (parallel/hybrid_engine/regroup.py) only where the engine takes an
         # explicit slice order (embedded); vLLM / SGLang put slice j on the group's j-th rank
-        self.hybrid = HybridEngine(self.arch, actor_layout, rollout.tensor_model_parallel_size, dtype=gen_dtype,
+        self.hybrid = HybridEngine(self.arch, actor_layout, rollout.tensor_model_parallel_size,
+                                   dtype=rollout_dtype(rollout.dtype, self.device),
                                    vpp=actor_cfg.megatron.virtual_pipeline_model_parallel_size,
                                    local_order=rollout.name == "embedded")
-        # with the rollout on its own ranks this engine only validates
-        engine = make_rollout_engine(rollout.name, self.arch, self.hybrid.rollout_tp_group,
-                                     **engine_kwargs(cfg, self.pad_id, gen_dtype, self.device,
-                                                     self.hybrid.rollout_tp_order))
-        if rollout.name == "embedded":
-            engine.decode_threads = rollout.decode_threads
-            engine.record_routing = rollout.enable_rollout_routing_replay  # each token's experts (R3, the metric)
+        replicas = RolloutReplicas(self.hybrid.plan.rollout_tp_groups, self.hybrid.rollout_dp_rank,
+                                   self.hybrid.rollout_tp_group, self.hybrid.rollout_tp_order)
+
+        def weights_of(engine):  # the engine generates with the actor's current weights, resharded in each time
+            self.weight_sync = WeightSync(self.hybrid, engine, self.actor.model)
+            return self.weight_sync.loaded
+        # with the rollout on its own ranks this generator only validates
+        parts.build_rollout(replicas, self.device, weights_of, self.reward_model)
+        self.generator, self.scorer = parts.generator, parts.scorer
         if self.rank == 0:
             print(describe_stops(self.arch, rollout), flush=True)
-        self.weight_sync = WeightSync(self.hybrid, engine, self.actor.model)  # owns resume/load/generate/release
         # where each step's scored batch comes from: this engine now, or the rollout ranks' queue
         self.source = ColocatedRollout(self) if placement is None else \
             QueuedRollout(self, placement, StalenessSchedule(cfg.async_training.staleness_threshold,
                                                              cfg.async_training.trigger_parameter_sync_step,
                                                              self.total_steps))
-        if placement is not None and self.rank == 0:
-            print(self.source.schedule.describe(), flush=True)
+        self.plan = StepPlan.of(cfg, has_critic=self.critic is not None, has_reference_model=self.ref is not None,
+                                moe=self.arch.moe is not None, source_shards_rows=self.source.shards_rows,
+                                dynamic_sampling=self.sampler.enable, reward_model=self.reward_model is not None)
+        self.rows = StepRows(self.plan.shard_rows, rollout.n, algo=algo, bypass=self.plan.old_log_probs == "rollout",
+                             actor=self.actor, actor_cfg=actor_cfg, critic=self.critic, critic_cfg=cfg.critic,
+                             ref=self.ref)
+        if self.rank == 0:
+            print(self.plan.describe(), flush=True)
+            if placement is not None:
+                print(self.source.schedule.describe(), flush=True)
 
         self.run_dir = cfg.trainer.default_local_dir
         self.ckpt = CheckpointManager(os.path.join(self.run_dir, "checkpoints"), self.arch, path,
@@ -178,24 +176,9 @@ class PPOTrainer(TrainerState):
         engine/algorithms/dynamic_sampling.py) or for validation, on this rank's rollout replica."""
         return step_sampling_params(self.cfg, validate, step, gen_batch, self.hybrid.rollout_dp_rank)
 
-    def score(self, batch: PromptBatch, responses: list[list[int]], n: int) -> tuple[list[float], dict]:
-        """Rule rewards (each rollout replica's rows on its first rank's pool, exchanged as one float tensor),
-        combined with the reward model's scores when it is on (every rank)."""
-        payload = score_where_generated(self.rewards, self.tokenizer, batch, responses, n,
-                                        self.hybrid.plan.rollout_tp_groups, self.hybrid.rollout_dp_rank,
-                                        where_defined=self.reward_model is not None, agent=self.weight_sync.agent)
-        rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731  prompt-major like the rollout
-        if self.reward_model is None:
-            return payload[0], payload[1]
-        rm = self.cfg.reward_model
-        model = self.reward_model.score([p + r for p, r in zip(rep(batch.input_ids), responses)],
-                                        rm.micro_batch_size_per_gpu)
-        scores, metrics = combine_rewards(payload[0], model, rm.combine, rm.reward_weight)
-        return scores, {**payload[1], **metrics}
-
     # ---- one PPO step ----------------------------------------------------------------------------
     def phase(self, timer: Timer):
-        """`with phase(name):` one stage of the step: its models placed for it (engine/offload.py), timed, and a
+        """`with phase(name):` one stage of the step: its models placed for it (runtime/offload.py), timed, and a
         profiler range (the timer's)."""
         @contextlib.contextmanager
         def stage(name: str):
@@ -206,98 +189,100 @@ class PPOTrainer(TrainerState):
 
     def train_step(self, prompts: PromptBatch | None = None) -> dict[str, float]:
         """One PPO step on the next scored batch of `self.source` (`prompts`: the colocated rollout's prompts instead
-        of the loader's next batch)."""
-        cfg, timer = self.cfg, Timer(self.profiler.range)
-        arc, algo = cfg.actor_rollout_ref, cfg.algorithm
-        n, temperature = arc.rollout.n, arc.rollout.temperature
-        bypass = algo.rollout_correction.bypass_mode
-        # where the rows live, decided in the exchange from their lengths (row_shards.py); dynamic sampling (the kept
-        # rows are known after scoring) and a reward model (it scores every row) keep the whole batch
-        step_rows = StepRows(self.source.shards_rows and not self.sampler.enable and self.reward_model is None, n,
-                             algo=algo, bypass=bypass, actor=self.actor, actor_cfg=arc.actor, critic=self.critic,
-                             critic_cfg=cfg.critic, ref=self.ref)
-        phase = self.phase(timer)
+        of the loader's next batch). What the step does is `self.plan`'s, decided once for the run."""
+        arc, plan, timer = self.cfg.actor_rollout_ref, self.plan, Timer(self.profiler.range)
+        n, temperature, stage = arc.rollout.n, arc.rollout.temperature, self.phase(timer)
         with timer("step"):
-            rollout, reward_metrics = self.source.next_batch(self.step, step_rows, timer, prompts)
-            if cfg.trainer.rollout_data_dir and self.rank == 0:
-                dump_rollout(cfg.trainer.rollout_data_dir, self.step + 1, rollout,
-                             self.source.versions_of(self.step, len(rollout.responses)), self.tokenizer)
-            shards = step_rows.shards  # model outputs stay on the DP rank that updates their rows
-            prompts, all_scores = rollout.prompts, rollout.rewards
-            batch, scores = step_batch(prompts.input_ids, prompts.indices, n, rollout.responses,
-                                       rollout.rollout_log_probs, rollout.finish_reasons, all_scores,
-                                       arc.rollout.response_length, self.pad_id, shards, rollout.token_codes)
-            replay, moe, experts = arc.actor.router_replay.mode, self.arch.moe, rollout.routed_experts
-            batch, rollout = batch.to(self.device), None  # the rollout's rows live on in the batch only
-            routing_bytes = attach_rollout_routing(  # the rollout's experts per token, laid out as the rows
-                batch, experts, shards.rows if shards is not None else range(batch.size), moe) \
-                if arc.rollout.enable_rollout_routing_replay and moe is not None else None
-            mask = batch["response_mask"]
+            rollout, metrics = self.source.next_batch(self.step, self.rows, timer, prompts)
+            shards, rewards = rollout.shards, rollout.rewards  # model outputs stay on the DP rank of their rows
+            (batch, held_rewards), rollout = self.batch_of(rollout, metrics), None  # its rows live on in the batch only
             with timer("reward"):
-                token_rewards = torch.zeros_like(mask)
-                last = (response_span(mask) - 1).clamp(min=0)  # a multi-turn row's last model token
-                token_rewards[torch.arange(batch.size, device=self.device), last] = torch.tensor(
-                    scores, dtype=torch.float32, device=self.device)
-            ro, ref, critic = arc.rollout, arc.ref, cfg.critic  # micro-batches: rows, or a token budget (dynamic bsz)
-            if bypass:  # verl's bypass mode: the rollout's log-probs are the old ones, nothing is recomputed
+                token_rewards = sequence_rewards_at_last_token(batch, held_rewards)
+            if plan.old_log_probs == "rollout":  # verl's bypass mode: nothing is recomputed
                 batch["old_log_probs"] = batch["rollout_log_probs"]
-            elif not self.on_policy_update(len(all_scores)):  # else the update takes them from its own forward
-                with phase("old_log_prob"), routed(self.actor, batch, "old", replay):  # R2 records, R3 replays
+            elif plan.recomputes_old(self.step):  # else the update takes them from its own forward
+                with stage("old_log_prob"), routed(self.actor, batch, "old", plan.replay):  # R2 records, R3 replays
                     batch["old_log_probs"], _ = self.actor.compute_log_probs(
-                        batch, ro.log_prob_micro_batch_size_per_gpu or batch.size, temperature,
-                        token_budget=ro.log_prob_max_token_len_per_gpu if ro.log_prob_use_dynamic_bsz else None)
-            if self.use_ref:  # with LoRA: the actor with its adapters off (no reference model)
+                        batch, plan.old_pass.micro_of(batch), temperature, token_budget=plan.old_pass.token_budget)
+            if plan.reference != "none":  # with LoRA: the actor with its adapters off (no reference model)
                 ref_model = self.ref or self.actor
-                with phase("ref"), routed(ref_model, batch, "ref", replay), reference_pass(self.actor, self.ref):
+                with stage("ref"), routed(ref_model, batch, "ref", plan.replay), reference_pass(self.actor, self.ref):
                     batch["ref_log_probs"], _ = ref_model.compute_log_probs(
-                        batch, ref.log_prob_micro_batch_size_per_gpu or batch.size, temperature,
-                        token_budget=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None)
-            if self.critic is not None:
-                with phase("values"):
-                    batch["values"] = self.critic.compute_values(
-                        batch, critic.ppo_micro_batch_size_per_gpu or batch.size,
-                        token_budget=critic.forward_max_token_len_per_gpu if critic.use_dynamic_bsz else None)
-            metrics = dict(reward_metrics)
+                        batch, plan.ref_pass.micro_of(batch), temperature, token_budget=plan.ref_pass.token_budget)
+            if plan.values:
+                with stage("values"):
+                    batch["values"] = self.critic.compute_values(batch, plan.value_pass.micro_of(batch),
+                                                                 token_budget=plan.value_pass.token_budget)
             metrics.update(stage_metrics(self.actor))  # moe/routing_mismatch_frac (rollout vs the old-log-prob pass)
-            if routing_bytes is not None:
-                metrics["moe/routed_experts_bytes"] = float(routing_bytes)  # this rank's rows
-            updates = True  # False when rollout correction rejected every row: the step then updates nothing
             with timer("adv"):
-                if algo.use_kl_in_reward:
-                    token_rewards, kl = apply_kl_penalty(token_rewards, batch["old_log_probs"], batch["ref_log_probs"],
-                                                         mask, self.kl_ctrl.value, algo.kl_penalty,
-                                                         **({} if shards is None else {"mean": shards.masked_mean}))
-                    metrics.update({"actor/reward_kl_penalty": float(kl), "actor/reward_kl_penalty_coeff":
-                                    self.kl_ctrl.value})
-                    self.kl_ctrl.update(float(kl), n_steps=cfg.data.train_batch_size)
-                batch["token_rewards"] = token_rewards
-                scored = mask  # rejected rows keep their scores in their groups' statistics, as verl's
-                if batch.recomputed_old_log_probs and not bypass and "rollout_log_probs" in batch.tensors:
-                    corr, kept = correct_batch(batch, algo.rollout_correction, shards)  # may reject sequences
-                    metrics.update(corr)
-                    mask, updates = batch["response_mask"], kept > 0
-                adv, ret = step_advantages(algo, token_rewards, mask, batch, all_scores, shards, scored) if updates \
-                    else (torch.zeros_like(token_rewards),) * 2
-                batch["advantages"], batch["returns"] = adv, ret
-            if self.critic is not None and updates:
-                with phase("update_critic"):
-                    metrics.update(self.critic.update(batch, cfg.critic, n))
-            if self.step >= cfg.trainer.critic_warmup and updates:
+                updates = self.advantages(batch, token_rewards, rewards, shards, metrics)
+            if plan.values and updates:
+                with stage("update_critic"):
+                    metrics.update(self.critic.update(batch, self.cfg.critic, n))
+            if plan.updates_actor(self.step) and updates:
                 # without a recompute, the rollout / train gap is measured on the update's first forward
-                gap = "rollout_log_probs" in batch.tensors and (bypass or not batch.recomputed_old_log_probs)
-                with phase("update_actor"), routed(self.actor, batch, "update", replay):
+                gap = "rollout_log_probs" in batch.tensors and (plan.old_log_probs == "rollout"
+                                                                or not batch.recomputed_old_log_probs)
+                with stage("update_actor"), routed(self.actor, batch, "update", plan.replay):
                     metrics.update(self.actor.update(batch, arc.actor, temperature, n, rollout_gap=gap))
                 metrics.update(stage_metrics(self.actor))  # the mismatch where no old-log-prob pass ran
-        timings = timer.metrics()
-        metrics.update(batch_metrics(batch, all_scores, shards))
-        metrics.update(timings)
-        metrics.update(self.perf.metrics(batch.lengths, timings, arc.actor.ppo_epochs,
-                                         recomputed_old_log_probs=batch.recomputed_old_log_probs and not bypass,
-                                         shared_prompts=self.actor.share_prompt_prefix and self.actor.can_pack))
-        return metrics
+        return {**metrics, **self.step_metrics(batch, rewards, shards, timer.metrics())}
+
+    def batch_of(self, rollout: Rollout, metrics: dict[str, float]) -> tuple[PPOBatch, list[float]]:
+        """The step's `PPOBatch` on this rank's device (this DP rank's rows where `rollout.shards` says so), with the
+        rollout's routing record where the plan attaches it (its bytes into `metrics`), and the sequence reward of
+        each row it holds. Dumps the rows first (trainer.rollout_data_dir)."""
+        cfg, shards = self.cfg, rollout.shards
+        if cfg.trainer.rollout_data_dir and self.rank == 0:
+            dump_rollout(cfg.trainer.rollout_data_dir, self.step + 1, rollout,
+                         self.source.versions_of(self.step, len(rollout.responses)), self.tokenizer)
+        batch, held_rewards = step_batch(rollout.prompts.input_ids, rollout.prompts.indices, cfg.actor_rollout_ref.rollout.n,
+                              rollout.responses, rollout.rollout_log_probs, rollout.finish_reasons, rollout.rewards,
+                              cfg.actor_rollout_ref.rollout.response_length, self.pad_id, shards, rollout.token_codes)
+        batch = batch.to(self.device)
+        if self.plan.attach_rollout_routing:  # the rollout's experts per token, laid out as the rows
+            metrics["moe/routed_experts_bytes"] = float(attach_rollout_routing(  # this rank's rows
+                batch, rollout.routed_experts, shards.rows if shards is not None else range(batch.size), self.arch.moe))
+        return batch, held_rewards
+
+    def advantages(self, batch: PPOBatch, token_rewards: torch.Tensor, rewards: list[float],
+                   shards: RowShards | None, metrics: dict[str, float]) -> bool:
+        """KL in the reward, rollout correction and the estimator, as the plan says; `batch` gets its token rewards,
+        advantages and returns. False when rollout correction rejected every row: the step then updates nothing."""
+        algo, mask = self.cfg.algorithm, batch["response_mask"]
+        if self.plan.kl_in_reward:
+            token_rewards, kl = apply_kl_penalty(token_rewards, batch["old_log_probs"], batch["ref_log_probs"], mask,
+                                                 self.kl_ctrl.value, algo.kl_penalty,
+                                                 **({} if shards is None else {"mean": shards.masked_mean}))
+            metrics.update({"actor/reward_kl_penalty": float(kl), "actor/reward_kl_penalty_coeff": self.kl_ctrl.value})
+            self.kl_ctrl.update(float(kl), n_steps=self.cfg.data.train_batch_size)
+        batch["token_rewards"] = token_rewards
+        scored, updates = mask, True  # rejected rows keep their scores in their groups' statistics, as verl's
+        # the rollout / trainer gap (rollout_corr/*) wherever the old log-probs were recomputed; the plan's correction
+        # (IS weights, rejection) with it when on
+        if self.plan.old_log_probs != "rollout" and batch.recomputed_old_log_probs \
+                and "rollout_log_probs" in batch.tensors:
+            corr, kept = correct_batch(batch, algo.rollout_correction, shards)  # may reject sequences
+            metrics.update(corr)
+            mask, updates = batch["response_mask"], kept > 0
+        adv, ret = step_advantages(algo, token_rewards, mask, batch, rewards, shards, scored) if updates \
+            else (torch.zeros_like(token_rewards),) * 2
+        batch["advantages"], batch["returns"] = adv, ret
+        return updates
+
+    def step_metrics(self, batch: PPOBatch, rewards: list[float], shards: RowShards | None,
+                     timings: dict[str, float]) -> dict[str, float]:
+        """The batch's statistics, the stage timings and throughput (perf/*), after the step."""
+        out = batch_metrics(batch, rewards, shards)
+        out.update(timings)
+        out.update(self.perf.metrics(batch.lengths, timings, self.cfg.actor_rollout_ref.actor.ppo_epochs,
+                                     recomputed_old_log_probs=batch.recomputed_old_log_probs
+                                     and self.plan.old_log_probs != "rollout",
+                                     shared_prompts=self.actor.share_prompt_prefix and self.actor.can_pack))
+        return out
 
     def checked_train_step(self) -> dict[str, float]:
-        """`train_step`, under engine.device.DeviceGuard when TRIPOD_CHECK_DEVICES=1 (fails on a stray tensor)."""
+        """`train_step`, under runtime.device.DeviceGuard when TRIPOD_CHECK_DEVICES=1 (fails on a stray tensor)."""
         if not check_devices_enabled():
             return self.train_step()
         with DeviceGuard(self.device) as guard:
@@ -307,15 +292,6 @@ class PPOTrainer(TrainerState):
         if self.rank == 0:
             print(f"DEVICE_CHECK step={self.step} device={self.device} ops_off_device=0", flush=True)
         return metrics
-
-    def on_policy_update(self, rows: int) -> bool:
-        """True when the actor update is exactly on-policy: one epoch of one mini-batch, with the weights that
-        generated the rollout. Then the old log-probs equal the update's own forward (detached), so recomputing
-        them is skipped (the ratio is exactly 1, the gradient unchanged). KL-in-reward and rollout correction need them."""
-        a, algo = self.cfg.actor_rollout_ref.actor, self.cfg.algorithm
-        return (a.ppo_epochs == 1 and a.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n >= rows
-                and not algo.use_kl_in_reward and not algo.rollout_correction.active
-                and self.step >= self.cfg.trainer.critic_warmup)
 
     # ---- validation -----------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:

@@ -18,9 +18,7 @@ def validate(trainer: Any) -> dict[str, float]:
     t = trainer
     if t.val_set is None:
         return {}
-    agent = t.weight_sync.agent
-    if agent is not None:
-        agent.take_metrics()  # a training step's turns are not validation's
+    t.generator.take_metrics()  # a training step's turns are not validation's
     params = t.sampling_params(True, -1)
     size = t.cfg.data.val_batch_size or len(t.val_set)
     scores: list[float] = []
@@ -30,9 +28,9 @@ def validate(trainer: Any) -> dict[str, float]:
     for start in range(0, len(t.val_set), size):
         prompts = t.val_set.batch(list(range(start, min(start + size, len(t.val_set)))))
         t.offload.enter("rollout")
-        responses = t.weight_sync.generate_rows(prompts.input_ids, params, Timer(),
-                                                extra_infos=prompts.extra_infos).responses
-        batch_scores, _ = t.score(prompts, responses, params.n)
+        generated = t.generator.generate_rows(prompts.input_ids, params, Timer(), extra_infos=prompts.extra_infos)
+        responses = generated.responses
+        batch_scores, _ = t.scorer(prompts, generated)
         t.val_samples += validation_samples(t.tokenizer, prompts.input_ids, responses, batch_scores, params.n,
                                             prompts.ground_truths, limit=want - len(t.val_samples))
         scores += batch_scores
@@ -41,6 +39,5 @@ def validate(trainer: Any) -> dict[str, float]:
             by_source.setdefault(s, []).append(x)
     out = {"val/reward_mean": sum(scores) / len(scores)}
     out.update({f"val/{s}/reward_mean": sum(v) / len(v) for s, v in by_source.items()})
-    if agent is not None:
-        out.update({f"val/{k}": v for k, v in agent.take_metrics().items()})
+    out.update({f"val/{k}": v for k, v in t.generator.take_metrics().items()})
     return out

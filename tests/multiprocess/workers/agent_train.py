@@ -44,15 +44,16 @@ def _hooks() -> None:
     from tripod.engine.workers.ppo_workers import PolicyWorker
 
     class TalkingRollout(agent_rollout.AgentRollout):
-        def generate_rows(self, sync, prompts, params, timer=None, needs=None, extra_infos=None):
+        def generate_rows(self, prompts, params, timer=None, needs=None, extra_infos=None):
             # rows without an extra_info (a caller that drops them) get no interaction, as with a real config
             infos = None if extra_infos is None else [{"interaction_kwargs": {"name": "again"}}] * len(prompts)
-            return super().generate_rows(sync, prompts, params, timer, needs, infos)
+            return super().generate_rows(prompts, params, timer, needs, infos)
 
-    def build_agent(cfg, tokenizer):
+    def build_agent(cfg, tokenizer, engine, replicas, session, routing_of=None):
         mt, rollout = cfg.actor_rollout_ref.rollout.multi_turn, cfg.actor_rollout_ref.rollout
         return TalkingRollout(AgentLoop(tokenizer, rollout.response_length, ChatSuffix(tokenizer), None, Again(),
-                                        mt.max_assistant_turns, mt.max_user_turns), mt.add_rollout_rewards)
+                                        mt.max_assistant_turns, mt.max_user_turns), engine, replicas, session,
+                              routing_of, mt.add_rollout_rewards)
 
     agent_rollout.build_agent = build_agent
 

@@ -53,7 +53,7 @@ def main() -> None:
             rows = dumps[k]
             prompts = [rows[g[0]]["prompt_ids"] + rows[g[0]]["response_ids"][:t0] for g in groups]
             params = dataclasses.replace(trainer.sampling_params(False, k - 1, 0), max_new_tokens=t1 - t0)
-            got = trainer.weight_sync.generate_rows(prompts, params)
+            got = trainer.generator.generate_rows(prompts, params)
             for r, lp, i in zip(got.responses, got.log_probs, [i for g in groups for i in g]):
                 want = rows[i]["response_ids"][t0:t1]
                 equal[k] = equal[k] and list(r) == want and torch.allclose(

@@ -15,9 +15,15 @@ here, never by the engine), to prove that the cross-layout equivalence check fai
       vpp_drop_chunk_grad  the gradients of the first virtual-pipeline chunk are dropped before each optimizer step
       cp_sum_grad        context parallelism's per-token sum over CP ranks all-reduces its gradient too (every CP
                          rank then back-propagates every token: a CP-fold over-count)
+      scored_batch_loses_token_codes  the rollout's own ranks send their scored batches without the multi-turn token
+                         codes, so the trainer trains the tool and user tokens (tests/multiprocess/test_matrix.py)
+      replay_layer_shift routing replay (R2 / R3) hands MoE layer i the recorded ids of layer i-1
+      lora_eager_merge   the LoRA rollout sync merges every adapted weight up front instead of a bucket at a time
+      lora_export_alpha  adapters rebuilt from a checkpoint get twice the saved alpha (export --lora / --merge)
+      lora_plan_base_trained  the memory plan counts a LoRA model's frozen base as trained (grads, optimizer states)
 `plant(bug)` / `unplant()` do the same in-process for one command of a world that runs several
 (tests/multiprocess/workers/tripod_commands.py): every plant only replaces attributes, and `unplant` puts the originals back.
-TRIPOD_TEST_OFFLOAD_RECORD=<path> turns every offload kind of every model on inside engine/offload.py's manager (a CPU
+TRIPOD_TEST_OFFLOAD_RECORD=<path> turns every offload kind of every model on inside runtime/offload.py's manager (a CPU
 run refuses the keys themselves; there the manager only records) and appends rank 0's placement after each phase the
 trainer enters to <path>, one JSON line each.
 """
@@ -139,7 +145,7 @@ def _drop_first_chunk_grads() -> None:
 def _record_offload(path: str) -> None:
     import json
 
-    from tripod.engine import offload
+    from tripod.runtime import offload
 
     init, enter = offload.OffloadManager.__init__, offload.OffloadManager.enter
 
@@ -283,13 +289,82 @@ def _slow_checkpoint_delete() -> None:
     _patch(retention, "_remove_tree", slow)
 
 
+def _shift_replayed_layers() -> None:
+    """Replay hands each MoE layer the ids its batch recorded for the layer before (the record's layer axis rolled by
+    one); the mismatch is still counted against the record as it is (on every PP stage and virtual chunk alike)."""
+    import torch
+
+    from tripod.parallel.router_replay import RoutingReplay
+
+    original = RoutingReplay.before
+
+    def before(self, model, mb, rows, seq, slots):
+        ids = mb.tensors.get(self.replay_key) if self.mode == "replay" else None
+        if ids is None:
+            return original(self, model, mb, rows, seq, slots)
+        kept = dict(mb.tensors)
+        mb.tensors.setdefault(self.reference_key, ids)
+        mb.tensors[self.replay_key] = torch.roll(ids, 1, dims=2)  # [N, S, layers, k]: layer i gets layer i-1's ids
+        try:
+            original(self, model, mb, rows, seq, slots)
+        finally:
+            mb.tensors.clear()
+            mb.tensors.update(kept)
+    _patch(RoutingReplay, "before", before)
+
+
+def _merge_eagerly() -> None:
+    from tripod.parallel.lora import merge
+
+    original = merge.merged_shard
+
+    def merged_shard(*args, **kwargs):
+        shard = original(*args, **kwargs)
+        return {n: v[:] if isinstance(v, merge.MergedWeight) else v for n, v in shard.items()}
+    _patch(merge, "merged_shard", merged_shard)  # read by the hybrid engine at call time
+
+
+def _double_export_alpha() -> None:
+    from tripod.parallel.lora import checkpoint
+
+    original = checkpoint.attach_saved_adapters
+    _patch(checkpoint, "attach_saved_adapters",
+           lambda chunks, arch, saved: original(chunks, arch, {**saved, "alpha": 2 * float(saved["alpha"])}))
+
+
+def _count_lora_base_as_trained() -> None:
+    from tripod.parallel.memory_plan import ModelMemory
+
+    original = ModelMemory.optimizer_rows
+
+    def optimizer_rows(self, dense, expert, pbytes):
+        if self.lora:
+            dense, expert = dense + self.numel - self.expert_numel, expert + self.expert_numel
+        return original(self, dense, expert, pbytes)
+    _patch(ModelMemory, "optimizer_rows", optimizer_rows)
+
+
+def _scored_batch_loses_token_codes() -> None:
+    """The scored batch the rollout's own ranks send loses its token codes on the wire (engine/async_rollout/
+    messages.py): the trainer then takes a multi-turn row for a single-turn one and trains its tool and user tokens
+    (tests/multiprocess/test_matrix.py)."""
+    import dataclasses
+
+    from tripod.engine.async_rollout.messages import ScoredBatch
+
+    original = ScoredBatch.to_bytes
+    _patch(ScoredBatch, "to_bytes", lambda self: original(dataclasses.replace(self, token_codes=None)))
+
+
 PLANTS = {"slow_checkpoint_delete": _slow_checkpoint_delete, "routing_rows_not_kept": _routing_rows_not_kept,
           "slow_checkpoint_write": _slow_checkpoint_write, "slow_decode": _slow_decode, "rollout_weights_stale": _stale_rollout_weights, "async_version_off_by_one": _version_off_by_one, "rollout_rank_dies": _rollout_dies,
           "lm_head_tp_split": _flip_lm_head_split, "pp_stage_grads": _drop_first_stage_grads,
           "expert_dp_grads": _sum_expert_dp_grads, "adam_step_shared": _share_adam_step,
           "adam_exp_avg_sq_on_load": _zero_exp_avg_sq_on_load, "expert_bias_frozen": _freeze_expert_bias,
           "sp_value_grad": _sum_sp_value_grad, "vpp_drop_chunk_grad": _drop_first_chunk_grads,
-          "cp_sum_grad": _sum_cp_grad}
+          "cp_sum_grad": _sum_cp_grad, "replay_layer_shift": _shift_replayed_layers, "lora_eager_merge": _merge_eagerly,
+          "lora_export_alpha": _double_export_alpha, "lora_plan_base_trained": _count_lora_base_as_trained,
+          "scored_batch_loses_token_codes": _scored_batch_loses_token_codes}
 
 
 def plant(bug: str) -> None:

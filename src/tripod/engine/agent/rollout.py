@@ -1,8 +1,8 @@
-"""The agent loop inside the colocated rollout: what `WeightSync.generate_rows` runs when
-actor_rollout_ref.rollout.multi_turn.enable is on.
+"""The agent loop as a rollout generator (engine/rollout/generators.py): what a step's rollout runs when
+actor_rollout_ref.rollout.multi_turn.enable is on, on the trainer's ranks or on the rollout's own.
 
-Each rollout replica runs engine/agent/loop.py's `AgentLoop` on its share of the prompts, with the actor's weights
-loaded once for all its turns; the group's first rank runs the tools and renders, the others get its results by one
+Each rollout replica runs engine/agent/loop.py's `AgentLoop` on its share of the prompts, inside one session of its
+engine for all its turns (colocated: the actor's weights loaded once); the group's first rank runs the tools and renders, the others get its results by one
 broadcast a turn. The rows then move to the ranks that need them like single-turn rows
 (engine/rollout/exchange.py), with one code per token (loop.MODEL / TOOL / USER) from which the batch takes its
 response mask (engine/workers/batch.py) and the rollout dump its `turns` (engine/async_rollout/source.py).
@@ -15,13 +15,16 @@ those, the share whose every <tool_call> block parsed; absent when no row called
 generate calls and in tool / interaction steps, rendering included), multi_turn/non_append_only_turns
 (engine/agent/chat_suffix.py). Validation (engine/validation.py) logs its own rows' under val/.
 
-Rewards: after each generation batch `row_fields` holds the trajectory fields of this replica's rows (on every rank
-of the replica) and `add_rewards` says whether their rollout rewards join the score; the scorer
-(engine/rewards/replica_scoring.py) reads both (engine/agent/rewards.py).
+Rewards: the GatheredRollout of a generation batch carries the trajectory fields of this replica's rows (`row_fields`,
+on every rank of the replica) and whether their rollout rewards join the score (`add_rewards`); the scorer
+(engine/rewards/replica_scoring.py) reads both (engine/agent/rewards.py), also when it scores a batch later (the
+rollout's own ranks score in a thread while the next batch is generated).
+
+R3 (MoE routing replay): with a routing-recording engine each trajectory's turns are joined into one record per row
+(engine/agent/loop.py) and every row's record reaches every rank as a single-turn row's does.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable
 
 import torch
@@ -32,6 +35,8 @@ from tripod.engine.agent.loop import AgentLoop, Trajectory
 from tripod.engine.agent.rewards import reward_fields
 from tripod.engine.rollout.base import SamplingParams
 from tripod.engine.rollout.exchange import exchange_rollout
+from tripod.engine.rollout.generators import GatheredRollout, RolloutReplicas, Session, replica_bounds, timed
+from tripod.parallel.moe_arch import MoEArch
 
 TOOL_TIMEOUT_S = 60.0  # wall-clock limit of one tool call or interaction step (the runners')
 SUMMED = ("rows", "turns", "calls", "errors", "timeouts", "model_tokens", "tokens", "non_append_only", "called_rows",
@@ -61,8 +66,9 @@ def check_agent_inputs(cfg: Any, tokenizer: Any, datasets: list) -> None:
         validate_agent_inputs(tools, interactions, (ds[i]["extra_info"] for i in range(len(ds))))
 
 
-def build_agent(cfg: Any, tokenizer: Any) -> "AgentRollout | None":
-    """The run's agent rollout from actor_rollout_ref.rollout.multi_turn (None when it is off)."""
+def build_agent(cfg: Any, tokenizer: Any, engine: Any, replicas: RolloutReplicas, session: Session,
+                routing_of: MoEArch | None = None) -> "AgentRollout | None":
+    """The run's agent rollout from actor_rollout_ref.rollout.multi_turn over `engine` (None when it is off)."""
     rollout = cfg.actor_rollout_ref.rollout
     mt = rollout.multi_turn
     if not mt.enable:
@@ -76,47 +82,52 @@ def build_agent(cfg: Any, tokenizer: Any) -> "AgentRollout | None":
                         timeout_s=TOOL_TIMEOUT_S) if tools else None
     interactions = InteractionRunner(found, timeout_s=TOOL_TIMEOUT_S) if found else None
     schemas = tool_schemas(tools) if tools else None
-    return AgentRollout(AgentLoop(tokenizer, rollout.response_length, ChatSuffix(tokenizer, schemas), runner,
-                                  interactions, mt.max_assistant_turns, mt.max_user_turns), mt.add_rollout_rewards)
+    loop = AgentLoop(tokenizer, rollout.response_length, ChatSuffix(tokenizer, schemas), runner, interactions,
+                     mt.max_assistant_turns, mt.max_user_turns)
+    return AgentRollout(loop, engine, replicas, session, routing_of, mt.add_rollout_rewards)
 
 
 class AgentRollout:
-    """The agent loop as the rollout of `WeightSync.generate_rows` (see the module docstring)."""
+    """The agent loop as a rollout generator (see the module docstring)."""
 
-    def __init__(self, loop: AgentLoop, add_rewards: bool = False) -> None:
-        self.loop, self.add_rewards = loop, bool(add_rewards)
+    def __init__(self, loop: AgentLoop, engine: Any, replicas: RolloutReplicas, session: Session,
+                 routing_of: MoEArch | None = None, add_rewards: bool = False) -> None:
+        self.loop, self.engine, self.replicas, self.session = loop, engine, replicas, session
+        self.routing_of, self.add_rewards = routing_of, bool(add_rewards)
         self.sums: dict[str, float] = {}
-        self.row_fields: list[dict] | None = None  # the last batch's, this replica's rows (engine/agent/rewards.py)
 
-    def generate_rows(self, sync: Any, prompts: list[list[int]], params: SamplingParams, timer: Any = None,
+    def generate_rows(self, prompts: list[list[int]], params: SamplingParams, timer: Any = None,
                       needs: Callable[[list[int]], list[int] | None] | None = None,
-                      extra_infos: list[dict] | None = None):
-        """`WeightSync.generate_rows` with multi-turn rows: a GatheredRollout whose `token_codes` say who wrote each
-        token. Collective over the world."""
-        from tripod.engine.rollout.weight_sync import GatheredRollout, replica_bounds
-
-        replicas, mine = sync.hybrid.plan.rollout_tp_groups, sync.hybrid.rollout_dp_rank
+                      extra_infos: list[dict] | None = None) -> GatheredRollout:
+        """The batch's multi-turn rows: a GatheredRollout whose `token_codes` say who wrote each token, with this
+        replica's rows' trajectory fields. Collective over the world."""
+        replicas, mine = self.replicas.ranks, self.replicas.mine
         bounds = replica_bounds(len(prompts), len(replicas))
         share_prompts = prompts[bounds[mine]:bounds[mine + 1]]
         infos = (extra_infos or [{}] * len(prompts))[bounds[mine]:bounds[mine + 1]]
-        group = sync.engine.tp_group
+        group = self.replicas.group
         renders = group is None or dist.get_rank(group) == 0
-        timed = timer if timer is not None else (lambda name: contextlib.nullcontext())
-        with sync.loaded(timer) as engine, timed("gen"):
+        with self.session(timer) as engine, timed(timer)("gen"):
             rows, sums = self.loop.run(engine.generate, share_prompts, params.n, params, infos, renders,
                                        None if group is None else lambda obj: _share(obj, group))
-        sync.events.append("generate")
         fields = [reward_fields(r) for r in rows] if renders else None
-        self.row_fields = fields if group is None else _share(fields, group)
         self._add(sums if renders else dict.fromkeys(sums, 0.0))
-        return GatheredRollout(*trajectory_rows(rows, replicas, mine, needs))
+        out = GatheredRollout(*trajectory_rows(rows, replicas, mine, needs),
+                              row_fields=fields if group is None else _share(fields, group),
+                              add_rewards=self.add_rewards)
+        if self.routing_of is not None:
+            from tripod.engine.rollout.routing_record import gather_rollout_routing
+
+            out.routed_experts = gather_rollout_routing([getattr(r, "routed_experts", None) for r in rows],
+                                                        replicas, self.routing_of)
+        return out
 
     def _add(self, sums: dict[str, float]) -> None:
         """Adds a generation batch's sums over every replica (collective over the world)."""
         t = torch.tensor([[sums[k] for k in SUMMED], [sums[k] for k in MAXED] + [0.0] * (len(SUMMED) - len(MAXED))],
                          dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            from tripod.engine.device import current_device
+            from tripod.runtime.device import current_device
 
             total, most = t[0].to(current_device()), t[1].to(current_device())
             dist.all_reduce(total)

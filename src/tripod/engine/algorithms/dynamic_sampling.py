@@ -37,7 +37,8 @@ FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 
 @dataclass
 class Rollout:
-    """Prompts with their responses (n per prompt, prompt-major) and rewards, ready for the PPO batch."""
+    """A step's rows from the rollout to the PPO batch: prompts with their responses (n per prompt, prompt-major),
+    rewards, what the engine said of each token, and which of them this rank holds."""
     prompts: PromptBatch
     responses: list[list[int]]
     scores: list[float]           # the rule reward of each response
@@ -52,6 +53,11 @@ class Rollout:
     token_codes: list | None = None
     # MoE routing replay (R3): each row's experts per token from the rollout engine (engine/rollout/routing_record.py)
     routed_experts: list | None = None
+    # every row's response length, and the rows this rank holds where the rollout exchange named them (a batch sharded
+    # by DP rank; None: every row), and their RowShards (engine/workers/row_shards.py), set by the rollout source
+    response_lens: list[int] | None = None
+    held_rows: list[int] | None = None
+    shards: Any = None
 
     def groups(self, keep: Sequence[int], n: int) -> "Rollout":
         """The rollout of the prompts at positions `keep`, each with its n responses (the scorer's counts stay
@@ -114,14 +120,13 @@ class DynamicSampler:
         self.draw, self.shaper = draw, shaper
 
     def rollout(self, prompts: PromptBatch, gen_batch: int, generate: Callable[[PromptBatch, int], Any],
-                score: Callable[[PromptBatch, list[list[int]]], tuple[list[float], dict]], timer: Any) -> Rollout:
+                score: Callable[[PromptBatch, Any], tuple[list[float], dict]], timer: Any) -> Rollout:
         """Generate (`generate(prompts, gen_batch)`: n responses per prompt, as a list of token lists or as
-        engine/rollout/weight_sync.py's GatheredRollout, whose log-probs and finish reasons are kept), score and
-        shape one batch."""
+        engine/rollout/generators.py's GatheredRollout, whose log-probs and finish reasons are kept), score
+        (`score(prompts, generated)`) and shape one batch."""
         generated = generate(prompts, gen_batch)
-        responses = generated if isinstance(generated, list) else generated.responses
         with timer("reward"):
-            scores, counts = score(prompts, responses)
+            scores, counts = score(prompts, generated)
             return self.scored(prompts, generated, scores, counts)
 
     def scored(self, prompts: PromptBatch, generated: Any, scores: list[float], counts: dict) -> Rollout:
@@ -129,20 +134,23 @@ class DynamicSampler:
         responses = generated if isinstance(generated, list) else generated.responses
         lengths = getattr(generated, "lengths", None) or [len(r) for r in responses]  # every row's, held or not
         penalties = self.shaper.penalties(lengths)
-        rewards = [s + p for s, p in zip(scores, penalties)] if self.shaper.enable else list(scores)
+        # a row without a score yet (None: the reward model scores it on the trainer, engine/rewards/scorer.py) gets
+        # its reward there
+        rewards = [s if s is None else s + p for s, p in zip(scores, penalties)] if self.shaper.enable \
+            else list(scores)
         if isinstance(generated, list):
             return Rollout(prompts, responses, list(scores), rewards, penalties, dict(counts))
         codes, routed = getattr(generated, "token_codes", None), getattr(generated, "routed_experts", None)
         return Rollout(prompts, responses, list(scores), rewards, penalties, dict(counts), list(generated.log_probs),
                        list(generated.finish_reasons), None if codes is None else list(codes),
-                       None if routed is None else list(routed))
+                       None if routed is None else list(routed), list(lengths), generated.rows)
 
     def metrics_of(self, out: Rollout) -> tuple[Rollout, dict[str, float]]:
         """(a one-batch rollout, its metrics: the scorer's counts, overlong shaping)."""
         return out, {**out.reward_metrics, **self.shaper.metrics(out.penalties)}
 
     def collect(self, prompts: PromptBatch, generate: Callable[[PromptBatch, int], Any],
-                score: Callable[[PromptBatch, list[list[int]]], tuple[list[float], dict]],
+                score: Callable[[PromptBatch, Any], tuple[list[float], dict]],
                 timer: Any) -> tuple[Rollout, dict[str, float]]:
         """(the step's rollout, its metrics: the scorer's counts, overlong shaping and dynamic sampling)."""
         if not self.enable:

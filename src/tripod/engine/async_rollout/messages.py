@@ -3,7 +3,8 @@
 One uint8 buffer: an 8-byte length, a JSON head (everything but the tokens and log-probs: the batch number, the
 weight version of every row's tokens, the prompts' dataset rows, response lengths, finish reasons, scores, the
 reward and dynamic-sampling metrics, the rollout loader's position after the batch's prompts, the rollout's timings),
-then the tokens (int32), the rollout log-probs (float32) and, with routing replay (R3), every row's routed experts
+then the tokens (int32), the rollout log-probs (float32), with multi-turn each token's code (uint8: the model's, a
+tool's, a user's; engine/agent/loop.py) and, with routing replay (R3), every row's routed experts
 (engine/rollout/routing_record.py: [tokens, MoE layers, k] uint8 or int16, as recorded). JSON keeps floats exactly (Python writes the shortest
 repr that reads back to the same double) and nothing is pickled. `send_batch` / `recv_batch` move it over the data
 bridge (size first, then the buffer).
@@ -35,11 +36,13 @@ class ScoredBatch:
     timings: dict[str, float] = field(default_factory=dict)
     run: int = 0  # which start of the rollout made it (a divergence-guard rollback starts it again)
     routed_experts: list[torch.Tensor] | None = None  # R3: per row [prompt + response tokens, layers, k]
+    token_codes: list[torch.Tensor] | None = None  # multi-turn: per row, who wrote each response token (uint8)
 
     def to_bytes(self) -> torch.Tensor:
-        body = ("responses", "log_probs", "routed_experts")
+        body = ("responses", "log_probs", "routed_experts", "token_codes")
         head = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in body}
         head["lengths"] = [len(r) for r in self.responses]
+        head["coded"] = self.token_codes is not None
         routed = self.routed_experts
         head["routed"] = None if routed is None else {  # per row: its token count; every row: [layers, k], dtype
             "lens": [r.shape[0] for r in routed], "tail": list(routed[0].shape[1:]) if routed else [0, 0],
@@ -53,16 +56,23 @@ class ScoredBatch:
         size = torch.tensor([len(raw)], dtype=torch.int64)
         experts = torch.cat([r.contiguous().view(torch.uint8).reshape(-1) for r in routed]) if routed else \
             torch.zeros(0, dtype=torch.uint8)
+        codes = torch.cat([torch.as_tensor(c, dtype=torch.uint8).reshape(-1) for c in self.token_codes]) \
+            if self.token_codes else torch.zeros(0, dtype=torch.uint8)
+        if self.token_codes is not None and codes.numel() != tokens.numel():
+            raise ValueError(f"batch {self.batch}: {tokens.numel()} tokens but {codes.numel()} token codes")
         return torch.cat([size.view(torch.uint8), torch.frombuffer(bytearray(raw), dtype=torch.uint8),
-                          tokens.view(torch.uint8), logp.view(torch.uint8), experts])
+                          tokens.view(torch.uint8), logp.view(torch.uint8), codes, experts])
 
     @staticmethod
     def from_bytes(buf: torch.Tensor) -> "ScoredBatch":
         n = int(buf[:8].clone().view(torch.int64))
         head = json.loads(bytes(buf[8: 8 + n].tolist()).decode())
-        lengths, routed = head.pop("lengths"), head.pop("routed")
+        lengths, routed, coded = head.pop("lengths"), head.pop("routed"), head.pop("coded")
         total = sum(lengths)
         body = buf[8 + n:].clone()
+        codes = list(body[8 * total: 9 * total].split(lengths)) if coded else None
+        if coded:  # the expert ids follow the codes
+            body = torch.cat([body[: 8 * total], body[9 * total:]])
         tokens = body[: 4 * total].view(torch.int32).tolist()
         logp = body[4 * total: 8 * total].view(torch.float32)
         responses, log_probs, start = [], [], 0
@@ -75,7 +85,7 @@ class ScoredBatch:
             layers, k = routed["tail"]
             ids = body[8 * total:].view(getattr(torch, routed["dtype"])).view(-1, layers, k) if routed["lens"] else None
             experts = list(ids.split(routed["lens"])) if ids is not None else []
-        return ScoredBatch(responses=responses, log_probs=log_probs, routed_experts=experts, **head)
+        return ScoredBatch(responses=responses, log_probs=log_probs, routed_experts=experts, token_codes=codes, **head)
 
 
 def send_batch(group, buf: torch.Tensor, dst: int) -> tuple[list, torch.Tensor]:

@@ -11,9 +11,11 @@ send it to the trainer's queue.
     the trainer's end header: done (an end message tells trainer rank 0); a RESTART header instead (a divergence-guard
     rollback): wait for the next start message
 
-The rollout world is its own torch.distributed world (engine/async_rollout/bridge.py), so the rows move between its
-replicas and the scores are shared exactly as in a colocated rollout (engine/rollout/weight_sync.generate_rows,
-engine/rewards/replica_scoring.py). The engine keeps its weights and KV cache between batches: nothing here trains.
+The rollout world is its own torch.distributed world (engine/async_rollout/bridge.py). Its parts are the trainer's
+(engine/components.py): the same generator (single-turn, or the agent loop with the prompts' tools), so the rows move
+between its replicas and the rule scores are shared exactly as in a colocated rollout (engine/rollout/generators.py,
+engine/rewards/scorer.py); a reward model scores on the trainer's ranks when the batch arrives. The engine keeps its
+weights and KV cache between batches: nothing here trains.
 """
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from tripod.engine.algorithms.dynamic_sampling import DynamicSampler
 from tripod.engine.async_rollout.bridge import Placement, recv
 from tripod.engine.async_rollout.messages import ScoredBatch, send_batch, send_end
 from tripod.engine.async_rollout.schedule import StalenessSchedule
@@ -33,57 +34,25 @@ class RolloutServer:
     """One rollout rank of a run whose rollout has ranks of its own (see the module docstring)."""
 
     def __init__(self, cfg, placement: Placement):
-        from transformers import AutoTokenizer
-
-        from tripod.engine.data import PromptDataLoader, PromptDataset
-        from tripod.engine.data.token_cache import resolve_cache_dir
-        from tripod.engine.device import current_device
-        from tripod.engine.precision import rollout_dtype
-        from tripod.engine.rewards import RewardPool
-        from tripod.engine.rewards.overlong import OverlongShaper
-        from tripod.engine.rewards.replica_scoring import pool_workers
-        from tripod.engine.rollout import make_rollout_engine
-        from tripod.engine.rollout.factory import engine_kwargs
-        from tripod.parallel.arch import arch_from_hf
+        from tripod.engine.components import build_components
+        from tripod.engine.rollout.generators import RolloutReplicas
         from tripod.parallel.hybrid_engine.plan import reshard_plan_from_config
+        from tripod.runtime.device import current_device
 
         self.cfg, self.placement = cfg, placement
         if cfg.trainer.threads_per_rank > 0:
             torch.set_num_threads(cfg.trainer.threads_per_rank)
         self.rank, self.world, self.device = dist.get_rank(), dist.get_world_size(), current_device()
-        arc = cfg.actor_rollout_ref
-        path = arc.model.path
-        self.arch = arch_from_hf(path)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or path)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        d = cfg.data
-        self.train_set = PromptDataset(d.train_files, tokenizer=self.tokenizer, prompt_key=d.prompt_key,
-                                       max_prompt_length=d.max_prompt_length,
-                                       filter_overlong_prompts=d.filter_overlong_prompts,
-                                       apply_chat_template=d.apply_chat_template, reward_fn_key=d.reward_fn_key,
-                                       token_cache_dir=resolve_cache_dir(d.token_cache_dir))
-        self.loader = PromptDataLoader(self.train_set, d.gen_batch_size, d.shuffle, d.seed)
-        tp = arc.rollout.tensor_model_parallel_size
-        self.replicas = [list(range(g * tp, (g + 1) * tp)) for g in range(self.world // tp)]
-        groups = [dist.new_group(ranks) for ranks in self.replicas]  # every rank makes every group, in order
+        tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+        self.parts = parts = build_components(cfg, "rollout")
+        self.arch, self.tokenizer, self.loader, self.sampler = parts.arch, parts.tokenizer, parts.loader, parts.sampler
+        self.replicas = RolloutReplicas.of_world(self.world, self.rank, tp)
         self.score_group = dist.new_group(list(range(self.world)))  # the scorer thread's own: never beside another op
-        self.mine = self.rank // tp
-        self.tp_group = groups[self.mine] if tp > 1 else None
-        self.rewards = RewardPool(pool_workers(cfg.reward_model.num_workers, cfg.rollout.n_gpus_per_node, tp),
-                                  cfg.reward_model.timeout_s, cfg.reward_model.use_ray,
-                                  data_sources=self.train_set.data_sources)
-        self.sampler = DynamicSampler(cfg.algorithm.filter_groups, d.train_batch_size, arc.rollout.n,
-                                      draw=lambda: next(iter(self.loader)),
-                                      shaper=OverlongShaper(cfg.reward_model.overlong_buffer,
-                                                            arc.rollout.response_length))
-        gen_dtype = rollout_dtype(arc.rollout.dtype, self.device)
-        self.engine = make_rollout_engine(arc.rollout.name, self.arch, groups[self.mine] if tp > 1 else None,
-                                          **engine_kwargs(cfg, pad, gen_dtype, self.device, None))
-        if arc.rollout.name == "embedded":
-            self.engine.decode_threads = arc.rollout.decode_threads
-            self.engine.record_routing = arc.rollout.enable_rollout_routing_replay  # each token's experts (R3)
-        trainer_ranks = placement.trainer_ranks
-        plan = reshard_plan_from_config(cfg, trainer_ranks, self.arch)
+        # the engine keeps the weights the receiver loads between batches; the reward model, if any, is the trainer's
+        parts.build_rollout(self.replicas, self.device, score_group=self.score_group)
+        self.engine, self.generator, self.scorer = parts.engine, parts.generator, parts.scorer
+        self.mine, self.tp_group = self.replicas.mine, self.replicas.group
+        plan = reshard_plan_from_config(cfg, placement.trainer_ranks, self.arch)
         self.weights = WeightReceiver(placement, plan, self.rank % tp, self.device)
         total = cfg.trainer.total_training_steps or len(self.loader) * cfg.trainer.total_epochs
         a = cfg.async_training
@@ -110,15 +79,16 @@ class RolloutServer:
         each replica's switches (gathered from every rollout rank) cut at the row's length."""
         if not self.partial:
             return [[[0, start]] for _ in lengths]
-        from tripod.engine.rollout.weight_sync import replica_bounds
+        from tripod.engine.rollout.generators import replica_bounds
 
         every: list = [None] * self.world
         dist.all_gather_object(every, (self.mine, start, switches))
         by_replica = {r: (v, sw) for r, v, sw in every}
-        bounds = replica_bounds(num_prompts, len(self.replicas))
+        replicas = len(self.replicas.ranks)
+        bounds = replica_bounds(num_prompts, replicas)
         out = []
         for row, length in enumerate(lengths):
-            r = next(k for k in range(len(self.replicas)) if bounds[k] * n <= row < bounds[k + 1] * n)
+            r = next(k for k in range(replicas) if bounds[k] * n <= row < bounds[k + 1] * n)
             v, sw = by_replica[r]
             out.append([[0, v]] + [[t, w] for t, w in sw if t < length])
         return out
@@ -142,7 +112,7 @@ class RolloutServer:
         self.outbox: list = []
         on_device = (lambda: torch.cuda.set_device(self.device)) if self.device.type == "cuda" else None
         # scores and sends each batch, in order, while the next is generated (NCCL: on this rank's device)
-        self.scorer = ThreadPoolExecutor(1, initializer=on_device)
+        self.scoring_thread = ThreadPoolExecutor(1, initializer=on_device)
         self._futures: list = []
         while True:
             try:
@@ -153,11 +123,11 @@ class RolloutServer:
                 for f in self._futures:  # what was scored goes out; the trainer drops the abandoned run's batches
                     f.result()
                 self._futures, self.version = [], None
-        self.scorer.shutdown()
+        self.scoring_thread.shutdown()
         if self.rank == 0:
             self._wait_sent()
             send_end(self.placement.data, 0)
-        self.rewards.close()
+        self.parts.pool.close()
 
     def _serve_run(self) -> None:
         """One start of the rollout: from the start message's batch to the last, then the trainer's end header."""
@@ -195,12 +165,9 @@ class RolloutServer:
 
     def _generate_rows(self, batch: int, prompts, gen_batch: int = 0):
         from tripod.engine.rollout.factory import step_sampling_params
-        from tripod.engine.rollout.weight_sync import generate_rows
 
         params = step_sampling_params(self.cfg, False, batch, gen_batch, self.mine)
-        recording = getattr(self.engine, "record_routing", False)
-        return generate_rows(lambda share: self.engine.generate(share, params), prompts.input_ids, self.replicas,
-                             self.mine, routing_of=self.arch.moe if recording else None)
+        return self.generator.generate_rows(prompts.input_ids, params, extra_infos=prompts.extra_infos)
 
     def _generate(self, i: int, spent: dict[str, float], start: int, switches: list) -> None:
         """Generate batch i; the scorer thread scores it (the pool's workers, or a remote judge, wait while the next
@@ -213,41 +180,35 @@ class RolloutServer:
         self.engine.between_tokens = None
         n = self.cfg.actor_rollout_ref.rollout.n
         versions = self._segments(len(prompts.input_ids), n, [len(r) for r in generated.responses], start, switches)
-        self._submit(self._score_and_send, i, prompts, generated, spent, versions, loader_state)
+        self._submit(self._score_and_send, i, prompts, generated, spent, versions, loader_state,
+                     self.generator.take_metrics())
 
     def _submit(self, fn, *args) -> None:
         """Queue `fn(*args)` on the scorer thread; a failure of its earlier work is raised here."""
         for f in self._futures:
             if f.done():
                 f.result()
-        self._futures = [f for f in self._futures if not f.done()] + [self.scorer.submit(fn, *args)]
+        self._futures = [f for f in self._futures if not f.done()] + [self.scoring_thread.submit(fn, *args)]
 
     def _score_and_send(self, i: int, prompts, generated, spent: dict[str, float], versions: list,
-                        loader_state: dict) -> None:
+                        loader_state: dict, agent_metrics: dict[str, float]) -> None:
         """(scorer thread) this replica's rows scored in the pool, every replica's scores summed on the scorer's own
         group, shaped, and rank 0 posts the batch."""
-        from tripod.engine.rewards.replica_scoring import score_replica_rows, share_replica_scores
-
         began = time.perf_counter()
-        n, total = self.cfg.actor_rollout_ref.rollout.n, len(generated.responses)
-        scores, counts = share_replica_scores(score_replica_rows(self.rewards, self.tokenizer, prompts,
-                                                                 generated.responses, n, self.replicas, self.mine,
-                                                                 False), total, False, self.score_group)
+        scores, counts = self.scorer.rules(prompts, generated)
         spent["rollout_reward_s"] = time.perf_counter() - began
         rollout, metrics = self.sampler.metrics_of(self.sampler.scored(prompts, generated, scores, counts))
-        self._send(i, rollout, metrics, versions, spent, loader_state)
+        self._send(i, rollout, {**metrics, **agent_metrics}, versions, spent, loader_state)
 
     def _dynamic_batch(self, i: int, spent: dict[str, float], start: int, switches: list) -> None:
-        """Batch i under dynamic sampling: generation batches scored one by one until enough groups are kept."""
-        from tripod.engine.rewards.replica_scoring import score_where_generated
-
+        """Batch i under dynamic sampling: generation batches scored one by one until enough groups are kept (on the
+        world: dynamic sampling with a reward model is refused, its scores are the trainer's)."""
         n = self.cfg.actor_rollout_ref.rollout.n
         timer = self._timer(spent)
         with timer("rollout_gen_s"):
-            rollout, metrics = self.sampler.collect(
-                next(iter(self.loader)), lambda p, k: self._generate_rows(i, p, k),
-                lambda p, responses: score_where_generated(self.rewards, self.tokenizer, p, responses, n,
-                                                           self.replicas, self.mine, where_defined=False), timer)
+            rollout, metrics = self.sampler.collect(next(iter(self.loader)), lambda p, k: self._generate_rows(i, p, k),
+                                                    lambda p, generated: self.scorer.rules(p, generated, True), timer)
+        metrics.update(self.generator.take_metrics())
         self.engine.between_tokens = None
         versions = self._segments(len(rollout.prompts.input_ids), n, [len(r) for r in rollout.responses], start,
                                   switches)
@@ -268,7 +229,7 @@ class RolloutServer:
                             rollout.rollout_log_probs, rollout.finish_reasons, rollout.scores, rollout.rewards,
                             rollout.penalties, metrics, loader_state,
                             {("rollout_reward_s" if k == "reward" else k): v for k, v in spent.items()}, self.run,
-                            rollout.routed_experts)
+                            rollout.routed_experts, rollout.token_codes)
         self._wait_sent()
         buf = batch.to_bytes()
         works, size = send_batch(self.placement.data, buf, 0)

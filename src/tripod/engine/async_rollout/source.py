@@ -32,27 +32,20 @@ class ColocatedRollout:
     shards_rows = True  # the exchange may leave each DP rank only the rows it updates (engine/workers/row_shards.py)
 
     def __init__(self, trainer):
-        from tripod.engine.agent.rollout import build_agent
-
         self.t = trainer
-        # multi-turn (actor_rollout_ref.rollout.multi_turn): the agent loop generates the rows, tools loaded now
-        self.agent = None
-        if trainer.cfg.actor_rollout_ref.rollout.multi_turn.enable:
-            self.agent = trainer.weight_sync.agent = build_agent(trainer.cfg, trainer.tokenizer)
 
     def next_batch(self, step: int, step_rows, timer, prompts=None) -> tuple[Rollout, dict[str, float]]:
         t = self.t
         prompts = prompts if prompts is not None else next(iter(t.loader))
         t.offload.enter("rollout")
-        if self.agent is not None:
-            self.agent.take_metrics()  # a validation's turns are not this step's
+        t.generator.take_metrics()  # a validation's turns are not this step's
         t.weight_sync.take_metrics()  # nor a validation's weight sync
         rollout, metrics = t.sampler.collect(  # dynamic sampling may draw further prompt batches
-            prompts, lambda p, k: t.weight_sync.generate_rows(p.input_ids, t.sampling_params(False, step, k), timer,
-                                                              needs=step_rows.needs(p), extra_infos=p.extra_infos),
-            lambda p, responses: t.score(p, responses, t.cfg.actor_rollout_ref.rollout.n), timer)
-        return rollout, {**metrics, **(self.agent.take_metrics() if self.agent is not None else {}),
-                         **t.weight_sync.take_metrics()}
+            prompts, lambda p, k: t.generator.generate_rows(p.input_ids, t.sampling_params(False, step, k), timer,
+                                                            needs=step_rows.needs(p), extra_infos=p.extra_infos),
+            t.scorer, timer)
+        rollout.shards = step_rows.shards_of(rollout)
+        return rollout, {**metrics, **t.generator.take_metrics(), **t.weight_sync.take_metrics()}
 
     def updated(self, step: int) -> dict[str, float]:
         return {}
@@ -169,13 +162,15 @@ class QueuedRollout:
         self.loader_state = b.loader_state
         prompts = self.t.train_set.batch(b.prompt_indices)
         rollout = Rollout(prompts, b.responses, b.scores, b.rewards, b.penalties, dict(b.metrics), b.log_probs,
-                          b.finish_reasons, routed_experts=b.routed_experts)
+                          b.finish_reasons, b.token_codes, b.routed_experts)
+        with timer("reward"):  # the rollout ranks scored the rules; the reward model is here (rewards/scorer.py)
+            rollout, model_metrics = self.t.scorer.add_model_scores(rollout)
         ages = [step - v for row, r in zip(b.versions, b.responses)  # one age per token
                 for k, (first, v) in enumerate(row) for _ in range(first, row[k + 1][0] if k + 1 < len(row) else len(r))]
         ages = ages or [step - want]
         stats = torch.tensor([idle, float(queued)], dtype=torch.float64)
         dist.broadcast(stats, 0)
-        metrics = {**b.metrics, "async/staleness_mean": sum(ages) / len(ages), "async/staleness_max": float(max(ages)),
+        metrics = {**b.metrics, **model_metrics, "async/staleness_mean": sum(ages) / len(ages), "async/staleness_max": float(max(ages)),
                    "async/queue_size": float(stats[1]), "async/trainer_idle_s": float(stats[0]),
                    "async/partial_switches": float(sum(len(row) - 1 for row in b.versions)),
                    **{f"async/{k}": v for k, v in b.timings.items()}}
@@ -248,7 +243,7 @@ def _broadcast_bytes(buf: torch.Tensor | None) -> torch.Tensor:
     """Rank 0's buffer on every trainer rank (size first, then the bytes, on the trainer's default group)."""
     if dist.get_world_size() == 1:
         return buf
-    from tripod.engine.device import current_device
+    from tripod.runtime.device import current_device
 
     dev = current_device()
     size = torch.tensor([0 if buf is None else buf.numel()], dtype=torch.int64, device=dev)

@@ -91,7 +91,7 @@ class WeightPusher:
         version -1: a receive they posted ahead, for partial rollouts, completes instead of waiting for ever)."""
         self.wait()
         if self.slice is not None:
-            from tripod.engine.device import current_device
+            from tripod.runtime.device import current_device
 
             end = _header(END, 0).to(current_device())  # NCCL moves device tensors (gloo runs: the CPU)
             for work in [send(self.placement.weights, end, dst, wait=False) for dst in self.targets]:
@@ -101,7 +101,7 @@ class WeightPusher:
         """After a rollback: every rollout rank drops its timeline at its next wait for weights (the versions posted
         before still arrive first, in order)."""
         if self.slice is not None:
-            from tripod.engine.device import current_device
+            from tripod.runtime.device import current_device
 
             header = _header(RESTART, 0).to(current_device())
             self._pushes.append(([send(self.placement.weights, header, dst, wait=False) for dst in self.targets],

@@ -165,9 +165,6 @@ class RolloutConfig:
             e.append(f"{key}.stop_token_ids={list(self.stop_token_ids)} must be token ids (>= 0)")
         if not all(self.stop):
             e.append(f"{key}.stop={list(self.stop)} must not contain an empty string (it would end every response)")
-        if self.multi_turn.enable and self.enable_rollout_routing_replay:
-            e.append(f"{key}.multi_turn.enable=true with {key}.enable_rollout_routing_replay=true: a multi-turn row's "
-                     "experts come from several generate calls, which the routing record does not join; turn one off")
         return e + self.multi_turn.check(f"{key}.multi_turn")
 
 

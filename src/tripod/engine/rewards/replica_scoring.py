@@ -8,8 +8,8 @@ reward depends on its own row only, so the scores are those one pool scoring the
 pickled: whether a row has a rule score (`where_defined`, the reward-model path: None where the data source has no
 rule function) travels as a second float per row, so a rule that returns NaN stays NaN.
 
-Multi-turn (`agent`: engine/agent/rollout.py's AgentRollout): each row's extra_info gains its trajectory's fields and,
-with multi_turn.add_rollout_rewards, its rollout rewards join its rule score here, on the scoring rank only, before the
+Multi-turn (`generated`: the agent loop's GatheredRollout, engine/agent/rollout.py): each row's extra_info gains its
+trajectory's fields and, with multi_turn.add_rollout_rewards, its rollout rewards join its rule score here, on the scoring rank only, before the
 all_reduce that sums the replicas' disjoint rows, so they count once (engine/agent/rewards.py).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from tripod.engine.agent.rewards import rollout_reward, with_fields
 from tripod.engine.data.dataset import PromptBatch
-from tripod.engine.rollout.weight_sync import replica_bounds
+from tripod.engine.rollout.generators import replica_bounds
 
 # the scorer's counts (RewardPool.score); {} when no row of the batch had a rule function
 COUNT_KEYS = ("reward/num_timeouts", "reward/num_errors")
@@ -39,21 +39,22 @@ def rows_of_replica(num_prompts: int, n: int, replicas: int, replica: int) -> ra
 
 
 def score_where_generated(pool, tokenizer, prompts: PromptBatch, responses: list[list[int]], n: int,
-                          replica_ranks: Sequence[Sequence[int]], mine: int, where_defined: bool, agent=None
+                          replica_ranks: Sequence[Sequence[int]], mine: int, where_defined: bool, generated=None
                           ) -> tuple[list, dict[str, float]]:
     """(a rule score per row, in row order, on every rank; the scorer's counts summed over the replicas).
     `where_defined`: rows whose data source has no rule function score None (the reward model scores them).
     Collective over the world; `mine` is this rank's replica, `replica_ranks[i]` replica i's global ranks."""
     return share_replica_scores(score_replica_rows(pool, tokenizer, prompts, responses, n, replica_ranks, mine,
-                                                   where_defined, agent), len(responses), where_defined)
+                                                   where_defined, generated), len(responses), where_defined)
 
 
 def score_replica_rows(pool, tokenizer, prompts: PromptBatch, responses: list[list[int]], n: int,
                        replica_ranks: Sequence[Sequence[int]], mine: int, where_defined: bool,
-                       agent=None) -> torch.Tensor:
+                       generated=None) -> torch.Tensor:
     """The local half of `score_where_generated` (no collective, so it may run in a thread while the rank generates):
     this replica's first rank scores the replica's rows in its pool; [scores | 1 where scored | counts | 1 if any
-    counts], zeros elsewhere."""
+    counts], zeros elsewhere. `generated`: the rows' GatheredRollout, whose `row_fields` (multi-turn) join the rows'
+    extra_info."""
     from tripod.engine.workers.reward_model import rule_rewards_where_defined
 
     total = len(responses)
@@ -65,7 +66,7 @@ def score_replica_rows(pool, tokenizer, prompts: PromptBatch, responses: list[li
     if dist.get_rank() == int(replica_ranks[mine][0]) and len(rows):
         per_row = lambda xs: [xs[g // n] for g in rows]  # noqa: E731  prompt-major like the rollout
         texts = tokenizer.batch_decode([responses[g] for g in rows], skip_special_tokens=True)
-        fields = getattr(agent, "row_fields", None)
+        fields = getattr(generated, "row_fields", None)
         if fields is not None and len(fields) != len(rows):
             raise RuntimeError(f"the agent's last batch has {len(fields)} rows on this replica, not {len(rows)}")
         infos = per_row(prompts.extra_infos) if prompts.extra_infos else [None] * len(rows)
@@ -74,7 +75,7 @@ def score_replica_rows(pool, tokenizer, prompts: PromptBatch, responses: list[li
         args = (texts, per_row(prompts.ground_truths), per_row(prompts.data_sources),
                 infos if prompts.extra_infos or fields is not None else None)
         scores, counts = rule_rewards_where_defined(pool, *args) if where_defined else pool.score(*args)
-        if fields is not None and agent.add_rewards:
+        if fields is not None and generated.add_rewards:
             scores = [s if s is None else s + rollout_reward(f) for s, f in zip(scores, fields)]
         out[rows.start:rows.stop] = torch.tensor([0.0 if s is None else float(s) for s in scores], dtype=torch.float64)
         out[total + rows.start: total + rows.stop] = torch.tensor([float(s is not None) for s in scores],
@@ -90,7 +91,7 @@ def share_replica_scores(out: torch.Tensor, total: int, where_defined: bool, gro
                          ) -> tuple[list, dict[str, float]]:
     """The collective half of `score_where_generated`: every replica's `score_replica_rows` summed on every rank (of
     `group`, default the world)."""
-    from tripod.engine.device import current_device
+    from tripod.runtime.device import current_device
 
     out = out.to(current_device())  # NCCL reduces CUDA tensors only; a no-op on gloo's CPU runs
     dist.all_reduce(out, group=group)

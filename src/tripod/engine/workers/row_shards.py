@@ -16,8 +16,8 @@ actor, critic and reference split the rows differently on a rank, where the step
 (KL-in-reward ahead of a group estimator), or at DP1. The trainer also keeps the whole batch with dynamic sampling
 (the kept rows are known only after scoring) and with a reward model (it scores every row on every rank). The
 trainer's glue:
-`StepRows` runs the plan inside the rollout exchange, `step_batch` builds the rows, `step_advantages` runs the
-estimator on either batch.
+`StepRows` runs the plan inside the rollout exchange and gives the arrived rows' `RowShards`, which travel with them in
+the step's `Rollout`; `step_batch` builds the rows, `step_advantages` runs the estimator on either batch.
 """
 from __future__ import annotations
 
@@ -159,26 +159,35 @@ def plan_row_shards(lengths: RowLengths, algo, bypass: bool, n_samples: int, act
 
 
 class StepRows:
-    """Where one step's rows live, decided inside the rollout exchange: `needs(prompts)` is the exchange's callback for
-    a generation batch of `prompts` (every row's response length -> the rows this rank's batch holds, or None: every
-    row), which runs `plan_row_shards` (`plan`: its arguments but the lengths) and keeps the result in `shards`.
-    `enabled` False keeps the whole batch (the trainer's: dynamic sampling, a reward model)."""
+    """Where one step's rows live: `needs(prompts)` is the rollout exchange's callback for a generation batch of
+    `prompts` (every row's response length -> the rows this rank's batch holds, or None: every row), which runs
+    `plan_row_shards` (`plan`: its arguments but the lengths); `shards_of(rollout)` is the `RowShards` of the rows
+    that arrived (none: the whole batch). `enabled` False keeps the whole batch (the step plan's `shard_rows`)."""
 
     def __init__(self, enabled: bool, n_samples: int, **plan) -> None:
         self.enabled, self.n, self.plan = enabled, n_samples, plan
-        self.shards: RowShards | None = None
+
+    def lengths(self, prompts: PromptBatch, response_lens: list[int]) -> RowLengths:
+        n = self.n
+        return RowLengths.of_rollout([len(x) for x in prompts.input_ids for _ in range(n)], response_lens,
+                                     [i for i in prompts.indices for _ in range(n)])
 
     def needs(self, prompts: PromptBatch) -> Callable[[list[int]], list[int] | None] | None:
         if not self.enabled:
             return None
-        n = self.n
 
-        def rows(lengths: list[int]) -> list[int] | None:
-            every = RowLengths.of_rollout([len(x) for x in prompts.input_ids for _ in range(n)], lengths,
-                                          [i for i in prompts.indices for _ in range(n)])
-            self.shards = plan_row_shards(every, n_samples=n, **self.plan)
-            return None if self.shards is None else self.shards.rows
+        def rows(response_lens: list[int]) -> list[int] | None:
+            shards = plan_row_shards(self.lengths(prompts, response_lens), n_samples=self.n, **self.plan)
+            return None if shards is None else shards.rows
         return rows
+
+    def shards_of(self, rollout) -> RowShards | None:
+        """The shards of a rollout whose exchange named this rank's rows (`rollout.held_rows`), else None."""
+        if rollout.held_rows is None:
+            return None
+        actor = self.plan["actor"]
+        return RowShards(list(rollout.held_rows), self.lengths(rollout.prompts, rollout.response_lens),
+                         actor.layout.dp_group, actor.layout.dp)
 
 
 def step_advantages(algo, token_rewards: torch.Tensor, mask: torch.Tensor, batch: PPOBatch, scores: list[float],
