@@ -100,9 +100,9 @@ def test_response_span_of_contiguous_masks_is_their_sum():
 def test_the_rollout_dump_writes_turns_for_single_and_multi_turn_rows(tmp_path):
     import json
 
-    from tripod.engine.algorithms.dynamic_sampling import Rollout
     from tripod.engine.async_rollout.source import dump_rollout
     from tripod.engine.data.dataset import PromptBatch
+    from tripod.engine.rollout.rows import Rollout
 
     tok = chatml_tokenizer()
     prompts, rows = multi_turn_rollout()

@@ -204,8 +204,8 @@ def test_weighted_policy_loss_and_its_gradient_are_the_weighted_per_token_ones()
 def test_rollout_log_probs_ride_along_with_their_responses():
     """Dynamic sampling's group selection and concatenation keep each response's rollout log-probs and finish
     reason with it, and the PPO batch lays the log-probs out under the response tokens (0 past each length)."""
-    from tripod.engine.algorithms.dynamic_sampling import Rollout, concat
     from tripod.engine.data import PromptBatch
+    from tripod.engine.rollout.rows import Rollout, concat
     from tripod.engine.workers.batch import build_ppo_batch
 
     g = torch.Generator().manual_seed(3)

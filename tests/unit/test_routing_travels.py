@@ -3,9 +3,9 @@
 concatenation (engine/algorithms/dynamic_sampling.py) with the rows they belong to."""
 import torch
 
-from tripod.engine.algorithms.dynamic_sampling import Rollout, concat
 from tripod.engine.async_rollout.messages import ScoredBatch
 from tripod.engine.data.dataset import PromptBatch
+from tripod.engine.rollout.rows import Rollout, concat
 
 
 def _batch(routed):

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from tripod.engine.algorithms import apply_kl_penalty, build_kl_controller
-from tripod.engine.algorithms.dynamic_sampling import Rollout
 from tripod.engine.algorithms.rollout_correction import correct_batch
 from tripod.engine.async_rollout.schedule import StalenessSchedule
 from tripod.engine.async_rollout.source import ColocatedRollout, QueuedRollout, dump_rollout
@@ -38,6 +37,7 @@ from tripod.engine.rollout import SamplingParams
 from tripod.engine.rollout.factory import describe_stops, step_sampling_params
 from tripod.engine.rollout.generators import RolloutReplicas
 from tripod.engine.rollout.routing_record import attach_rollout_routing
+from tripod.engine.rollout.rows import Rollout
 from tripod.engine.rollout.weight_sync import WeightSync
 from tripod.engine.step_plan import StepPlan
 from tripod.engine.throughput import PerfCounter

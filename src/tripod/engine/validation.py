@@ -28,7 +28,7 @@ def validate(trainer: Any) -> dict[str, float]:
     for start in range(0, len(t.val_set), size):
         prompts = t.val_set.batch(list(range(start, min(start + size, len(t.val_set)))))
         t.offload.enter("rollout")
-        generated = t.generator.generate_rows(prompts.input_ids, params, Timer(), extra_infos=prompts.extra_infos)
+        generated = t.generator.generate_rows(prompts, params, Timer())
         responses = generated.responses
         batch_scores, _ = t.scorer(prompts, generated)
         t.val_samples += validation_samples(t.tokenizer, prompts.input_ids, responses, batch_scores, params.n,

@@ -11,6 +11,7 @@ The hooks run at import, so they also apply in the ranks `tripod train` spawns (
 TRIPOD_TEST_AGENT_PLANT=reencode plants the bug the test must catch: every trajectory re-tokenized from its decoded
 text (special tokens dropped, as a trainer that re-encodes the conversation does).
 """
+import dataclasses
 import json
 import os
 import sys
@@ -44,10 +45,10 @@ def _hooks() -> None:
     from tripod.engine.workers.ppo_workers import PolicyWorker
 
     class TalkingRollout(agent_rollout.AgentRollout):
-        def generate_rows(self, prompts, params, timer=None, needs=None, extra_infos=None):
+        def generate_rows(self, prompts, params, timer=None, needs=None):
             # rows without an extra_info (a caller that drops them) get no interaction, as with a real config
-            infos = None if extra_infos is None else [{"interaction_kwargs": {"name": "again"}}] * len(prompts)
-            return super().generate_rows(prompts, params, timer, needs, infos)
+            infos = [{"interaction_kwargs": {"name": "again"}} if info else info for info in prompts.extra_infos]
+            return super().generate_rows(dataclasses.replace(prompts, extra_infos=infos), params, timer, needs)
 
     def build_agent(cfg, tokenizer, engine, replicas, session, routing_of=None):
         mt, rollout = cfg.actor_rollout_ref.rollout.multi_turn, cfg.actor_rollout_ref.rollout

@@ -26,6 +26,7 @@ def main() -> None:
     import torch
 
     from tripod.engine.config import load_config
+    from tripod.engine.data import PromptBatch
     from tripod.engine.trainer import PPOTrainer
 
     args = json.loads(sys.argv[1])
@@ -53,8 +54,9 @@ def main() -> None:
             rows = dumps[k]
             prompts = [rows[g[0]]["prompt_ids"] + rows[g[0]]["response_ids"][:t0] for g in groups]
             params = dataclasses.replace(trainer.sampling_params(False, k - 1, 0), max_new_tokens=t1 - t0)
-            got = trainer.generator.generate_rows(prompts, params)
-            for r, lp, i in zip(got.responses, got.log_probs, [i for g in groups for i in g]):
+            got = trainer.generator.generate_rows(PromptBatch(prompts, [""] * len(prompts), [""] * len(prompts),
+                                                              list(range(len(prompts)))), params)
+            for r, lp, i in zip(got.responses, got.rollout_log_probs, [i for g in groups for i in g]):
                 want = rows[i]["response_ids"][t0:t1]
                 equal[k] = equal[k] and list(r) == want and torch.allclose(
                     lp, torch.tensor(rows[i]["rollout_log_probs"][t0:t1]), atol=1e-5, rtol=0)

@@ -208,7 +208,7 @@ def _rollout_dies() -> None:
 
 def _routing_rows_not_kept() -> None:
     """Dynamic sampling keeps some groups' rows, but the routed experts of the first rows (R3's record unselected)."""
-    from tripod.engine.algorithms.dynamic_sampling import Rollout
+    from tripod.engine.rollout.rows import Rollout
 
     original = Rollout.groups
 

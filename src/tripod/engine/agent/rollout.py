@@ -15,7 +15,7 @@ those, the share whose every <tool_call> block parsed; absent when no row called
 generate calls and in tool / interaction steps, rendering included), multi_turn/non_append_only_turns
 (engine/agent/chat_suffix.py). Validation (engine/validation.py) logs its own rows' under val/.
 
-Rewards: the GatheredRollout of a generation batch carries the trajectory fields of this replica's rows (`row_fields`,
+Rewards: the Rollout of a generation batch (engine/rollout/rows.py) carries the trajectory fields of this replica's rows (`row_fields`,
 on every rank of the replica) and whether their rollout rewards join the score (`add_rewards`); the scorer
 (engine/rewards/replica_scoring.py) reads both (engine/agent/rewards.py), also when it scores a batch later (the
 rollout's own ranks score in a thread while the next batch is generated).
@@ -33,9 +33,11 @@ import torch.distributed as dist
 from tripod.engine.agent.chat_suffix import ChatSuffix
 from tripod.engine.agent.loop import AgentLoop, Trajectory
 from tripod.engine.agent.rewards import reward_fields
+from tripod.engine.data.dataset import PromptBatch
 from tripod.engine.rollout.base import SamplingParams
 from tripod.engine.rollout.exchange import exchange_rollout
-from tripod.engine.rollout.generators import GatheredRollout, RolloutReplicas, Session, replica_bounds, timed
+from tripod.engine.rollout.generators import RolloutReplicas, Session, replica_bounds, timed
+from tripod.engine.rollout.rows import Rollout
 from tripod.parallel.moe_arch import MoEArch
 
 TOOL_TIMEOUT_S = 60.0  # wall-clock limit of one tool call or interaction step (the runners')
@@ -96,15 +98,15 @@ class AgentRollout:
         self.routing_of, self.add_rewards = routing_of, bool(add_rewards)
         self.sums: dict[str, float] = {}
 
-    def generate_rows(self, prompts: list[list[int]], params: SamplingParams, timer: Any = None,
-                      needs: Callable[[list[int]], list[int] | None] | None = None,
-                      extra_infos: list[dict] | None = None) -> GatheredRollout:
-        """The batch's multi-turn rows: a GatheredRollout whose `token_codes` say who wrote each token, with this
-        replica's rows' trajectory fields. Collective over the world."""
+    def generate_rows(self, prompts: PromptBatch, params: SamplingParams, timer: Any = None,
+                      needs: Callable[[list[int]], list[int] | None] | None = None) -> Rollout:
+        """The batch's multi-turn rows: a Rollout whose `token_codes` say who wrote each token, with this replica's
+        rows' trajectory fields; each prompt's extra_info (tools_kwargs, interaction_kwargs) goes to its tools and
+        interaction. Collective over the world."""
         replicas, mine = self.replicas.ranks, self.replicas.mine
         bounds = replica_bounds(len(prompts), len(replicas))
-        share_prompts = prompts[bounds[mine]:bounds[mine + 1]]
-        infos = (extra_infos or [{}] * len(prompts))[bounds[mine]:bounds[mine + 1]]
+        share_prompts = prompts.input_ids[bounds[mine]:bounds[mine + 1]]
+        infos = (prompts.extra_infos or [{}] * len(prompts))[bounds[mine]:bounds[mine + 1]]
         group = self.replicas.group
         renders = group is None or dist.get_rank(group) == 0
         with self.session(timer) as engine, timed(timer)("gen"):
@@ -112,9 +114,10 @@ class AgentRollout:
                                        None if group is None else lambda obj: _share(obj, group))
         fields = [reward_fields(r) for r in rows] if renders else None
         self._add(sums if renders else dict.fromkeys(sums, 0.0))
-        out = GatheredRollout(*trajectory_rows(rows, replicas, mine, needs),
-                              row_fields=fields if group is None else _share(fields, group),
-                              add_rewards=self.add_rewards)
+        responses, log_probs, finish, lengths, held, codes = trajectory_rows(rows, replicas, mine, needs)
+        out = Rollout.generated(prompts, responses, log_probs, finish, lengths, held, token_codes=codes,
+                                row_fields=fields if group is None else _share(fields, group),
+                                add_rewards=self.add_rewards)
         if self.routing_of is not None:
             from tripod.engine.rollout.routing_record import gather_rollout_routing
 
@@ -156,8 +159,8 @@ class AgentRollout:
 
 def trajectory_rows(rows: list[Trajectory], replicas: list[list[int]], mine: int,
                     needs: Callable[[list[int]], list[int] | None] | None = None) -> tuple:
-    """This replica's trajectories -> the exchange's rows on every rank that needs them (GatheredRollout's fields:
-    responses, log-probs, finish reasons, every row's length, the rows needed, token codes)."""
+    """This replica's trajectories -> the exchange's rows on every rank that needs them: responses, log-probs, finish
+    reasons, every row's length, the rows this rank needed (None: all), token codes."""
     responses = [r.response for r in rows]
     log_probs = [torch.tensor(r.log_probs, dtype=torch.float32) for r in rows]
     codes = [torch.tensor(r.codes, dtype=torch.uint8) for r in rows]

@@ -20,75 +20,20 @@ the same batches and keep the same groups.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from tripod.engine.data.dataset import PromptBatch
 from tripod.engine.launch import TrainingStopped  # one line, no traceback (engine/launch.py USER_ERRORS)
+from tripod.engine.rollout.rows import Rollout, concat
 
 # What a group's responses are compared by. acc and score: the rule reward (verl's `acc` is the score when the reward
 # function returns a number, as tripod's do); seq_reward: the sequence reward after overlong shaping; seq_final_reward:
 # the reward after the KL penalty, which equals seq_reward when algorithm.use_kl_in_reward is off (with it on, tripod
 # computes the KL penalty after filtering and refuses this metric: engine/config_validation.py).
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
-
-
-@dataclass
-class Rollout:
-    """A step's rows from the rollout to the PPO batch: prompts with their responses (n per prompt, prompt-major),
-    rewards, what the engine said of each token, and which of them this rank holds."""
-    prompts: PromptBatch
-    responses: list[list[int]]
-    scores: list[float]           # the rule reward of each response
-    rewards: list[float]          # its sequence reward: score + overlong penalty
-    penalties: list[float]        # the overlong penalty (0 when shaping is off)
-    reward_metrics: dict[str, float]  # the scorer's counts (reward/num_timeouts, reward/num_errors)
-    # the rollout engine's log-prob of each response token (a float32 tensor per response) and each finish reason;
-    # None when the generator gave responses only
-    rollout_log_probs: list | None = None
-    finish_reasons: list[str] | None = None
-    # multi-turn: each response token's code (engine/agent/loop.py: the model's, a tool's, a user's); None: all model
-    token_codes: list | None = None
-    # MoE routing replay (R3): each row's experts per token from the rollout engine (engine/rollout/routing_record.py)
-    routed_experts: list | None = None
-    # every row's response length, and the rows this rank holds where the rollout exchange named them (a batch sharded
-    # by DP rank; None: every row), and their RowShards (engine/workers/row_shards.py), set by the rollout source
-    response_lens: list[int] | None = None
-    held_rows: list[int] | None = None
-    shards: Any = None
-
-    def groups(self, keep: Sequence[int], n: int) -> "Rollout":
-        """The rollout of the prompts at positions `keep`, each with its n responses (the scorer's counts stay
-        those of the whole rollout: every response was scored)."""
-        p, rows = self.prompts, [g * n + j for g in keep for j in range(n)]
-        prompts = PromptBatch(input_ids=[p.input_ids[g] for g in keep], ground_truths=[p.ground_truths[g] for g in keep],
-                              data_sources=[p.data_sources[g] for g in keep], indices=[p.indices[g] for g in keep],
-                              extra_infos=[p.extra_infos[g] for g in keep] if p.extra_infos else [])
-        pick = lambda xs: None if xs is None else [xs[i] for i in rows]  # noqa: E731
-        return Rollout(prompts, pick(self.responses), pick(self.scores), pick(self.rewards), pick(self.penalties),
-                       dict(self.reward_metrics), pick(self.rollout_log_probs), pick(self.finish_reasons),
-                       pick(self.token_codes), pick(self.routed_experts))
-
-
-def concat(rollouts: Sequence[Rollout]) -> Rollout:
-    """The rollouts one after another; the scorer's counts are summed."""
-    join = lambda parts: [x for part in parts for x in part]  # noqa: E731
-    ps = [r.prompts for r in rollouts]
-    prompts = PromptBatch(input_ids=join(p.input_ids for p in ps), ground_truths=join(p.ground_truths for p in ps),
-                          data_sources=join(p.data_sources for p in ps), indices=join(p.indices for p in ps),
-                          extra_infos=join(p.extra_infos for p in ps))
-    counts: dict[str, float] = {}
-    for r in rollouts:
-        for key, value in r.reward_metrics.items():
-            counts[key] = counts.get(key, 0.0) + value
-    carried = lambda field: (None if any(getattr(r, field) is None for r in rollouts)  # noqa: E731
-                             else join(getattr(r, field) for r in rollouts))
-    return Rollout(prompts, join(r.responses for r in rollouts), join(r.scores for r in rollouts),
-                   join(r.rewards for r in rollouts), join(r.penalties for r in rollouts), counts,
-                   carried("rollout_log_probs"), carried("finish_reasons"), carried("token_codes"),
-                   carried("routed_experts"))
 
 
 def metric_values(rollout: Rollout, metric: str) -> list[float]:
@@ -121,8 +66,8 @@ class DynamicSampler:
 
     def rollout(self, prompts: PromptBatch, gen_batch: int, generate: Callable[[PromptBatch, int], Any],
                 score: Callable[[PromptBatch, Any], tuple[list[float], dict]], timer: Any) -> Rollout:
-        """Generate (`generate(prompts, gen_batch)`: n responses per prompt, as a list of token lists or as
-        engine/rollout/generators.py's GatheredRollout, whose log-probs and finish reasons are kept), score
+        """Generate (`generate(prompts, gen_batch)`: n responses per prompt, as a list of token lists or as the
+        generator's Rollout, engine/rollout/rows.py), score
         (`score(prompts, generated)`) and shape one batch."""
         generated = generate(prompts, gen_batch)
         with timer("reward"):
@@ -130,9 +75,10 @@ class DynamicSampler:
             return self.scored(prompts, generated, scores, counts)
 
     def scored(self, prompts: PromptBatch, generated: Any, scores: list[float], counts: dict) -> Rollout:
-        """A generated batch (token lists, or a GatheredRollout) with its rule scores, overlong shaping applied."""
+        """A generated batch (token lists, or the generator's Rollout) with its rule scores, overlong shaping
+        applied."""
         responses = generated if isinstance(generated, list) else generated.responses
-        lengths = getattr(generated, "lengths", None) or [len(r) for r in responses]  # every row's, held or not
+        lengths = getattr(generated, "response_lens", None) or [len(r) for r in responses]  # every row's, held or not
         penalties = self.shaper.penalties(lengths)
         # a row without a score yet (None: the reward model scores it on the trainer, engine/rewards/scorer.py) gets
         # its reward there
@@ -140,10 +86,8 @@ class DynamicSampler:
             else list(scores)
         if isinstance(generated, list):
             return Rollout(prompts, responses, list(scores), rewards, penalties, dict(counts))
-        codes, routed = getattr(generated, "token_codes", None), getattr(generated, "routed_experts", None)
-        return Rollout(prompts, responses, list(scores), rewards, penalties, dict(counts), list(generated.log_probs),
-                       list(generated.finish_reasons), None if codes is None else list(codes),
-                       None if routed is None else list(routed), list(lengths), generated.rows)
+        return dataclasses.replace(generated, scores=list(scores), rewards=rewards, penalties=penalties,
+                                   reward_metrics=dict(counts))
 
     def metrics_of(self, out: Rollout) -> tuple[Rollout, dict[str, float]]:
         """(a one-batch rollout, its metrics: the scorer's counts, overlong shaping)."""

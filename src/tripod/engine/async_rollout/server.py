@@ -167,7 +167,7 @@ class RolloutServer:
         from tripod.engine.rollout.factory import step_sampling_params
 
         params = step_sampling_params(self.cfg, False, batch, gen_batch, self.mine)
-        return self.generator.generate_rows(prompts.input_ids, params, extra_infos=prompts.extra_infos)
+        return self.generator.generate_rows(prompts, params)
 
     def _generate(self, i: int, spent: dict[str, float], start: int, switches: list) -> None:
         """Generate batch i; the scorer thread scores it (the pool's workers, or a remote judge, wait while the next

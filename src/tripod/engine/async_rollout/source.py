@@ -20,11 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tripod.engine.algorithms.dynamic_sampling import Rollout
 from tripod.engine.async_rollout.bridge import Placement, send
 from tripod.engine.async_rollout.messages import ScoredBatch, recv_batch
 from tripod.engine.async_rollout.schedule import StalenessSchedule
 from tripod.engine.async_rollout.weights import WeightPusher
+from tripod.engine.rollout.rows import Rollout
 
 
 class ColocatedRollout:
@@ -41,8 +41,8 @@ class ColocatedRollout:
         t.generator.take_metrics()  # a validation's turns are not this step's
         t.weight_sync.take_metrics()  # nor a validation's weight sync
         rollout, metrics = t.sampler.collect(  # dynamic sampling may draw further prompt batches
-            prompts, lambda p, k: t.generator.generate_rows(p.input_ids, t.sampling_params(False, step, k), timer,
-                                                            needs=step_rows.needs(p), extra_infos=p.extra_infos),
+            prompts, lambda p, k: t.generator.generate_rows(p, t.sampling_params(False, step, k), timer,
+                                                            needs=step_rows.needs(p)),
             t.scorer, timer)
         rollout.shards = step_rows.shards_of(rollout)
         return rollout, {**metrics, **t.generator.take_metrics(), **t.weight_sync.take_metrics()}

@@ -8,7 +8,7 @@ reward depends on its own row only, so the scores are those one pool scoring the
 pickled: whether a row has a rule score (`where_defined`, the reward-model path: None where the data source has no
 rule function) travels as a second float per row, so a rule that returns NaN stays NaN.
 
-Multi-turn (`generated`: the agent loop's GatheredRollout, engine/agent/rollout.py): each row's extra_info gains its
+Multi-turn (`generated`: the agent loop's Rollout, engine/agent/rollout.py): each row's extra_info gains its
 trajectory's fields and, with multi_turn.add_rollout_rewards, its rollout rewards join its rule score here, on the scoring rank only, before the
 all_reduce that sums the replicas' disjoint rows, so they count once (engine/agent/rewards.py).
 """
@@ -53,7 +53,7 @@ def score_replica_rows(pool, tokenizer, prompts: PromptBatch, responses: list[li
                        generated=None) -> torch.Tensor:
     """The local half of `score_where_generated` (no collective, so it may run in a thread while the rank generates):
     this replica's first rank scores the replica's rows in its pool; [scores | 1 where scored | counts | 1 if any
-    counts], zeros elsewhere. `generated`: the rows' GatheredRollout, whose `row_fields` (multi-turn) join the rows'
+    counts], zeros elsewhere. `generated`: the rows' Rollout (engine/rollout/rows.py), whose `row_fields` (multi-turn) join the rows'
     extra_info."""
     from tripod.engine.workers.reward_model import rule_rewards_where_defined
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from tripod.engine.algorithms.dynamic_sampling import Rollout
 from tripod.engine.data.dataset import PromptBatch
 from tripod.engine.rewards.replica_scoring import score_replica_rows, share_replica_scores
 from tripod.engine.rollout.generators import RolloutReplicas
+from tripod.engine.rollout.rows import Rollout
 from tripod.engine.workers.reward_model import combine_rewards
 
 

@@ -2,7 +2,7 @@
 rollout's own.
 
     generator = SingleTurnGenerator(engine, replicas, session)      # or engine/agent/rollout.py's AgentRollout
-    rows = generator.generate_rows(prompts, params, timer, needs)   # a GatheredRollout, collective over the world
+    rows = generator.generate_rows(prompts, params, timer, needs)   # a Rollout (rows.py), collective over the world
 
 `replicas` (`RolloutReplicas`) says which ranks form each rollout TP group and which is this rank's: each replica
 generates its contiguous share of the prompts (`replica_bounds`) and the rows move to the ranks that need them
@@ -18,10 +18,10 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
-import torch
-
+from tripod.engine.data.dataset import PromptBatch
 from tripod.engine.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from tripod.engine.rollout.exchange import exchange_rollout
+from tripod.engine.rollout.rows import Rollout
 from tripod.parallel.moe_arch import MoEArch
 
 Session = Callable[[Any], ContextManager[RolloutEngine]]
@@ -47,47 +47,28 @@ class RolloutReplicas:
         return cls(ranks, rank // tp, groups[rank // tp] if tp > 1 else None)
 
 
-@dataclass
-class GatheredRollout:
-    """A whole batch's rollout on every rank, row i*n + j = sample j of prompt i: the response tokens, the rollout
-    engine's log-prob of each (float32 [len(response)], the convention of engine/rollout/base.py) and the finish
-    reason ("stop" / "length"); every row's response length. Where `rows` names the rows this rank needed (a batch
-    sharded by DP rank) the other rows are None, except those its own rollout replica generated."""
-    responses: list[list[int] | None]
-    log_probs: list[torch.Tensor | None]
-    finish_reasons: list[str | None]
-    lengths: list[int] | None = None
-    rows: list[int] | None = None
-    token_codes: list[torch.Tensor | None] | None = None  # multi-turn: who wrote each token (engine/agent/loop.py)
-    routed_experts: list[torch.Tensor] | None = None  # R3: every row's experts, on every rank (routing_record.py)
-    # multi-turn: this replica's rows' trajectory fields (engine/agent/rewards.py), for their scorer; with
-    # `add_rewards` their rollout rewards join the rule score
-    row_fields: list[dict] | None = None
-    add_rewards: bool = False
-
-
 def replica_bounds(num_prompts: int, replicas: int) -> list[int]:
     """Start offsets of each rollout replica's share of `num_prompts` prompts, plus the end: replica i takes
     prompts[bounds[i]:bounds[i + 1]] (shares differ by at most one prompt)."""
     return [num_prompts * i // replicas for i in range(replicas + 1)]
 
 
-def generate_rows(generate: Callable[[list[list[int]]], RolloutOutput], prompts: list[list[int]],
+def generate_rows(generate: Callable[[list[list[int]]], RolloutOutput], prompts: PromptBatch,
                   replica_ranks: list[list[int]], mine: int, needs: Needs | None = None,
-                  routing_of: MoEArch | None = None) -> GatheredRollout:
-    """The rows of a whole batch over any set of rollout replicas (`replica_ranks[i]`: replica i's ranks in this
+                  routing_of: MoEArch | None = None) -> Rollout:
+    """The rows of a whole batch of `prompts` over any set of rollout replicas (`replica_ranks[i]`: replica i's ranks in this
     world; `mine`: this rank's replica): `generate(share)` runs this replica's contiguous share of `prompts`, then
     the rows move to the ranks that need them (exchange.exchange_rollout: every row, or where `needs(every row's
     response length)` names this rank's rows, those and its replica's own). `routing_of`: the model's MoE layout
     when the engine records each token's experts (R3): every row's record then reaches every rank
     (routing_record.gather_rollout_routing). Collective over the world."""
     bounds = replica_bounds(len(prompts), len(replica_ranks))
-    out = generate(prompts[bounds[mine]:bounds[mine + 1]])
+    out = generate(prompts.input_ids[bounds[mine]:bounds[mine + 1]])
     responses = out.responses()
     # one float32 CPU tensor per row, as long as its response (RolloutOutput pads with 0 past each length)
     log_probs = [out.log_probs[i, : len(r)].detach().float().cpu().clone() for i, r in enumerate(responses)]
-    rows = GatheredRollout(*exchange_rollout(replica_ranks, mine, responses, log_probs, list(out.finish_reasons),
-                                             needs))
+    rows = Rollout.generated(prompts, *exchange_rollout(replica_ranks, mine, responses, log_probs,
+                                                        list(out.finish_reasons), needs))
     if routing_of is not None:
         from tripod.engine.rollout.routing_record import gather_rollout_routing
 
@@ -111,8 +92,8 @@ class SingleTurnGenerator:
                  routing_of: MoEArch | None = None) -> None:
         self.engine, self.replicas, self.session, self.routing_of = engine, replicas, session, routing_of
 
-    def generate_rows(self, prompts: list[list[int]], params: SamplingParams, timer: Any = None,
-                      needs: Needs | None = None, extra_infos: list[dict] | None = None) -> GatheredRollout:
+    def generate_rows(self, prompts: PromptBatch, params: SamplingParams, timer: Any = None,
+                      needs: Needs | None = None) -> Rollout:
         def generate(share: list[list[int]]) -> RolloutOutput:
             with self.session(timer) as engine, timed(timer)("gen"):
                 return engine.generate(share, params)
