@@ -56,8 +56,8 @@ def replica_bounds(num_prompts: int, replicas: int) -> list[int]:
 def generate_rows(generate: Callable[[list[list[int]]], RolloutOutput], prompts: PromptBatch,
                   replica_ranks: list[list[int]], mine: int, needs: Needs | None = None,
                   routing_of: MoEArch | None = None) -> Rollout:
-    """The rows of a whole batch of `prompts` over any set of rollout replicas (`replica_ranks[i]`: replica i's ranks in this
-    world; `mine`: this rank's replica): `generate(share)` runs this replica's contiguous share of `prompts`, then
+    """The rows of a whole batch of `prompts` over any set of rollout replicas (`replica_ranks[i]`: replica i's ranks
+    in this world; `mine`: this rank's replica): `generate(share)` runs this replica's contiguous share, then
     the rows move to the ranks that need them (exchange.exchange_rollout: every row, or where `needs(every row's
     response length)` names this rank's rows, those and its replica's own). `routing_of`: the model's MoE layout
     when the engine records each token's experts (R3): every row's record then reaches every rank
