@@ -13,8 +13,10 @@ from tripod.engine.agent.loop import AgentLoop
 from tripod.engine.agent.rewards import reward_fields, rollout_reward
 from tripod.engine.data.dataset import PromptBatch
 from tripod.engine.rewards import RewardPool, register_reward
-from tripod.engine.rewards.replica_scoring import score_where_generated
+from tripod.engine.rewards.scorer import RowScorer
 from tripod.engine.rollout.base import SamplingParams
+from tripod.engine.rollout.generators import RolloutReplicas
+from tripod.engine.rollout.rows import Rollout
 
 SEEN: list[dict] = []
 
@@ -32,13 +34,6 @@ class StepAdd(ToyAdd):
     async def execute(self, instance_id, parameters, **kwargs):
         response, _, metrics = await super().execute(instance_id, parameters, **kwargs)
         return response, 0.5, metrics
-
-
-class Agent:
-    """What the scorer reads of engine/agent/rollout.py's AgentRollout."""
-
-    def __init__(self, row_fields, add_rewards):
-        self.row_fields, self.add_rewards = row_fields, add_rewards
 
 
 def run_rows(tok, n=2):
@@ -74,9 +69,12 @@ def test_trained_score_is_rule_reward_plus_tool_rewards_once(tmp_path):
     try:
         with RewardPool(num_workers=1) as pool:
             SEEN.clear()
-            plain, _ = score_where_generated(pool, tok, batch, responses, 2, [[0]], 0, False, Agent(fields, False))
+            scorer = RowScorer(pool, tok, RolloutReplicas([[0]], 0), where_defined=False)
+            generated = lambda add: Rollout.generated(batch, responses, [], [], row_fields=fields,  # noqa: E731
+                                                      add_rewards=add)  # the agent loop's rows
+            plain, _ = scorer.rules(batch, generated(False))
             seen = list(SEEN)
-            added, _ = score_where_generated(pool, tok, batch, responses, 2, [[0]], 0, False, Agent(fields, True))
+            added, _ = scorer.rules(batch, generated(True))
     finally:
         dist.destroy_process_group()
     assert plain == [1.0, 1.0]  # the rule reward alone: the tools' rewards are in extra_info only

@@ -29,7 +29,6 @@ Role = Literal["trainer", "rollout"]
 class Components:
     """One rank's parts (see the module docstring); the rollout's are None until `build_rollout`."""
     cfg: Any
-    role: Role
     arch: Any
     tokenizer: Any
     pad_id: int
@@ -109,4 +108,4 @@ def build_components(cfg: Any, role: Role) -> Components:
     sampler = DynamicSampler(cfg.algorithm.filter_groups, d.train_batch_size, arc.rollout.n,
                              draw=lambda: next(iter(loader)),
                              shaper=OverlongShaper(cfg.reward_model.overlong_buffer, arc.rollout.response_length))
-    return Components(cfg, role, arch, tokenizer, pad_id, train_set, val_set, loader, pool, sampler)
+    return Components(cfg, arch, tokenizer, pad_id, train_set, val_set, loader, pool, sampler)

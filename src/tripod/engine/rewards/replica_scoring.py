@@ -38,20 +38,10 @@ def rows_of_replica(num_prompts: int, n: int, replicas: int, replica: int) -> ra
     return range(bounds[replica] * n, bounds[replica + 1] * n)
 
 
-def score_where_generated(pool, tokenizer, prompts: PromptBatch, responses: list[list[int]], n: int,
-                          replica_ranks: Sequence[Sequence[int]], mine: int, where_defined: bool, generated=None
-                          ) -> tuple[list, dict[str, float]]:
-    """(a rule score per row, in row order, on every rank; the scorer's counts summed over the replicas).
-    `where_defined`: rows whose data source has no rule function score None (the reward model scores them).
-    Collective over the world; `mine` is this rank's replica, `replica_ranks[i]` replica i's global ranks."""
-    return share_replica_scores(score_replica_rows(pool, tokenizer, prompts, responses, n, replica_ranks, mine,
-                                                   where_defined, generated), len(responses), where_defined)
-
-
 def score_replica_rows(pool, tokenizer, prompts: PromptBatch, responses: list[list[int]], n: int,
                        replica_ranks: Sequence[Sequence[int]], mine: int, where_defined: bool,
                        generated=None) -> torch.Tensor:
-    """The local half of `score_where_generated` (no collective, so it may run in a thread while the rank generates):
+    """This replica's half of the scoring (no collective, so it may run in a thread while the rank generates):
     this replica's first rank scores the replica's rows in its pool; [scores | 1 where scored | counts | 1 if any
     counts], zeros elsewhere. `generated`: the rows' Rollout (engine/rollout/rows.py), whose `row_fields` (multi-turn) join the rows'
     extra_info."""
@@ -89,7 +79,7 @@ def score_replica_rows(pool, tokenizer, prompts: PromptBatch, responses: list[li
 
 def share_replica_scores(out: torch.Tensor, total: int, where_defined: bool, group=None
                          ) -> tuple[list, dict[str, float]]:
-    """The collective half of `score_where_generated`: every replica's `score_replica_rows` summed on every rank (of
+    """The collective half: every replica's `score_replica_rows` summed on every rank (of
     `group`, default the world)."""
     from tripod.runtime.device import current_device
 
