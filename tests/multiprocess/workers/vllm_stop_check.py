@@ -93,6 +93,25 @@ def main():
     print(f"VLLM_STOP strings ok stops={list(stops)} lengths={[len(r) for r in out.responses()]} "
           f"reasons={out.finish_reasons}", flush=True)
 
+    # the agent loop's running batch (engine/rollout/running_batch.py): requests joining vLLM's scheduler in waves,
+    # each with its own seed and budget, end as one generate call with those seeds does
+    from tripod.engine.rollout.running_batch import Request
+
+    sampled = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, ignore_eos=True)
+    seeds, budgets = [101, 102, 103, 104], [MAX_NEW, 5, MAX_NEW, 7]
+    want = vllm.generate(prompts, sampled, row_seeds=seeds)
+    batch, got, waves = vllm.running_batch(sampled), {}, [[0, 1], [], [2], [3]]
+    for wave in waves:
+        batch.admit([Request(i, prompts[i], budgets[i], seeds[i]) for i in wave])
+        got.update({f.key: f for f in batch.step()})
+    while batch.live:
+        got.update({f.key: f for f in batch.step()})
+    assert [got[i].token_ids for i in range(4)] == [r[:b] for r, b in zip(want.responses(), budgets)], \
+        ([got[i].token_ids for i in range(4)], want.responses())
+    assert max(abs(a - b) for i in range(4) for a, b in zip(got[i].log_probs, want.log_probs[i].tolist())) < 1e-5
+    assert want.responses()[0] != vllm.generate(prompts, sampled, row_seeds=[7, 102, 103, 104]).responses()[0]
+    print(f"VLLM_STOP running ok lengths={[len(got[i].token_ids) for i in range(4)]}", flush=True)
+
 
 if __name__ == "__main__":
     dist_worker(main)

@@ -141,8 +141,11 @@ class RolloutEngine(abc.ABC):
         self.load_weights(generation_shard)
 
     @abc.abstractmethod
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
-        """Generate params.n responses for each prompt (token ids, unpadded)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 row_seeds: list[int] | None = None) -> RolloutOutput:
+        """Generate params.n responses for each prompt (token ids, unpadded). `row_seeds` (one per response row):
+        row r samples from its own stream seeded row_seeds[r], whatever else is in the call (the agent loop's per-row
+        turns, engine/agent/turns.py); None: params.seed for the call (the backends' own per-row rule)."""
 
     @abc.abstractmethod
     def release_memory(self) -> None:

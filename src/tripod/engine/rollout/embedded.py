@@ -204,8 +204,16 @@ class EmbeddedRolloutEngine(RolloutEngine):
         cache.valid[:, : full.shape[1]] = mask
         return cache, self.decoder.forward(full, (mask.long().cumsum(-1) - 1).clamp(min=0), cache)
 
+    def running_batch(self, params: SamplingParams) -> Any:
+        """A running decode batch that sequences join between steps (engine/rollout/running_batch.py); None when this
+        engine records routing (R3: `generate` only)."""
+        from tripod.engine.rollout.running_batch import RunningBatch
+
+        return None if self.record_routing and self.arch.moe is not None else RunningBatch(self, params)
+
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 row_seeds: list[int] | None = None) -> RolloutOutput:
         if not self._weights_loaded:
             raise RuntimeError("EmbeddedRolloutEngine.generate: no weights loaded (after construction or "
                                "release_memory/resume_memory); call load_weights(generation_shard) first")
@@ -216,7 +224,10 @@ class EmbeddedRolloutEngine(RolloutEngine):
         if params.stop:
             self.tokenizer = load_tokenizer(self.tokenizer)
             text_stops = StopStrings(self.tokenizer, params.stop, [p for p in prompts for _ in range(params.n)])
-        generator = self._make_generator(params.seed)
+        if row_seeds is not None and len(row_seeds) != total:
+            raise ValueError(f"generate(row_seeds=...): {len(row_seeds)} seeds for {total} response rows")
+        generator = self._make_generator(params.seed) if row_seeds is None else \
+            [self._make_generator(s) for s in row_seeds]
 
         out_ids = torch.full((total, params.max_new_tokens), self.pad_token_id, dtype=torch.long)
         out_logp = torch.zeros(total, params.max_new_tokens, dtype=torch.float32)
@@ -249,10 +260,12 @@ class EmbeddedRolloutEngine(RolloutEngine):
             for step in range(params.max_new_tokens):
                 batch_size = feed.shape[0]
                 on = active.to(self.device)
-                tokens, logp = sample_next_token(logits if len(active) == batch_size else logits[on], params, generator)
+                mine = rows[active]
+                tokens, logp = sample_next_token(logits if len(active) == batch_size else logits[on], params,
+                                                 [generator[r] for r in mine.tolist()]
+                                                 if isinstance(generator, list) else generator)
                 tokens, logp = tokens.contiguous(), logp.float().contiguous()
                 self._broadcast_from_first_rank(tokens, logp)
-                mine = rows[active]
                 out_ids[mine, step] = tokens.cpu()
                 out_logp[mine, step] = logp.cpu()
                 lengths[mine] += 1

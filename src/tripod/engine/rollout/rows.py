@@ -57,7 +57,8 @@ class Rollout:
         p, rows = self.prompts, [g * n + j for g in keep for j in range(n)]
         prompts = PromptBatch(input_ids=[p.input_ids[g] for g in keep], ground_truths=[p.ground_truths[g] for g in keep],
                               data_sources=[p.data_sources[g] for g in keep], indices=[p.indices[g] for g in keep],
-                              extra_infos=[p.extra_infos[g] for g in keep] if p.extra_infos else [])
+                              extra_infos=[p.extra_infos[g] for g in keep] if p.extra_infos else [],
+                              raw_prompts=None if p.raw_prompts is None else [p.raw_prompts[g] for g in keep])
         pick = lambda xs: None if xs is None else [xs[i] for i in rows]  # noqa: E731
         return Rollout(prompts, pick(self.responses), pick(self.scores), pick(self.rewards), pick(self.penalties),
                        dict(self.reward_metrics), pick(self.rollout_log_probs), pick(self.finish_reasons),
@@ -70,7 +71,8 @@ def concat(rollouts: Sequence[Rollout]) -> Rollout:
     ps = [r.prompts for r in rollouts]
     prompts = PromptBatch(input_ids=join(p.input_ids for p in ps), ground_truths=join(p.ground_truths for p in ps),
                           data_sources=join(p.data_sources for p in ps), indices=join(p.indices for p in ps),
-                          extra_infos=join(p.extra_infos for p in ps))
+                          extra_infos=join(p.extra_infos for p in ps),
+                          raw_prompts=None if any(p.raw_prompts is None for p in ps) else join(p.raw_prompts for p in ps))
     counts: dict[str, float] = {}
     for r in rollouts:
         for key, value in r.reward_metrics.items():

@@ -11,6 +11,8 @@ vocabulary on a CPU core, a tenth of a SmolLM2-135M decode step).
 """
 from __future__ import annotations
 
+from typing import Union
+
 import torch
 
 from tripod.engine.rollout.base import SamplingParams
@@ -46,20 +48,35 @@ def sampling_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return scaled.masked_fill(drop, float("-inf"))
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+Generators = Union[torch.Generator, list[torch.Generator], None]
+
+
+def uniforms(rows: int, generator: Generators, device: torch.device) -> torch.Tensor:
+    """[rows, 1] float64 draws from U[0, 1): from one generator for the batch, or row r's from `generator[r]` (per-row
+    streams: a row's draws then do not depend on which other rows share the batch, engine/agent/turns.py)."""
+    if isinstance(generator, list):
+        if len(generator) != rows:
+            raise ValueError(f"{len(generator)} per-row generators for {rows} rows")
+        return torch.stack([torch.rand(1, generator=g, dtype=torch.float64, device=g.device) for g in generator]
+                           ).to(device) if rows else torch.zeros(0, 1, dtype=torch.float64, device=device)
+    return torch.rand((rows, 1), generator=generator, dtype=torch.float64, device=device)
+
+
+def draw(probs: torch.Tensor, generator: Generators) -> torch.Tensor:
     """One index per row of `probs` [N, V] (non-negative, rows need not sum to 1), index i with probability
     probs[row, i] / probs[row].sum(): the first i whose cumulative mass exceeds u * total for u ~ U[0, 1).
     An index of zero probability is never drawn (its cumulative mass equals the one before it)."""
     cdf = probs.double().cumsum(-1)
     total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
+    u = uniforms(total.shape[0], generator, probs.device)
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # < total: an index exists
     return torch.searchsorted(cdf, target, right=True).squeeze(-1)
 
 
 def sample_next_token(logits: torch.Tensor, params: SamplingParams,
-                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids [N] int64, their log-probs [N] float32) for logits [N, V] of the real vocabulary."""
+                      generator: Generators) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids [N] int64, their log-probs [N] float32) for logits [N, V] of the real vocabulary; `generator`: one
+    for the batch or one per row (`uniforms`)."""
     logits = logits.float()
     if params.greedy:
         tokens = torch.argmax(logits, dim=-1)

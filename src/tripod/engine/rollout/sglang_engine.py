@@ -91,8 +91,10 @@ def engine_placement(members: list[tuple[str, int]], engine_index: int) -> dict[
     return dict(base_gpu_id=gpus[0], gpu_id_step=step, port=port, nccl_port=port + PORTS_PER_ENGINE // 2)
 
 
-def sglang_sampling_params(params: SamplingParams, arch: ModelArch, row: int) -> dict[str, Any]:
-    """SGLang's sampling_params dict for one request (row = its index, to give n samples distinct seeds). SGLang keeps the
+def sglang_sampling_params(params: SamplingParams, arch: ModelArch, row: int,
+                           row_seeds: list[int] | None = None) -> dict[str, Any]:
+    """SGLang's sampling_params dict for one request (row = its index, to give n samples distinct seeds; `row_seeds`:
+    each row's own seed instead, RolloutEngine.generate). SGLang keeps the
     token that ends a sequence (stop id or the one completing a stop string) in output_ids, as the other backends do;
     its ignore_eos skips stop_token_ids as well, so that combination is refused."""
     if params.ignore_eos and params.stop_token_ids:
@@ -108,7 +110,9 @@ def sglang_sampling_params(params: SamplingParams, arch: ModelArch, row: int) ->
     }
     if params.stop:
         out["stop"] = list(params.stop)
-    if params.seed is not None and not params.greedy:
+    if row_seeds is not None and not params.greedy:
+        out["sampling_seed"] = row_seeds[row]
+    elif params.seed is not None and not params.greedy:
         out["sampling_seed"] = params.seed + row
     return out
 
@@ -237,7 +241,8 @@ class SGLangRolloutEngine(RolloutEngine):
         self._barrier()  # the IPC handles must outlive the receiver's copy
 
     # ---- generation -----------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 row_seeds: list[int] | None = None) -> RolloutOutput:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"actor_rollout_ref.rollout.stop={list(params.stop)}: stop strings need the tokenizer, and "
                              "this SGLang engine was built without one; pass tokenizer=<its directory> to the engine")
@@ -245,7 +250,7 @@ class SGLangRolloutEngine(RolloutEngine):
         result: list[Any] = [None]
         if self.tp_rank == 0:
             requests = [list(p) for p in prompts for _ in range(params.n)]
-            sampling = [sglang_sampling_params(params, self.arch, row) for row in range(len(requests))]
+            sampling = [sglang_sampling_params(params, self.arch, row, row_seeds) for row in range(len(requests))]
             routed = dict(return_routed_experts=True) if self.record_routing else {}
             results = self.engine.generate(input_ids=requests, sampling_params=sampling, return_logprob=True,
                                            **routed)

@@ -55,6 +55,17 @@ class StopStrings:
         else:
             self.tokens: list[list[int]] = [[] for _ in rows_prompts]
 
+    def add_row(self, prompt: Sequence[int]) -> int:
+        """A further row (a sequence joining a running batch, engine/rollout/running_batch.py); its index."""
+        self.texts.append("")
+        if self.backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self.streams.append(DecodeStream(ids=list(prompt), skip_special_tokens=True))
+        else:
+            self.tokens.append([])
+        return len(self.texts) - 1
+
     def _append(self, row: int, token: int) -> int:
         """Add `token` to row's text; the number of characters it added."""
         old = self.texts[row]

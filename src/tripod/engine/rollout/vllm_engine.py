@@ -154,8 +154,9 @@ def placement(tp_size: int, on_cuda: bool, world_size: int, rank: int, device_in
     return kwargs, overrides
 
 
-def vllm_sampling_params(params: SamplingParams, arch: ModelArch, row: int) -> Any:
-    """vLLM's SamplingParams for one response row (row = its index, so that n samples get distinct seeds)."""
+def vllm_sampling_params(params: SamplingParams, arch: ModelArch, row: int, row_seeds: list[int] | None = None) -> Any:
+    """vLLM's SamplingParams for one response row (row = its index, so that n samples get distinct seeds; `row_seeds`:
+    each row's own seed instead, RolloutEngine.generate)."""
     from vllm import SamplingParams as VLLMSamplingParams
 
     # the stop ids are always ours (config.json's and generation_config.json's EOS included unless ignore_eos), so
@@ -163,7 +164,8 @@ def vllm_sampling_params(params: SamplingParams, arch: ModelArch, row: int) -> A
     return VLLMSamplingParams(
         n=1, max_tokens=params.max_new_tokens, temperature=0.0 if params.greedy else params.temperature,
         top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0,
-        seed=None if params.seed is None or params.greedy else params.seed + row,
+        seed=None if params.greedy or (params.seed is None and row_seeds is None) else
+        (row_seeds[row] if row_seeds is not None else params.seed + row),
         stop_token_ids=sorted(params.stop_ids(arch)), ignore_eos=True, logprobs=0,
         stop=list(params.stop) or None, detokenize=bool(params.stop))
 
@@ -289,20 +291,27 @@ class VLLMRolloutEngine(RolloutEngine):
         self._wake_kv_cache()
 
     # ---- generation -----------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 row_seeds: list[int] | None = None) -> RolloutOutput:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate(prompts=...): need a non-empty list of non-empty token-id lists")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"{KEY}.stop={list(params.stop)}: stop strings need the tokenizer, and this vLLM engine was "
                              "built without one; pass tokenizer=<its directory> to the engine (the trainer does)")
         self._wake_kv_cache()
-        if self.tp_size > 1 and params.seed is None and params.do_sample:
+        if self.tp_size > 1 and params.seed is None and row_seeds is None and params.do_sample:
             params = dataclasses.replace(params, seed=self._group_seed())  # TP ranks must sample alike
         requests = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(params.n)]
-        sampling = [vllm_sampling_params(params, self.arch, row) for row in range(len(requests))]
+        sampling = [vllm_sampling_params(params, self.arch, row, row_seeds) for row in range(len(requests))]
         lora = self.adapter_slot.request if self.adapter_slot is not None else None
         results = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=lora)
         return output_from_vllm(results, len(prompts), params.n, self.pad_token_id)
+
+    def running_batch(self, params: SamplingParams) -> Any:
+        """Requests fed to vLLM's scheduler as they come (engine/rollout/running_batch.py's VLLMRunningBatch)."""
+        from tripod.engine.rollout.running_batch import VLLMRunningBatch
+
+        return VLLMRunningBatch(self, params)
 
     def _group_seed(self) -> int:
         import torch.distributed as dist
