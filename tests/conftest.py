@@ -49,6 +49,27 @@ def _one_torch_thread():
     yield
 
 
+@pytest.fixture
+def tool_configs_load(monkeypatch):
+    """For tests that only build tools from a config (their names, schemas), never running the Python tool: where this
+    machine has no user namespaces its sandbox refuses to start (engine/agent/sandbox.py), so the probe is taken as
+    passing here. Tests that run code through the sandbox skip instead (`needs_sandbox`)."""
+    from tripod.engine.agent import sandbox
+
+    if sandbox.namespace_problem() is not None:
+        monkeypatch.setattr(sandbox, "namespace_problem", lambda: None)
+
+
+@pytest.fixture
+def needs_sandbox():
+    """Skip where the Python tool's namespaced sandbox cannot run (the reason is the probe's)."""
+    from tripod.engine.agent import sandbox
+
+    problem = sandbox.namespace_problem()
+    if problem is not None:
+        pytest.skip(f"no namespaced sandbox here: {problem}")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` are collected everywhere and skipped, with the reason, where CUDA is absent; on the lent
     GPU machine docs/gpu_check.md runs them with `pytest -m gpu`."""

@@ -34,7 +34,7 @@ def _script():
 
 
 @pytest.fixture
-def recipe_rows(tmp_path, monkeypatch):
+def recipe_rows(tmp_path, monkeypatch, tool_configs_load):
     """(the recipe's config, the preprocessed train rows, their parquet path), run from the checkout as the recipe's
     relative paths expect."""
     from tripod.engine.config import load_config

@@ -61,7 +61,7 @@ def test_every_train_sft_recipe_loads_and_validates(recipe):
 
 
 @pytest.mark.parametrize("tool_config", TOOL_CONFIGS)
-def test_every_tool_config_builds_its_tools_and_a_recipe_uses_it(tool_config):
+def test_every_tool_config_builds_its_tools_and_a_recipe_uses_it(tool_config, tool_configs_load):
     from tripod.engine.agent import load_tools
     from tripod.engine.config import load_config
 

@@ -1,11 +1,11 @@
-"""Built-in tools: a calculator (safe arithmetic) and a Python code tool (a limited separate process).
+"""Built-in tools: a calculator (safe arithmetic) and a Python code tool (a sandbox of Linux namespaces, sandbox.py).
 
     tools:
       - class_name: tripod.engine.agent.builtin_tools.CalculatorTool
         config: {type: native}                   # tool_schema may be left out: the default below is used
       - class_name: tripod.engine.agent.builtin_tools.PythonTool
         config: {type: native, timeout: 10, cpu_time_limit: 10, memory_limit_mb: 1024, max_output_bytes: 16384,
-                 max_concurrency: 4}
+                 max_processes: 64, max_concurrency: 4}   # unsafe_local: true only where namespaces are unavailable
 
 The calculator parses the expression with `ast` and evaluates numbers, + - * / // % **, parentheses and a few
 math functions only (no names, attributes or calls of anything else); huge powers are refused. A failure is
@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import logging
 import math
 import operator
 import os
+import sys
 from typing import Any
 
-from tripod.engine.agent.sandbox import run_python
+from tripod.engine.agent import sandbox
 from tripod.engine.agent.tools import BaseTool, OpenAIFunctionToolSchema, ToolResponse
+
+logger = logging.getLogger(__name__)
 
 _MAX_BITS = 4096  # integers beyond ~1e1233 are refused (and so are powers that would make them)
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -107,7 +111,9 @@ class CalculatorTool(BaseTool):
 
 
 class PythonTool(BaseTool):
-    """`code_interpreter(code)` -> what the code printed (stdout, then stderr), run in a limited process."""
+    """`code_interpreter(code)` -> what the code printed (stdout, then stderr), run by sandbox.run_python in fresh
+    Linux namespaces (what it sees and what limits it: sandbox.py's docstring). Where namespaces are unavailable the
+    tool refuses to start, unless `unsafe_local: true` lets it run the code as tripod's user with rlimits only."""
 
     def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None):
         super().__init__(config, tool_schema)
@@ -115,11 +121,27 @@ class PythonTool(BaseTool):
         self.cpu_s = float(config.get("cpu_time_limit", self.wall_s))
         self.memory_mb = int(config.get("memory_limit_mb", 1024))
         self.max_output_bytes = int(config.get("max_output_bytes", 16384))
-        self.python = config.get("python")
+        self.max_processes = int(config.get("max_processes", 64))
+        self.python = os.path.realpath(config.get("python") or sys.executable)  # a venv's python -> the base one
         self.max_concurrency = int(config.get("max_concurrency", os.cpu_count() or 1))
-        if min(self.wall_s, self.cpu_s, self.memory_mb, self.max_output_bytes, self.max_concurrency) <= 0:
-            raise ValueError("timeout, cpu_time_limit, memory_limit_mb, max_output_bytes and max_concurrency "
-                             "must be positive")
+        if min(self.wall_s, self.cpu_s, self.memory_mb, self.max_output_bytes, self.max_concurrency,
+               self.max_processes) <= 0:
+            raise ValueError("timeout, cpu_time_limit, memory_limit_mb, max_output_bytes, max_concurrency and "
+                             "max_processes must be positive")
+        unsafe_local = config.get("unsafe_local", False)
+        if not isinstance(unsafe_local, bool):
+            raise ValueError(f"unsafe_local must be true or false, not {unsafe_local!r}")
+        problem = sandbox.namespace_problem()
+        if problem is not None and not unsafe_local:
+            raise ValueError(f"PythonTool: no sandbox for model-written code here ({problem}); allow unprivileged "
+                             "user namespaces (sysctl user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1; "
+                             "a container needs them too) or set `unsafe_local: true` in the tool's config to run the "
+                             "code without isolation")
+        if problem is not None:
+            logger.warning("PythonTool: UNSAFE: unsafe_local is true and there is no sandbox (%s): model-written code "
+                           "runs as this process's user and can read and write its files, reach the network and "
+                           "signal its processes", problem)
+        self.isolated = problem is None
         self._gate: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
 
     def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
@@ -137,8 +159,9 @@ class PythonTool(BaseTool):
         if not isinstance(code, str) or not code.strip():
             return ToolResponse(text="Error: `code` must be a non-empty string"), 0.0, {"error": "no code"}
         async with self._semaphore():
-            result = await run_python(code, wall_s=self.wall_s, cpu_s=self.cpu_s, memory_mb=self.memory_mb,
-                                      max_output_bytes=self.max_output_bytes, python=self.python)
+            result = await sandbox.run_python(code, wall_s=self.wall_s, cpu_s=self.cpu_s, memory_mb=self.memory_mb,
+                                              max_output_bytes=self.max_output_bytes, python=self.python,
+                                              max_processes=self.max_processes, isolated=self.isolated)
         text = result.stdout + result.stderr
         failure = result.failure()
         if failure:
