@@ -18,6 +18,7 @@ def char_tokenizer(extra_chars: Sequence[str] = ()):
     chars = list(PRINTABLE) + [c for c in extra_chars if c not in PRINTABLE]
     vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # [\s\S], not ".": "." skips newlines, so a run of them ("\n\n") was one unknown piece
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<pad>", pad_token="<pad>", bos_token="<bos>",
                                    eos_token="<eos>", chat_template=CHAT_TEMPLATE)
