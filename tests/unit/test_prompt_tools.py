@@ -28,7 +28,7 @@ TOOLS_YAML = """tools:
 def config(tmp_path, enable=True):
     path = tmp_path / "tools.yaml"
     path.write_text(TOOLS_YAML)
-    mt = SimpleNamespace(enable=enable, tool_config_path=str(path))
+    mt = SimpleNamespace(enable=enable, tool_config_path=str(path), function_tool_path=None)
     return SimpleNamespace(actor_rollout_ref=SimpleNamespace(rollout=SimpleNamespace(multi_turn=mt)))
 
 

@@ -92,7 +92,7 @@ def build_components(cfg: Any, role: Role) -> Components:
     ds_args = dict(tokenizer=tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
                    filter_overlong_prompts=d.filter_overlong_prompts, apply_chat_template=d.apply_chat_template,
                    reward_fn_key=d.reward_fn_key, token_cache_dir=resolve_cache_dir(d.token_cache_dir),
-                   tools=prompt_tools(cfg))
+                   tools=prompt_tools(cfg), chat_template_kwargs=dict(d.apply_chat_template_kwargs or {}))
     train_set = PromptDataset(d.train_files, **ds_args)
     # the rollout's own ranks generate training batches only: the trainer validates
     val_set = PromptDataset(d.val_files, **ds_args) if d.val_files and role == "trainer" else None

@@ -212,7 +212,7 @@ def preflight(cfg, world: int) -> None:
         if files:
             ds = PromptDataset(files, tokenizer, d.prompt_key, d.max_prompt_length, d.filter_overlong_prompts,
                                d.apply_chat_template, d.reward_fn_key, resolve_cache_dir(d.token_cache_dir),
-                               prompt_tools(cfg))
+                               prompt_tools(cfg), chat_template_kwargs=dict(d.apply_chat_template_kwargs or {}))
             datasets.append(ds)
             if not cfg.reward_model.enable:  # with a reward model, rows without a rule function get its score
                 check_data_sources(ds.data_sources)

@@ -10,16 +10,21 @@ to `start_interaction(instance_id, **kwargs)` and `generate_response(instance_id
 A class needs verl's constructor `(config)` and async `start_interaction`, `generate_response -> (should_terminate,
 text, turn_score, extra)`; `calculate_score` and `finalize_interaction` are called at the end with as much of
 `(instance_id, **kwargs)` as their signatures take (verl's base class declares them without arguments).
+
+`generate_response` gets the whole conversation, as verl's earlier rollouts handed it: the prompt's messages, then
+the trajectory's turns (the agent loop passes both). verl 0.9.1's agent loop has no interactions (its multi_turn has
+no interaction_config_path); tripod keeps the format of the verl releases that had them.
 """
 from __future__ import annotations
 
 import inspect
 import logging
 import math
+from collections import deque
 from typing import Any
 from uuid import uuid4
 
-from tripod.engine.agent.tool_runner import run_guarded
+from tripod.engine.agent.tool_runner import RECENT_ERRORS, run_guarded
 from tripod.engine.agent.tools import import_class, load_yaml_list
 
 logger = logging.getLogger(__name__)
@@ -119,16 +124,19 @@ def _call_with_what_fits(fn: Any, instance_id: str, kwargs: dict) -> tuple[tuple
 
 
 class InteractionRunner:
-    """One interaction instance per row key; no method raises (a failure ends the row's conversation)."""
+    """One interaction instance per row key; no method raises (a failure ends the row's conversation). Failures are
+    counted in `error_count`, the last few kept in `recent_errors`."""
 
     def __init__(self, interactions: dict[str, object], *, timeout_s: float = 60.0):
         self.interactions = interactions
         self.timeout_s = timeout_s
         self._rows: dict[str, tuple[object, str, dict]] = {}  # row -> (interaction, instance id, kwargs)
-        self.lifecycle_errors: list[str] = []
+        self.error_count = 0
+        self.recent_errors: deque[str] = deque(maxlen=RECENT_ERRORS)
 
     def _failed(self, row_key: str, error: str) -> None:
-        self.lifecycle_errors.append(error)
+        self.error_count += 1
+        self.recent_errors.append(error)
         logger.warning("row %s: %s", row_key, error)
 
     async def start(self, row_key: str, interaction_kwargs: dict) -> None:
@@ -137,22 +145,23 @@ class InteractionRunner:
         if interaction is None:
             return self._failed(row_key, f"interaction_kwargs.name {kwargs.get('name')!r} is not one of "
                                          f"{sorted(self.interactions)}")
-        value, error, _ = await run_guarded("start_interaction", self.timeout_s, interaction.start_interaction,
-                                            row_key, **kwargs)
+        value, error, *_ = await run_guarded("start_interaction", self.timeout_s, interaction.start_interaction,
+                                             row_key, **kwargs)
         if error is not None:
             return self._failed(row_key, error)
         self._rows[row_key] = (interaction, value if isinstance(value, str) and value else row_key, kwargs)
 
     async def respond(self, row_key: str, messages: list[dict]) -> tuple[bool, str, float, dict]:
-        """(should_terminate, user text, turn score, extra); on failure (True, an error text, 0.0, {"error",
-        "timed_out"})."""
+        """(should_terminate, user text, turn score, extra) for the whole conversation `messages` (the prompt's
+        messages, then the trajectory's); on failure (True, an error text, 0.0, {"error", "timed_out"})."""
         row = self._rows.get(row_key)
         if row is None:
             error, timed_out = "the interaction did not start for this row", False
         else:
             interaction, instance_id, kwargs = row
-            value, error, timed_out = await run_guarded("generate_response", self.timeout_s,
-                                                        interaction.generate_response, instance_id, messages, **kwargs)
+            value, error, timed_out, _ = await run_guarded("generate_response", self.timeout_s,
+                                                           interaction.generate_response, instance_id, messages,
+                                                           **kwargs)
             if error is None:
                 if isinstance(value, (tuple, list)) and len(value) == 4 and isinstance(value[1], str):
                     terminate, text, score, extra = value
@@ -172,8 +181,8 @@ class InteractionRunner:
         score = 0.0
         if callable(getattr(interaction, "calculate_score", None)):
             args, kw = _call_with_what_fits(interaction.calculate_score, instance_id, kwargs)
-            value, error, _ = await run_guarded("calculate_score", self.timeout_s, interaction.calculate_score,
-                                                *args, **kw)
+            value, error, *_ = await run_guarded("calculate_score", self.timeout_s, interaction.calculate_score,
+                                                 *args, **kw)
             if error is None and isinstance(value, (int, float)) and not isinstance(value, bool) \
                     and math.isfinite(value):
                 score = float(value)
@@ -181,8 +190,8 @@ class InteractionRunner:
                 self._failed(row_key, error or f"calculate_score returned {value!r:.200}, not a number")
         if callable(getattr(interaction, "finalize_interaction", None)):
             args, kw = _call_with_what_fits(interaction.finalize_interaction, instance_id, kwargs)
-            _, error, _ = await run_guarded("finalize_interaction", self.timeout_s, interaction.finalize_interaction,
-                                            *args, **kw)
+            _, error, *_ = await run_guarded("finalize_interaction", self.timeout_s,
+                                             interaction.finalize_interaction, *args, **kw)
             if error is not None:
                 self._failed(row_key, error)
         return score

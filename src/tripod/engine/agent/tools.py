@@ -1,4 +1,4 @@
-"""Tools in verl's format: the `tools:` YAML list, the OpenAI function schema, the tool class protocol.
+"""Tools in verl's format: the `tools:` YAML list, the OpenAI function schema, the tool class protocol, AgentData.
 
     tools:
       - class_name: tripod.engine.agent.builtin_tools.CalculatorTool   # any importable module.Class
@@ -8,19 +8,24 @@
           function: {name: calculator, description: ..., parameters: {type: object, properties: {...}, required: [...]}}
 
 A tool class needs verl's constructor `(config: dict, tool_schema)` (the schema arrives as a pydantic model shaped
-like verl's `OpenAIFunctionToolSchema`, so `tool_schema.function.name` works) and the async methods
+like verl 0.9.1's `OpenAIFunctionToolSchema`, so `tool_schema.function.name` works) and the async methods
 `create(instance_id=None, **kwargs) -> (instance_id, response)`, `execute(instance_id, parameters, **kwargs) ->
-(response, step_reward, metrics)`, `calc_reward(instance_id, **kwargs) -> float` and `release(instance_id,
-**kwargs)`. A response is anything with `.text` (verl's `ToolResponse`, this module's) or a plain string. Nothing
-has to inherit `BaseTool`: a class written against verl's signatures runs unchanged. A tool reports a failure
-without raising by putting `error` (a short string) and/or `timed_out: True` in its metrics; the runner counts
-them like a raised exception. A schema may be left out of the YAML when the class supplies one through
-`get_openai_tool_schema()` (as verl allows). Only `config.type: native` is supported (verl's `mcp` is not).
+(response, step_reward, metrics)` and `release(instance_id, **kwargs)`; `calc_reward(instance_id, **kwargs) ->
+float` only for a tool that opts into tripod's per-trajectory lifecycle (tool_runner.py). A response is anything
+with `.text` (verl's `ToolResponse`, this module's) or a plain string. Nothing has to inherit `BaseTool`: a class
+written against verl's signatures, or subclassing verl's own `BaseTool`, runs unchanged. A tool reports a failure
+without raising by putting `error` (a short string) and/or `timed_out: True` in its metrics; the runner counts them
+like a raised exception. A schema may be left out of the YAML when the class supplies one through
+`get_openai_tool_schema()` (as verl allows). Only `config.type: native` exists (verl 0.9.1 removed `mcp` too).
+
+Two per-tool settings, read by `tool_setting` from a class / instance attribute or else the tool's `config`:
+`lifecycle` (`call`, verl 0.9.1's default, or `trajectory`) and `max_concurrency` (most executes of the tool at once
+over all rows of a batch).
 """
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
@@ -32,17 +37,18 @@ SCHEMA_HINT = ("write {type: function, function: {name, description, parameters:
 
 
 class OpenAIFunctionPropertySchema(BaseModel):
-    """One parameter (verl's fields; further JSON-schema keys such as `items` are kept)."""
+    """One parameter (verl 0.9.1's fields: a union's type is a list, an enum may hold any JSON values; further
+    JSON-schema keys such as `items` are kept, where verl drops them)."""
     model_config = ConfigDict(extra="allow")
-    type: str
+    type: str | list[str]
     description: str | None = None
-    enum: list[str] | None = None
+    enum: list[Any] | None = None
 
 
 class OpenAIFunctionParametersSchema(BaseModel):
     type: str
     properties: dict[str, OpenAIFunctionPropertySchema]
-    required: list[str]
+    required: list[str] = Field(default_factory=list)
 
 
 class OpenAIFunctionSchema(BaseModel):
@@ -70,8 +76,44 @@ class ToolResponse:
         return not self.text and not self.image and not self.video
 
 
+@dataclass
+class AgentData:
+    """What verl 0.9.1's tool agent loop hands every `execute` as `agent_data=` (its `AgentData`'s fields): a tool
+    written for verl reads the conversation or stores per-trajectory state in `extra_fields` through it. The loop makes
+    one per row; tripod's trajectories are text-only, so the multimodal fields stay empty."""
+    messages: list[dict[str, Any]]  # the conversation so far: the prompt's messages, then the trajectory's turns
+    request_id: str
+    tools_kwargs: dict[str, Any]  # the row's extra_info.tools_kwargs
+    image_data: list[Any] | None = None
+    video_data: list[Any] | None = None
+    audio_data: list[Any] | None = None
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    mm_processor_output: list[dict[str, Any]] | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    response_logprobs: list[float] = field(default_factory=list)
+    turn_scores: list[float] = field(default_factory=list)
+    tool_rewards: list[float] = field(default_factory=list)
+    user_turns: int = 0
+    assistant_turns: int = 0
+    tool_calls: list[Any] = field(default_factory=list)
+    routed_experts: Any = None
+    extra_fields: dict[str, Any] = field(default_factory=dict)
+
+
+def tool_setting(tool: object, key: str, default: Any = None) -> Any:
+    """A per-tool setting: the tool's attribute `key` (class or instance), else its `config[key]`, else `default`."""
+    value = getattr(tool, key, None)
+    if value is None:
+        config = getattr(tool, "config", None)
+        value = config.get(key) if isinstance(config, dict) else None
+    return default if value is None else value
+
+
 class BaseTool:
-    """Optional base class with verl's defaults: one instance per trajectory, no state, reward 0."""
+    """Optional base class with verl's defaults: a fresh instance per call (verl 0.9.1), no state, reward 0."""
 
     def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None):
         self.config = config
@@ -152,7 +194,7 @@ def schema_of(tool: object) -> OpenAIFunctionToolSchema:
         schema = tool.get_openai_tool_schema()
     if isinstance(schema, OpenAIFunctionToolSchema):
         return schema
-    dumped = schema.model_dump() if hasattr(schema, "model_dump") else schema
+    dumped = schema.model_dump(exclude_unset=True) if hasattr(schema, "model_dump") else schema
     return parse_tool_schema(dumped, f"{type(tool).__name__}.tool_schema")
 
 
@@ -174,10 +216,17 @@ def load_tools(tool_config_path: str) -> dict[str, object]:
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"{where}: {entry['class_name']}(config, tool_schema) raised "
                              f"{type(e).__name__}: {e}") from None
+        if not hasattr(tool, "config"):  # verl's BaseTool keeps it; tool_setting reads lifecycle / max_concurrency there
+            try:
+                tool.config = config
+            except AttributeError:  # __slots__: the settings must then be class attributes
+                pass
         name = schema_of(tool).function.name
         if name in tools:
             raise ValueError(f"{where}: duplicate tool name {name!r}; function names must be unique")
-        missing = [m for m in ("create", "execute", "calc_reward", "release") if not callable(getattr(tool, m, None))]
+        needed = ("create", "execute", "release") + (("calc_reward",) if tool_setting(tool, "lifecycle") == "trajectory"
+                                                      else ())
+        missing = [m for m in needed if not callable(getattr(tool, m, None))]
         if missing:
             raise ValueError(f"{where}: {entry['class_name']} lacks the tool method(s) {missing} (verl's BaseTool API)")
         tools[name] = tool

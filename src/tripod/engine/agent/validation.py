@@ -1,12 +1,12 @@
-"""Checking the rows' `extra_info.tools_kwargs` / `interaction_kwargs` against the loaded tools and interactions,
-before any model is built: one line naming the row, the key and the fix."""
+"""Checking the rows' `extra_info.tools_kwargs` / `tool_selection` / `interaction_kwargs` against the loaded tools and
+interactions, before any model is built: one line naming the row, the key and the fix."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 TOOL_KWARG_KEYS = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")
-_RESERVED_CREATE = ("instance_id", "create_kwargs")  # create() receives these itself
+_RESERVED = {"create_kwargs": ("instance_id", "create_kwargs"), "execute_kwargs": ("agent_data",)}  # passed already
 
 
 def _row_problem(i: int, info: Any, tools: Mapping[str, object], interactions: Mapping[str, object]) -> str | None:
@@ -31,9 +31,18 @@ def _row_problem(i: int, info: Any, tools: Mapping[str, object], interactions: M
         for key in TOOL_KWARG_KEYS:
             if kwargs.get(key) is not None and not isinstance(kwargs[key], Mapping):
                 return f"row {i}: extra_info.tools_kwargs.{name}.{key} must be a mapping"
-        clash = sorted(set(kwargs.get("create_kwargs") or {}) & set(_RESERVED_CREATE))
-        if clash:
-            return f"row {i}: extra_info.tools_kwargs.{name}.create_kwargs may not use the names {clash}"
+        for key, reserved in _RESERVED.items():
+            clash = sorted(set(kwargs.get(key) or {}) & set(reserved))
+            if clash:
+                return f"row {i}: extra_info.tools_kwargs.{name}.{key} may not use the names {clash}"
+    selection = info.get("tool_selection")
+    if selection is not None:
+        if not isinstance(selection, (list, tuple)) or not all(isinstance(n, str) for n in selection):
+            return f"row {i}: extra_info.tool_selection must be a list of tool names"
+        unknown = sorted(set(selection) - set(tools))
+        if unknown:
+            return (f"row {i}: extra_info.tool_selection names {unknown}, which the tool files do not define "
+                    f"(tools: {', '.join(tools) or 'none'})")
     if interactions:
         kwargs = info.get("interaction_kwargs")
         if not isinstance(kwargs, Mapping) or kwargs.get("name") is None:

@@ -57,7 +57,8 @@ def work_spec(cfg, steps: int, warmup: int) -> dict:
     d, arc = cfg.data, cfg.actor_rollout_ref
     tok = AutoTokenizer.from_pretrained(d.tokenizer or arc.model.path)
     ds = PromptDataset(d.train_files, tok, d.prompt_key, d.max_prompt_length, d.filter_overlong_prompts,
-                       d.apply_chat_template, d.reward_fn_key)
+                       d.apply_chat_template, d.reward_fn_key,
+                       chat_template_kwargs=dict(d.apply_chat_template_kwargs or {}))
     files = [d.train_files] if isinstance(d.train_files, str) else list(d.train_files)
     rows = [r for path in files for r in pq.read_table(path).to_pylist()]
     loader = PromptDataLoader(ds, d.train_batch_size, d.shuffle, d.seed)

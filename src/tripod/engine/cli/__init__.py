@@ -9,6 +9,7 @@
     tripod plan RECIPE|MODEL [key=value ...] [--per-rank] [--gpu-memory-gb G]   resharding + memory plan (plan.py)
     tripod bench RECIPE [key=value ...] --steps N --out DIR [--baseline trl hf]   throughput vs peers (bench.py)
     tripod report RUN_DIR [--out PNG]             dashboard PNG + health verdict from metrics.jsonl (report.py)
+    tripod tool TOOL_CONFIG NAME --args JSON      one tool call as the agent loop runs it, one JSON line (tool.py)
 
 A command that needs a torch.distributed world runs in-process when launched by torchrun or a multi-task
 srun, and otherwise spawns its own local gloo world (engine/launch.py). Bad input is reported as one line
@@ -30,6 +31,7 @@ from tripod.engine.cli.convert import add_convert_command
 from tripod.engine.cli.export import add_export_command
 from tripod.engine.cli.plan import add_plan_command
 from tripod.engine.cli.report import add_report_command
+from tripod.engine.cli.tool import add_tool_command
 from tripod.engine.cli.train import add_train_command
 from tripod.engine.cli.train_rm import add_train_rm_command
 from tripod.engine.cli.train_sft import add_train_sft_command
@@ -47,7 +49,7 @@ NONZERO_RANK_EXIT_GRACE_S = 30.0
 
 SUBCOMMANDS: list[Callable[[Any], None]] = [add_convert_command, add_export_command, add_train_command,
                                              add_train_rm_command, add_train_sft_command, add_plan_command,
-                                             add_bench_command, add_report_command]
+                                             add_bench_command, add_report_command, add_tool_command]
 
 
 def build_parser() -> argparse.ArgumentParser:

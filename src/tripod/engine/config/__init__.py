@@ -64,6 +64,8 @@ from tripod.engine.config.models import (  # noqa: F401
 )
 from tripod.engine.config.rollout import (  # noqa: F401
     ActorRolloutRefConfig,
+    AgentLoopConfig,
+    CustomAsyncServerConfig,
     MultiTurnConfig,
     RefConfig,
     RolloutConfig,

@@ -40,6 +40,13 @@ class DataConfig:
     """Drop prompts longer than max_prompt_length (false: refuse them at start). verl: data.filter_overlong_prompts."""
     apply_chat_template: bool = True
     """Render chat-message prompts with the tokenizer's chat template. (verl always applies it.)"""
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of every apply_chat_template call that renders the prompts (and the agent loop's tool /
+    user turns), e.g. {enable_thinking: false} for Qwen3's template. verl: data.apply_chat_template_kwargs."""
+    return_raw_chat: bool = True
+    """verl: the dataset also hands each prompt's chat messages (raw_prompt) to the rollout; verl 0.9.1 hands them
+    always. tripod keeps them always too (PromptBatch.raw_prompts: the agent loop's conversation starts with them),
+    so either value runs the same. verl: data.return_raw_chat."""
     tokenizer: Optional[str] = None
     """Tokenizer directory; null: the actor model's. verl: data.tokenizer."""
     token_cache_dir: Optional[str] = ""

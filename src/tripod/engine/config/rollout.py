@@ -45,14 +45,42 @@ class MultiTurnConfig:
     """Which part of a long tool answer is kept: left (its start), right (its end) or middle (both ends). verl: same
     name."""
     tool_config_path: Optional[str] = None
-    """YAML of the tools (verl's format: a `tools:` list of class_name, config, tool_schema); null: no tools.
-    verl: same name."""
+    """YAML of the tools (verl's format: a `tools:` list of class_name, config, tool_schema); null: no tools. Each call
+    runs verl 0.9.1's lifecycle (create, execute, release) unless the tool opts into tripod's per-trajectory one
+    (docs/agent_tools.md). verl: same name."""
+    function_tool_path: Optional[str] = None
+    """Python file whose `@function_tool` functions (verl's decorator or tripod.engine.agent.function_tool) become tools
+    beside tool_config_path's: the schema comes from each function's signature and docstring, a call runs the function
+    with the arguments (no lifecycle); a name in both files is refused. null: none. verl: same name (0.9.1)."""
+    tool_timeout_s: float = 60.0
+    """Wall-clock limit, in seconds, of each step of a tool call (create, execute, release, calc_reward) and of each
+    interaction call; a call past it becomes an error turn and never stalls the rollout. verl: none (verl waits)."""
     interaction_config_path: Optional[str] = None
     """YAML of the interactions (verl's `interaction:` list of name, class_name, config), chosen per row by
     extra_info.interaction_kwargs.name; null: none. verl: same name."""
+    scheduling: str = "per_row"
+    """How the rows' model turns reach the engine (engine/agent/scheduler.py): per_row (each row advances on its own:
+    while a row waits for a tool or an interaction the others generate; the embedded engine admits rows into its
+    running batch between decode steps, vLLM / SGLang get the ready rows' requests whenever the engine is free) or
+    lockstep (one batch per turn for all live rows, started when the slowest row's tools have answered). Both sample
+    each row's turn from its own seed, so they give the same trajectories up to float rounding. verl: none (verl's
+    agent loop is per row)."""
     format: str = "hermes"
     """Tool-call syntax the model writes: hermes (<tool_call>{"name": ..., "arguments": ...}</tool_call>, Qwen2.5 /
     Qwen3 chat templates). verl: same name."""
+    use_inference_chat_template: bool = False
+    """verl: true re-renders earlier turns with the model's chat template as at inference (which may drop reasoning),
+    false keeps the tokens the model generated; verl 0.9.1's agent loop reads it no more (its only path keeps the
+    tokens). tripod always keeps the generated tokens (false); true is refused. verl: same name."""
+    tokenization_sanity_check_mode: str = "strict"
+    """verl: strict | ignore_strippable | disable, how strictly turn-by-turn tokenization is compared with tokenizing
+    the whole conversation (verl 0.9.1 reads it no more). tripod tokenizes no conversation twice: it keeps the model's
+    tokens and renders each tool / user turn as a suffix, checking in every mode that the rendering is append-only
+    (multi_turn/non_append_only_turns counts the turns that are not; docs/multi_turn.md). The values are accepted
+    and checked, none changes what runs. verl: same name."""
+    num_repeat_rollouts: Optional[int] = None
+    """verl's deprecated per-sample repeat count (verl 0.9.1 reads it no more); only null is accepted: sample a prompt
+    several times with actor_rollout_ref.rollout.n. verl: same name."""
     add_rollout_rewards: bool = False
     """Add each trajectory's rollout rewards (its tool step rewards, the tools' calc_reward, the interaction's turn
     scores and final score) to its rule score, once. Either way the reward function's extra_info holds them under
@@ -62,18 +90,73 @@ class MultiTurnConfig:
 
     def check(self, key: str) -> list[str]:
         from tripod.engine.agent.hermes import FORMATS
+        from tripod.engine.agent.scheduler import SCHEDULING
 
         e = _choice(f"{key}.format", self.format, FORMATS)
+        e += _choice(f"{key}.scheduling", self.scheduling, SCHEDULING)
         e += _choice(f"{key}.tool_response_truncate_side", self.tool_response_truncate_side, ("left", "right", "middle"))
         e += _positive({f"{key}.max_parallel_calls": self.max_parallel_calls,
                         f"{key}.max_tool_response_length": self.max_tool_response_length})
         for name in ("max_assistant_turns", "max_user_turns"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 e.append(f"{key}.{name}={getattr(self, name)} must be >= 1 (or null: no limit)")
-        for name in ("tool_config_path", "interaction_config_path"):
+        e += _choice(f"{key}.tokenization_sanity_check_mode", self.tokenization_sanity_check_mode,
+                     ("strict", "ignore_strippable", "disable"))
+        if not self.tool_timeout_s > 0:
+            e.append(f"{key}.tool_timeout_s={self.tool_timeout_s} must be > 0 (seconds)")
+        if self.use_inference_chat_template:
+            e.append(f"{key}.use_inference_chat_template=true: tripod always trains on the tokens the model generated "
+                     "(verl 0.9.1's only path); set it to false")
+        if self.num_repeat_rollouts is not None:
+            e.append(f"{key}.num_repeat_rollouts={self.num_repeat_rollouts}: verl's deprecated repeat count is not "
+                     "supported; set actor_rollout_ref.rollout.n (responses per prompt) and leave this null")
+        for name in ("tool_config_path", "interaction_config_path", "function_tool_path"):
             path = getattr(self, name)
             if self.enable and path and not os.path.isfile(path):
-                e.append(f"{key}.{name}={path!r} is not a file; point it at the YAML (or null)")
+                e.append(f"{key}.{name}={path!r} is not a file; point it at the "
+                         f"{'Python file' if name == 'function_tool_path' else 'YAML'} (or null)")
+        return e
+
+
+@dataclass
+class CustomAsyncServerConfig:
+    path: Optional[str] = None
+    """verl: a file with a custom async rollout server class; only null is accepted (tripod's rollout engines are
+    rollout.name's). verl: rollout.agent.custom_async_server.path."""
+    name: Optional[str] = None
+    """verl: that class's name; only null is accepted. verl: rollout.agent.custom_async_server.name."""
+
+
+@dataclass
+class AgentLoopConfig:
+    num_workers: int = 8
+    """verl: how many agent-loop worker processes share a batch's trajectories. tripod runs the agent loop inside each
+    rollout replica, every row's tools concurrently on one event loop, so the value (>= 1) changes nothing.
+    verl: rollout.agent.num_workers."""
+    default_agent_loop: str = "single_turn_agent"
+    """verl: the agent loop of rows without an agent_name: single_turn_agent or tool_agent. tripod's follows
+    multi_turn.enable alone: tool_agent needs multi_turn.enable=true; single_turn_agent is accepted either way (verl's
+    multi-turn recipes keep it and name tool_agent in their rows' agent_name). verl: rollout.agent.default_agent_loop."""
+    agent_loop_config_path: Optional[str] = None
+    """verl: a YAML of custom agent-loop classes; only null is accepted (tripod's agent loop is engine/agent/loop.py,
+    configured by multi_turn.*). verl: rollout.agent.agent_loop_config_path."""
+    custom_async_server: CustomAsyncServerConfig = field(default_factory=CustomAsyncServerConfig)
+    """verl: a custom rollout server; only nulls are accepted."""
+
+    def check(self, key: str, multi_turn: bool) -> list[str]:
+        e = _choice(f"{key}.default_agent_loop", self.default_agent_loop, ("single_turn_agent", "tool_agent"))
+        if self.default_agent_loop == "tool_agent" and not multi_turn:
+            e.append(f"{key}.default_agent_loop=tool_agent needs actor_rollout_ref.rollout.multi_turn.enable=true "
+                     "(tripod's agent loop follows it); turn multi_turn on or set single_turn_agent")
+        if self.num_workers < 1:
+            e.append(f"{key}.num_workers={self.num_workers} must be >= 1")
+        if self.agent_loop_config_path is not None:
+            e.append(f"{key}.agent_loop_config_path={self.agent_loop_config_path!r}: custom agent-loop classes are not "
+                     "supported; tripod's agent loop takes actor_rollout_ref.rollout.multi_turn.* (set it to null)")
+        server = self.custom_async_server
+        if server.path is not None or server.name is not None:
+            e.append(f"{key}.custom_async_server: a custom rollout server is not supported; pick an engine with "
+                     "actor_rollout_ref.rollout.name (set path and name to null)")
         return e
 
 
@@ -142,6 +225,8 @@ class RolloutConfig:
     thread barrier that a descheduled second thread stalls (scripts/bench_generate.py measures it)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn rollouts with tools and interactions (engine/agent/). verl: rollout.multi_turn."""
+    agent: AgentLoopConfig = field(default_factory=AgentLoopConfig)
+    """verl's agent-loop worker keys, accepted where they agree with what tripod runs. verl: rollout.agent."""
 
     def check(self, key: str = "actor_rollout_ref.rollout") -> list[str]:
         from tripod.engine.rollout import ROLLOUT_NAMES
@@ -165,7 +250,8 @@ class RolloutConfig:
             e.append(f"{key}.stop_token_ids={list(self.stop_token_ids)} must be token ids (>= 0)")
         if not all(self.stop):
             e.append(f"{key}.stop={list(self.stop)} must not contain an empty string (it would end every response)")
-        return e + self.multi_turn.check(f"{key}.multi_turn")
+        return (e + self.multi_turn.check(f"{key}.multi_turn")
+                + self.agent.check(f"{key}.agent", self.multi_turn.enable))
 
 
 @dataclass

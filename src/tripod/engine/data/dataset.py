@@ -7,10 +7,12 @@ Parquet layout (verl's, written by scripts/preprocess_gsm8k.py and scripts/make_
     reward_model  struct<style: string, ground_truth: string>
     extra_info    struct<...>, optional, passed through to the reward function
 
-`PromptDataset` reads and tokenizes every row once (chat template applied, generation prompt added), drops prompts
-longer than `max_prompt_length`, and hands out `PromptBatch`es. With a `token_cache_dir` the token ids come from a
-cache keyed by the file, the tokenizer and the settings (engine/data/token_cache.py): one rank of a node tokenizes a
-file, the others and later runs read its entry. `PromptDataLoader` walks it in a per-epoch order
+`PromptDataset` reads and tokenizes every row once (chat template applied, generation prompt added, with
+data.apply_chat_template_kwargs and the tool schemas: a row's `extra_info.tool_selection` narrows them to its tools, as
+verl 0.9.1's agent loop does), drops prompts longer than `max_prompt_length`, and hands out `PromptBatch`es, which
+carry each prompt's chat messages (`raw_prompts`, verl's raw_prompt: the agent loop's conversation starts with them).
+With a `token_cache_dir` the token ids come from a cache keyed by the file, the tokenizer and the settings
+(engine/data/token_cache.py): one rank of a node tokenizes a file, the others and later runs read its entry. `PromptDataLoader` walks it in a per-epoch order
 that depends only on (seed, epoch), and its `state_dict()` ({epoch, offset}) lets a resumed run see exactly the
 batches the interrupted run would have seen.
 """
@@ -85,34 +87,53 @@ def _read_parquet(path: str, required: Sequence[str]) -> list[dict[str, Any]]:
 
 def prompt_tools(cfg: Any) -> list[dict] | None:
     """The tool schemas the chat template renders into every prompt (verl's agent loop passes them as
-    apply_chat_template's `tools`): those of actor_rollout_ref.rollout.multi_turn's tool_config_path when multi-turn
-    is on, else None (prompts render as without tools)."""
+    apply_chat_template's `tools`): those of actor_rollout_ref.rollout.multi_turn's tool_config_path and
+    function_tool_path when multi-turn is on, else None (prompts render as without tools)."""
     multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
-    if not (multi_turn.enable and multi_turn.tool_config_path):
+    if not (multi_turn.enable and (multi_turn.tool_config_path or multi_turn.function_tool_path)):
         return None
-    from tripod.engine.agent import load_tools, tool_schemas
+    from tripod.engine.agent import load_all_tools, tool_schemas
 
-    return tool_schemas(load_tools(multi_turn.tool_config_path)) or None
+    return tool_schemas(load_all_tools(multi_turn.tool_config_path, multi_turn.function_tool_path)) or None
+
+
+def _messages(prompt: Any, where: str) -> list[dict[str, Any]]:
+    """A prompt as chat messages ({role, content}; a string is one user message)."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and "content" in m for m in prompt):
+        return [{"role": m.get("role", "user"), "content": m["content"]} for m in prompt]
+    raise ValueError(f"{where}: a prompt must be a string or a list of {{role, content}} messages, "
+                     f"got {type(prompt).__name__}")
+
+
+def _row_tools(tools: list[dict] | None, extra_info: Any) -> list[dict] | None:
+    """The schemas a row's prompt lists: its extra_info.tool_selection's, in that order (verl 0.9.1; None or empty:
+    all of them)."""
+    selection = extra_info.get("tool_selection") if isinstance(extra_info, dict) else None
+    if not tools or not selection:
+        return tools
+    by_name = {t["function"]["name"]: t for t in tools}
+    return [by_name[n] for n in selection if n in by_name]
 
 
 def _prompt_text(prompt: Any, tokenizer: Any, apply_chat_template: bool, where: str,
-                 tools: list[dict] | None = None) -> str:
-    """The text to tokenize: the chat template's rendering (with the generation prompt and, given, the tool schemas:
-    a template that reads `tools` lists them, as Qwen's do in the system turn) or the raw content."""
-    if isinstance(prompt, str):
-        messages = [{"role": "user", "content": prompt}]
-    elif isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and "content" in m for m in prompt):
-        messages = [{"role": m.get("role", "user"), "content": m["content"]} for m in prompt]
-    else:
-        raise ValueError(f"{where}: a prompt must be a string or a list of {{role, content}} messages, "
-                         f"got {type(prompt).__name__}")
+                 tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """The text to tokenize: the chat template's rendering (with the generation prompt, `chat_template_kwargs` and,
+    given, the tool schemas: a template that reads `tools` lists them, as Qwen's do in the system turn) or the raw
+    content."""
+    messages = _messages(prompt, where)
     if not apply_chat_template:
         return "\n".join(m["content"] for m in messages)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{where}: the tokenizer has no chat template; set data.apply_chat_template=false "
                          "to tokenize the raw text, or use an instruct model's tokenizer")
-    extra = {"tools": tools} if tools else {}
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+    extra = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+    except TypeError as e:  # e.g. a keyword of data.apply_chat_template_kwargs the template call does not take
+        raise ValueError(f"{where}: apply_chat_template raised TypeError: {e}; check data.apply_chat_template_kwargs "
+                         f"{sorted(chat_template_kwargs or {})}") from None
 
 
 @dataclass
@@ -123,6 +144,9 @@ class PromptBatch:
     data_sources: list[str]
     indices: list[int]  # row position in the concatenated files: unique, stable id of the prompt (GRPO groups)
     extra_infos: list[dict[str, Any]] = field(default_factory=list)
+    # each prompt's chat messages ({role, content}; the dataset's own lists, shared, not copied); None when a prompt of
+    # the batch is plain text (or the batch was built without them)
+    raw_prompts: list[list[dict[str, Any]]] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -131,15 +155,17 @@ class PromptBatch:
 class PromptDataset:
     """Tokenized prompts of one or more parquet files.
 
-    Item i is a dict {input_ids: list[int], ground_truth: str, data_source: str, index: int, extra_info: dict}.
-    `num_filtered` counts prompts dropped for being longer than `max_prompt_length`. `tools`: OpenAI function schemas
-    handed to the chat template (`prompt_tools`).
+    Item i is a dict {input_ids: list[int], ground_truth: str, data_source: str, index: int, extra_info: dict,
+    raw_prompt: list[dict] | None (the chat messages; None for a plain-text prompt)}. `num_filtered` counts prompts
+    dropped for being longer than `max_prompt_length`. `tools`: OpenAI function schemas handed to the chat template
+    (`prompt_tools`); `chat_template_kwargs`: data.apply_chat_template_kwargs.
     """
 
     def __init__(self, files: str | Sequence[str], tokenizer: Any, prompt_key: str = "prompt",
                  max_prompt_length: int = 512, filter_overlong_prompts: bool = True,
                  apply_chat_template: bool = True, reward_fn_key: str = "data_source",
-                 token_cache_dir: str | None = None, tools: list[dict] | None = None) -> None:
+                 token_cache_dir: str | None = None, tools: list[dict] | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
         files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
         if not files:
             raise ValueError("PromptDataset got no files; set data.train_files / data.val_files")
@@ -153,6 +179,8 @@ class PromptDataset:
         settings = {"prompt_key": prompt_key, "apply_chat_template": apply_chat_template}
         if tools and apply_chat_template:
             settings["tools"] = tools  # the cache key; absent without tools, so earlier entries stay valid
+        if chat_template_kwargs and apply_chat_template:
+            settings["chat_template_kwargs"] = dict(sorted(chat_template_kwargs.items()))  # the key's order fixed
         for path in self.files:
             file_rows = _read_rows(path, [prompt_key, reward_fn_key, "reward_model.ground_truth"])
             no_truth = [i for i, row in enumerate(file_rows) if (row["reward_model"] or {}).get("ground_truth") is None]
@@ -162,7 +190,8 @@ class PromptDataset:
                                  "those rows")
             rows += file_rows
             texts = lambda: [_prompt_text(row[prompt_key], tokenizer, apply_chat_template, f"{path} row {i}",  # noqa: E731
-                                          tools) for i, row in enumerate(file_rows)]
+                                          _row_tools(tools, row.get("extra_info")), chat_template_kwargs)
+                             for i, row in enumerate(file_rows)]
             ids += cached_token_ids(path, len(file_rows), texts, encode, tokenizer, settings, token_cache_dir)
         self.items: list[dict[str, Any]] = []
         too_long = []
@@ -172,9 +201,11 @@ class PromptDataset:
                 if filter_overlong_prompts:
                     continue
             ground_truth = row["reward_model"]["ground_truth"]
+            prompt = row[prompt_key]
+            raw = None if isinstance(prompt, str) else _messages(prompt, f"row {position} of {self.files}")
             self.items.append({"input_ids": list(input_ids), "ground_truth": str(ground_truth),
                                "data_source": str(row[reward_fn_key]), "index": position,
-                               "extra_info": dict(row.get("extra_info") or {})})
+                               "extra_info": dict(row.get("extra_info") or {}), "raw_prompt": raw})
         self.num_filtered = len(too_long) if filter_overlong_prompts else 0
         if too_long and not filter_overlong_prompts:
             raise ValueError(f"{len(too_long)} prompt(s) in {self.files} are longer than data.max_prompt_length="
@@ -201,7 +232,9 @@ class PromptDataset:
                            ground_truths=[it["ground_truth"] for it in items],
                            data_sources=[it["data_source"] for it in items],
                            indices=[it["index"] for it in items],
-                           extra_infos=[it["extra_info"] for it in items])
+                           extra_infos=[it["extra_info"] for it in items],
+                           raw_prompts=None if any(it["raw_prompt"] is None for it in items)
+                           else [it["raw_prompt"] for it in items])
 
 
 class PromptDataLoader:
