@@ -4,20 +4,30 @@ shows), a scripted rollout engine, and a deterministic tool with verl's signatur
 from __future__ import annotations
 
 import asyncio
+import uuid
+from pathlib import Path
 
 import torch
 
 from tripod.engine.agent.hermes import format_tool_call
 from tripod.engine.rollout.base import FINISH_LENGTH, FINISH_STOP, RolloutOutput, SamplingParams
 
-SMOLLM2_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
-    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
 
-# Qwen2.5's tool handling (consecutive tool messages share one user turn of <tool_response> blocks), tools in the
-# system turn
+
+def chat_template(name: str) -> str:
+    """The published chat template tests/data/chat_templates/<name>.jinja, byte for byte (SOURCES.md there)."""
+    return (TEMPLATES / f"{name}.jinja").read_bytes().decode("utf-8")
+
+
+SMOLLM2_TEMPLATE = chat_template("SmolLM2-135M-Instruct")
+# Qwen3's published template (thinking variant): an assistant turn renders its <think> block only when it is the last
+# message or has reasoning, and loses it before the last real user message
+QWEN3_TEMPLATE = chat_template("Qwen3-0.6B")
+
+# A simplified Qwen2.5: its tool handling (consecutive tool messages share one user turn of <tool_response> blocks),
+# the tools in a short system turn (tests/unit/test_prompt_tools.py reads that turn); the published one is
+# chat_template("Qwen2.5-7B-Instruct")
 QWEN25_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n"
     "{%- elif messages[0]['role'] != 'system' %}<|im_start|>system\nYou are Qwen.<|im_end|>\n{%- endif %}"
@@ -29,20 +39,6 @@ QWEN25_TEMPLATE = (
     "{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}"
     "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
     "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
-
-# Qwen3's reasoning handling: assistant turns before the last real user message lose their <think> block
-QWEN3_TEMPLATE = (
-    "{%- set ns = namespace(last=0) %}{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last = loop.index0 %}"
-    "{%- endif %}{%- endfor %}"
-    "{%- for message in messages %}{%- if message.role == 'assistant' %}{%- set c = message.content %}"
-    "{%- if '</think>' in c and loop.index0 < ns.last %}{%- set c = c.split('</think>')[-1].lstrip('\n') %}{%- endif %}"
-    "{{- '<|im_start|>assistant\n' + c + '<|im_end|>\n' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
-    "{%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
 
 
 def chatml_tokenizer(template: str = SMOLLM2_TEMPLATE):
@@ -86,7 +82,8 @@ class ScriptedEngine:
             text = f"ab #### {5 + turns}"
         return char_ids(self.tok, text) + [self.end]
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 row_seeds: list[int] | None = None) -> RolloutOutput:
         rows, logps, finish = [], [], []
         for p in prompts:
             for _ in range(params.n):
@@ -114,9 +111,10 @@ class ToyAdd:
     config['delay'] seconds; its reward is 1.0 once it was called."""
 
     def __init__(self, config: dict, tool_schema=None) -> None:
-        self.delay, self.calls = float(config.get("delay", 0.0)), {}
+        self.config, self.delay, self.calls = config, float(config.get("delay", 0.0)), {}
 
     async def create(self, instance_id=None, **kwargs):
+        instance_id = instance_id or uuid.uuid4().hex  # verl 0.9.1 passes none
         self.calls[instance_id] = 0
         return instance_id, "ok"
 

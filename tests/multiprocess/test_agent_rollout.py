@@ -135,3 +135,11 @@ def test_val_only_validates_multi_turn_rows_with_their_tools_and_stops(tmp_path)
     assert m["val/multi_turn/turns_mean"] > 1 and m["val/tool/call_rate"] == 0.0, m
     assert not any(k.startswith(("actor/", "multi_turn/")) for k in m), m
     assert not os.path.exists(os.path.join(run_dir, "checkpoints")) or not os.listdir(os.path.join(run_dir, "checkpoints"))
+
+
+def test_multi_turn_on_a_two_rank_rollout_replica(tmp_path):
+    """Rollout TP 2 (actor TP 2 on 2 ranks): the replica's first rank runs the rows, the tools and the interaction and
+    hands each engine step to the other rank (engine/agent/scheduler.py's `follow`); the same checks hold."""
+    check_multi_turn_run(tmp_path, ("trainer.n_gpus_per_node=2",
+                                    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                                    "actor_rollout_ref.rollout.tensor_model_parallel_size=2"))

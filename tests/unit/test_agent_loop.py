@@ -18,7 +18,7 @@ from tripod.engine.rollout.base import FINISH_LENGTH, SamplingParams
 
 
 def make_loop(tok, *, delay=0.0, response_length=200, runner=True, **limits):
-    tools = {"add": ToyAdd({"delay": delay})}
+    tools = {"add": ToyAdd({"delay": delay, "lifecycle": "trajectory"})}  # calc_reward at the end: opted in
     run = ToolRunner(tools, max_parallel_calls=1, max_tool_response_length=256, tool_response_truncate_side="middle",
                      timeout_s=10) if runner else None
     return AgentLoop(tok, response_length, ChatSuffix(tok), run, **limits)
@@ -54,7 +54,7 @@ def test_trajectory_is_the_engines_tokens_then_the_templates_suffix():
     engine, loop = ScriptedEngine(tok, calls_per_row=2), make_loop(tok)
     prompts = prompts_of(tok, ["2+3?", "what is 2+3?"])
     params = SamplingParams(max_new_tokens=200, n=2, seed=3)
-    rows, stats = loop.run(engine.generate, prompts, 2, params)
+    rows, stats = loop.run(engine, prompts, 2, params)
     check_identity(prompts, 2, rows, engine.log)
     end = tok.convert_tokens_to_ids("<|im_end|>")
     for t in rows:
@@ -77,7 +77,7 @@ def test_a_planted_decode_and_re_encode_fails_the_identity_check():
     tok = chatml_tokenizer()
     engine, loop = ScriptedEngine(tok), make_loop(tok)
     prompts = prompts_of(tok, ["2+3?"])
-    rows, _ = loop.run(engine.generate, prompts, 1, SamplingParams(max_new_tokens=200))
+    rows, _ = loop.run(engine, prompts, 1, SamplingParams(max_new_tokens=200))
     for t in rows:  # the bug: the trajectory re-tokenized from its decoded text ("a", "b" -> "ab")
         text = tok.decode(t.response)
         t.response = list(tok.encode(text, add_special_tokens=False))
@@ -89,19 +89,19 @@ def test_the_response_budget_spans_every_turn_and_ends_on_model_tokens():
     tok = chatml_tokenizer()
     engine = ScriptedEngine(tok, calls_per_row=5)
     prompts = prompts_of(tok, ["2+3?"])
-    full, _ = make_loop(tok).run(engine.generate, prompts, 1, SamplingParams(max_new_tokens=400))
+    full, _ = make_loop(tok).run(engine, prompts, 1, SamplingParams(max_new_tokens=400))
     first_turn = full[0].turns[0]["n_tokens"]
     # room for the first model turn and its tool turn, not for the second model turn's whole answer
     budget = first_turn + full[0].turns[1]["n_tokens"] + 10
     engine = ScriptedEngine(tok, calls_per_row=5)
-    rows, _ = make_loop(tok, response_length=budget).run(engine.generate, prompts, 1, SamplingParams(max_new_tokens=400))
+    rows, _ = make_loop(tok, response_length=budget).run(engine, prompts, 1, SamplingParams(max_new_tokens=400))
     t = rows[0]
     assert len(t.response) == budget and t.finish == FINISH_LENGTH and t.codes[-1] == MODEL
     check_identity(prompts, 1, rows, engine.log)
     # a tool turn that would not leave room for a model token is not appended (verl's rule)
     engine = ScriptedEngine(tok, calls_per_row=5)
     rows, _ = make_loop(tok, response_length=first_turn + full[0].turns[1]["n_tokens"]).run(
-        engine.generate, prompts, 1, SamplingParams(max_new_tokens=400))
+        engine, prompts, 1, SamplingParams(max_new_tokens=400))
     assert rows[0].codes == [MODEL] * first_turn and rows[0].done
 
 
@@ -109,7 +109,7 @@ def test_the_response_budget_spans_every_turn_and_ends_on_model_tokens():
 def test_turn_limits(limit, turns):
     tok = chatml_tokenizer()
     engine = ScriptedEngine(tok, calls_per_row=5)
-    rows, _ = make_loop(tok, **{limit: turns}).run(engine.generate, prompts_of(tok, ["1+1?"]), 1,
+    rows, _ = make_loop(tok, **{limit: turns}).run(engine, prompts_of(tok, ["1+1?"]), 1,
                                                    SamplingParams(max_new_tokens=400))
     assert [turn["role"] for turn in rows[0].turns] == ["assistant", "tool", "assistant"]
 
@@ -118,7 +118,7 @@ def test_rows_waiting_on_tools_run_their_calls_concurrently():
     tok = chatml_tokenizer()
     engine, loop = ScriptedEngine(tok), make_loop(tok, delay=0.5)
     start = time.perf_counter()
-    rows, stats = loop.run(engine.generate, prompts_of(tok, ["a?", "b?", "c?", "d?"]), 1,
+    rows, stats = loop.run(engine, prompts_of(tok, ["a?", "b?", "c?", "d?"]), 1,
                            SamplingParams(max_new_tokens=200))
     assert all(t.tool_calls == 1 for t in rows)
     assert stats["tool_s"] < 1.5, f"4 rows' 0.5 s tool calls took {stats['tool_s']:.2f} s: they ran one after another"
@@ -134,11 +134,11 @@ def test_a_malformed_call_and_an_unknown_tool_give_error_turns():
             text = ["<tool_call>{not json</tool_call>", format_tool_call("nope", {}), "done"][turns]
             return char_ids(self.tok, text) + [self.end]
 
-    rows, stats = make_loop(tok, response_length=600).run(Engine(tok).generate, prompts_of(tok, ["x"]), 1,
+    rows, stats = make_loop(tok, response_length=600).run(Engine(tok), prompts_of(tok, ["x"]), 1,
                                                           SamplingParams(max_new_tokens=600))
     t = rows[0]
     assert [turn["role"] for turn in t.turns] == ["assistant", "tool", "assistant", "tool", "assistant"]
-    assert "Error: the tool call is not JSON" in t.turns[1]["text"] and "Error" in t.turns[3]["text"]
+    assert "Error: the tool call is not JSON" in t.turns[1]["text"] and "Unknown function 'nope'" in t.turns[3]["text"]
     assert t.tool_errors == 2 and stats["errors"] == 2
 
 
@@ -157,7 +157,7 @@ def test_call_rate_and_parse_fraction_count_rows():
             return char_ids(self.tok, first if first and self.turns(prompt_len, seq) == 0 else "#### 3") + [self.end]
 
     loop = make_loop(tok, response_length=600)
-    rows, stats = loop.run(Engine(tok).generate, prompts_of(tok, ["good", "bad!", "none", "both"]), 2,
+    rows, stats = loop.run(Engine(tok), prompts_of(tok, ["good", "bad!", "none", "both"]), 2,
                            SamplingParams(max_new_tokens=600))
     assert [t.tool_parse_errors for t in rows] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert stats["called_rows"] == 6 and stats["parsed_rows"] == 2
@@ -165,7 +165,7 @@ def test_call_rate_and_parse_fraction_count_rows():
     agent._add(stats)
     m = agent.take_metrics()
     assert m["tool/call_rate"] == 6 / 8 and m["tool/parse_frac"] == 2 / 6, m
-    agent._add(loop.run(Engine(tok).generate, prompts_of(tok, ["none"]), 1, SamplingParams(max_new_tokens=600))[1])
+    agent._add(loop.run(Engine(tok), prompts_of(tok, ["none"]), 1, SamplingParams(max_new_tokens=600))[1])
     m = agent.take_metrics()
     assert m["tool/call_rate"] == 0 and "tool/parse_frac" not in m  # no row called: nothing to parse
 
@@ -191,10 +191,11 @@ def test_an_interaction_answers_with_a_user_turn_until_it_ends_the_row():
     loop = AgentLoop(tok, 200, ChatSuffix(tok), None, Again())
     engine = Engine(tok)
     prompts = prompts_of(tok, ["hi"])
-    rows, _ = loop.run(engine.generate, prompts, 1, SamplingParams(max_new_tokens=50),
+    rows, _ = loop.run(engine, prompts, 1, SamplingParams(max_new_tokens=50),
                        [{"interaction_kwargs": {"name": "again"}}])
     t = rows[0]
-    assert [turn["role"] for turn in t.turns] == ["assistant", "user", "assistant", "user", "assistant"]
+    # the reply that ends the conversation is appended too (verl)
+    assert [turn["role"] for turn in t.turns] == ["assistant", "user", "assistant", "user", "assistant", "user"]
     assert USER in t.codes and t.reward == 3 * 0.25 + 1.0
     check_identity(prompts, 1, rows, engine.log)
 
@@ -207,3 +208,71 @@ def test_hermes_parser():
     assert len(errors) == 2 and "needs" in errors[0] and "not closed" in errors[1]
     assert parse_tool_calls(format_tool_call("add", {"a": 1, "b": 2}))[0] == [ParsedCall("add", {"a": 1, "b": 2})]
     assert asyncio.iscoroutinefunction(ToyAdd.execute)
+
+
+@pytest.mark.parametrize("reasoning", [False, True])
+@pytest.mark.parametrize("kind", ["tool", "user"])
+def test_qwen3s_published_template_through_the_loop(kind, reasoning):
+    """Qwen3's published template (thinking variant, tests/data/chat_templates) through the whole loop: a tool or a
+    user turn after model turns with and without a <think> block never raises, every model segment is the engine's
+    output for the tokens before it, and no row ends unrenderable (the old fallback, a minimal assistant turn behind
+    which the template still renders differently, raised here and ended the run)."""
+    from tests.helpers.agent import QWEN3_TEMPLATE
+
+    tok = chatml_tokenizer(QWEN3_TEMPLATE)
+
+    class Engine(ScriptedEngine):
+        def answer(self, prompt_len, seq):
+            turns = self.turns(prompt_len, seq)
+            body = format_tool_call("add", {"a": turns, "b": 1}) if kind == "tool" and turns < 2 else f"#### {turns}"
+            return char_ids(self.tok, ("<think>\nadd\n</think>\n\n" if reasoning else "") + body) + [self.end]
+
+    class Twice:
+        async def start(self, key, kwargs):
+            pass
+
+        async def respond(self, key, messages):
+            return sum(m["role"] == "user" for m in messages) >= 3, "again", 0.0, {}
+
+        async def finish(self, key):
+            return 0.0
+
+    runner = ToolRunner({"add": ToyAdd({})}, max_parallel_calls=1, max_tool_response_length=256,
+                        tool_response_truncate_side="middle", timeout_s=10)
+    loop = AgentLoop(tok, 600, ChatSuffix(tok), runner if kind == "tool" else None, Twice() if kind == "user" else None)
+    engine, prompts = Engine(tok), prompts_of(tok, ["2+3?", "what is 2+3?"])
+    infos = [{"interaction_kwargs": {"name": "twice"}}] * 2 if kind == "user" else None
+    rows, stats = loop.run(engine, prompts, 1, SamplingParams(max_new_tokens=600), infos)
+    check_identity(prompts, 1, rows, engine.log)
+    assert stats["unrenderable"] == 0
+    for t in rows:
+        assert [turn["role"] for turn in t.turns][:4] == ["assistant", "tool" if kind == "tool" else "user"] * 2
+        assert sum(c == MODEL for c in t.codes) == sum(turn["n_tokens"] for turn in t.turns if turn["trained"])
+
+
+def test_an_unrenderable_turn_ends_its_row_and_the_run_goes_on():
+    """A turn the chat template cannot render as a suffix (ChatSuffix gives None) ends that row, counted in
+    multi_turn/ended_unrenderable; the other rows and the run go on."""
+    from tripod.engine.agent.rollout import AgentRollout
+
+    tok = chatml_tokenizer()
+
+    class PicksOne(ChatSuffix):
+        def suffix_ids(self, history, new, end_text):
+            return None if "7" in new[0]["content"] else super().suffix_ids(history, new, end_text)
+
+    class Engine(ScriptedEngine):
+        def answer(self, prompt_len, seq):  # the "x" row adds 2 + 5 = 7: its tool turn cannot be rendered
+            first = self.turns(prompt_len, seq) == 0
+            k = 5 if self.tok.decode(seq[:prompt_len]).endswith("x<|im_end|>\n<|im_start|>assistant\n") else 1
+            return char_ids(self.tok, format_tool_call("add", {"a": 2, "b": k}) if first else "#### 3") + [self.end]
+
+    runner = ToolRunner({"add": ToyAdd({})}, max_parallel_calls=1, max_tool_response_length=256,
+                        tool_response_truncate_side="middle", timeout_s=10)
+    loop = AgentLoop(tok, 600, PicksOne(tok), runner)
+    rows, stats = loop.run(Engine(tok), prompts_of(tok, ["x", "y"]), 2, SamplingParams(max_new_tokens=600))
+    assert [t.unrenderable for t in rows] == [True, True, False, False]
+    assert [len(t.turns) for t in rows] == [1, 1, 3, 3] and stats["unrenderable"] == 2
+    agent = AgentRollout(loop, engine=None, replicas=None, session=None)
+    agent._add(stats)
+    assert agent.take_metrics()["multi_turn/ended_unrenderable"] == 2

@@ -22,7 +22,7 @@ R = 400
 def multi_turn_rollout():
     tok = chatml_tokenizer()
     prompts = prompts_of(tok, ["2+3?", "what is 4+4?"])
-    rows, _ = make_loop(tok, response_length=R).run(ScriptedEngine(tok, calls_per_row=2).generate, prompts, 2,
+    rows, _ = make_loop(tok, response_length=R).run(ScriptedEngine(tok, calls_per_row=2), prompts, 2,
                                                     SamplingParams(max_new_tokens=R))
     return prompts, rows
 

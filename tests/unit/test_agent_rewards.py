@@ -37,12 +37,12 @@ class StepAdd(ToyAdd):
 
 
 def run_rows(tok, n=2):
-    runner = ToolRunner({"add": StepAdd({})}, max_parallel_calls=1, max_tool_response_length=256,
+    runner = ToolRunner({"add": StepAdd({"lifecycle": "trajectory"})}, max_parallel_calls=1, max_tool_response_length=256,
                         tool_response_truncate_side="middle", timeout_s=10)
     loop = AgentLoop(tok, 300, ChatSuffix(tok), runner)
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "2+3?"}], add_generation_prompt=True,
                                                 tokenize=False), add_special_tokens=False)
-    rows, _ = loop.run(ScriptedEngine(tok, calls_per_row=1).generate, [prompt], n, SamplingParams(max_new_tokens=300),
+    rows, _ = loop.run(ScriptedEngine(tok, calls_per_row=1), [prompt], n, SamplingParams(max_new_tokens=300),
                        [{"split": "test"}])
     return prompt, rows
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ from tripod.engine.rollout.base import FINISH_LENGTH, RolloutOutput, SamplingPar
 from tripod.engine.rollout.routing_record import join_turn
 from tripod.parallel.router_replay import routing_dtype
 
-RESPONSE_LENGTH, N, SEED = 60, 2, 0
+RESPONSE_LENGTH, N, SEED = 60, 2, 7  # a seed whose run cuts a row at the budget
 STOPS = tuple(range(60, 85))  # a quarter of the vocabulary ends a model turn: a random model's turns stay short
 NEAR_TIE = 1e-4  # router logit gap under which fp32 prefill and decode may pick different experts
 MAX_NEAR_TIE_FRAC = 0.02
@@ -77,15 +78,15 @@ def run(tmp_path_factory) -> Run:
     engine.record_routing = True
     calls = []
 
-    def generate(prompts, params):
-        out = engine.generate(prompts, params)
+    def generate(prompts, params, row_seeds=None):
+        out = engine.generate(prompts, params, row_seeds)
         calls.append(([list(p) for p in prompts], out))
         return out
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 99, (k,), generator=g).tolist() for k in (6, 11)]
     loop = AgentLoop(tok, RESPONSE_LENGTH, ChatSuffix(tok), None, Again())
-    rows, _ = loop.run(generate, prompts, N, SamplingParams(max_new_tokens=RESPONSE_LENGTH, seed=SEED,
+    rows, _ = loop.run(SimpleNamespace(generate=generate), prompts, N, SamplingParams(max_new_tokens=RESPONSE_LENGTH, seed=SEED,
                                                             stop_token_ids=STOPS),
                        [{"interaction_kwargs": {"name": "again"}}] * len(prompts))
     return Run(prompts, rows, calls, hf, arch.moe.num_experts)
@@ -100,13 +101,13 @@ def first_fed_reference(r: Run) -> tuple[list[torch.Tensor], int]:
         seq = r.prompts[i // N] + t.response
         ref = torch.full((len(seq), *r.calls[0][1].routed_experts[0].shape[1:]), -1, dtype=torch.long)
         for c, (prompts, o) in enumerate(r.calls):
-            # call c's rows: every row for the first, then the rows that had more than c model turns, in order
-            live = list(range(len(r.rows))) if c == 0 else [j for j, u in enumerate(r.rows) if u.assistant_turns > c]
+            # call c's rows: the rows that had more than c model turns, in order (one context each)
+            live = [j for j, u in enumerate(r.rows) if u.assistant_turns > c]
             if i not in live:
                 continue
             k = live.index(i)
-            fed = min(len(prompts[k if c else k // N]) + int(o.response_lengths[k]) - 1, len(seq))  # a cut row: less
-            assert seq[:fed] == (prompts[k if c else k // N] + o.responses()[k])[:fed]
+            fed = min(len(prompts[k]) + int(o.response_lengths[k]) - 1, len(seq))  # a cut row: less
+            assert seq[:fed] == (prompts[k] + o.responses()[k])[:fed]
             done = ref[:fed, 0, 0] >= 0
             recomputed_differ += int((ref[:fed][done] != o.routed_experts[k][:fed][done].long()).any(-1).any(-1).sum())
             todo = (~done).nonzero().flatten()
@@ -167,7 +168,7 @@ def check(r: Run) -> dict[str, float]:
 
 
 def test_the_run_exercises_turns_samples_and_the_budget(run):
-    assert len(run.calls) == 3 and [len(c[0]) for c in run.calls] == [2, 4, 4]
+    assert len(run.calls) == 3 and [len(c[0]) for c in run.calls] == [4, 4, 4]  # every row's turn per call
     assert all(t.assistant_turns == 3 and t.user_turns == 2 for t in run.rows)
     assert any(t.finish == FINISH_LENGTH and len(t.response) == RESPONSE_LENGTH for t in run.rows)
     # the cut row's last turn generated more than it kept
@@ -188,14 +189,14 @@ def rerun(run: Run, join, monkeypatch) -> Run:
     monkeypatch.setattr(loop_mod, "join_turn", join)
     replay = iter(run.calls)
 
-    def generate(prompts, params):
+    def generate(prompts, params, row_seeds=None):
         want, out = next(replay)
         assert [list(p) for p in prompts] == want, "the replayed loop asked for other contexts"
         return out
 
     tok = chatml_tokenizer()
     rows, _ = AgentLoop(tok, RESPONSE_LENGTH, ChatSuffix(tok), None, Again()).run(
-        generate, run.prompts, N, SamplingParams(max_new_tokens=RESPONSE_LENGTH, seed=SEED, stop_token_ids=STOPS),
+        SimpleNamespace(generate=generate), run.prompts, N, SamplingParams(max_new_tokens=RESPONSE_LENGTH, seed=SEED, stop_token_ids=STOPS),
         [{"interaction_kwargs": {"name": "again"}}] * len(run.prompts))
     return Run(run.prompts, rows, run.calls, run.hf, run.num_experts)
 
@@ -234,7 +235,7 @@ def test_dense_engines_leave_the_record_out():
     tok = chatml_tokenizer()
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "1+2?"}], add_generation_prompt=True,
                                                 tokenize=False), add_special_tokens=False)
-    rows, _ = AgentLoop(tok, 50, ChatSuffix(tok)).run(ScriptedEngine(tok).generate, [prompt], 2,
+    rows, _ = AgentLoop(tok, 50, ChatSuffix(tok)).run(ScriptedEngine(tok), [prompt], 2,
                                                       SamplingParams(max_new_tokens=50))
     assert all(t.routed_experts is None for t in rows)
 

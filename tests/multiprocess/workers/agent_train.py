@@ -6,8 +6,9 @@ The hooks run at import, so they also apply in the ranks `tripod train` spawns (
   * engine/agent/rollout.py's `build_agent` gives every row an interaction that answers "again" after each model
     turn (until multi_turn.max_user_turns), so a random model's rows are multi-turn without calling tools, with a
     turn score per reply and a final score (TURN_SCORE, FINAL_SCORE);
-  * every generate call of the agent loop (the rollout engine's, any backend) appends its prompts, responses and log-probs to <dir>/gen.jsonl;
-  * every actor update saves its batch's rows to <dir>/update_<k>.pt.
+  * every model turn the agent loop's scheduler hands a row (the rollout engine's output, any backend, running batch
+    or generate call) appends its context, tokens and log-probs to <dir>/gen.jsonl;
+  * every actor update saves its batch's rows to <dir>/update_<k>.pt (rank 0's).
 TRIPOD_TEST_AGENT_PLANT=reencode plants the bug the test must catch: every trajectory re-tokenized from its decoded
 text (special tokens dropped, as a trainer that re-encodes the conversation does).
 """
@@ -42,6 +43,7 @@ def _hooks() -> None:
     import tripod.engine.agent.rollout as agent_rollout
     from tripod.engine.agent.chat_suffix import ChatSuffix
     from tripod.engine.agent.loop import MODEL, AgentLoop
+    from tripod.engine.agent.scheduler import TurnScheduler
     from tripod.engine.workers.ppo_workers import PolicyWorker
 
     class TalkingRollout(agent_rollout.AgentRollout):
@@ -71,22 +73,20 @@ def _hooks() -> None:
 
         AgentLoop.run = run
 
-    run_loop = AgentLoop.run
+    ask = TurnScheduler.generate
 
-    def recorded_run(self, generate, *args, **kwargs):
-        def recorded(prompts, params):  # the rollout engine's generate, whichever backend
-            out = generate(prompts, params)
-            with open(os.path.join(LOG, "gen.jsonl"), "a") as f:
-                rows = [p for p in prompts for _ in range(params.n)]
-                for p, r, lp in zip(rows, out.responses(), out.log_probs):
-                    f.write(json.dumps({"prompt": p, "response": r, "log_probs": lp[: len(r)].tolist()}) + "\n")
-            return out
-        return run_loop(self, recorded, *args, **kwargs)
+    async def recorded(self, row, context, max_new_tokens, seed):  # every model turn the engine gave a row
+        out = await ask(self, row, context, max_new_tokens, seed)
+        with open(os.path.join(LOG, "gen.jsonl"), "a") as f:
+            f.write(json.dumps({"prompt": list(context), "response": out.token_ids, "log_probs": out.log_probs}) + "\n")
+        return out
 
-    AgentLoop.run = recorded_run
+    TurnScheduler.generate = recorded
     update = PolicyWorker.update
 
     def saved(self, batch, *args, **kwargs):
+        if torch.distributed.get_rank() != 0:  # a TP group's ranks update the same rows: rank 0 records them
+            return update(self, batch, *args, **kwargs)
         k = len([f for f in os.listdir(LOG) if f.startswith("update_")])
         torch.save({key: batch[key].cpu() for key in ("input_ids", "prompt_lens", "responses", "response_mask",
                                                        "rollout_log_probs", "old_log_probs") if key in batch.tensors},

@@ -40,17 +40,18 @@ from tripod.engine.rollout.generators import RolloutReplicas, Session, replica_b
 from tripod.engine.rollout.rows import Rollout
 from tripod.parallel.moe_arch import MoEArch
 
-TOOL_TIMEOUT_S = 60.0  # wall-clock limit of one tool call or interaction step (the runners')
-SUMMED = ("rows", "turns", "calls", "errors", "timeouts", "model_tokens", "tokens", "non_append_only", "called_rows",
-          "parsed_rows")
-MAXED = ("turns_max", "generate_s", "tool_s")
+SUMMED = ("rows", "turns", "calls", "errors", "timeouts", "model_tokens", "tokens", "non_append_only", "unrenderable",
+          "called_rows", "parsed_rows")
+MAXED = ("turns_max", "generate_s", "tool_s", "wall_s")
 
 
 def load_agent_parts(mt: Any) -> tuple[dict, dict]:
-    """(tools, interactions) of actor_rollout_ref.rollout.multi_turn ({} where a path is null)."""
-    from tripod.engine.agent import load_interactions, load_tools
+    """(tools, interactions) of actor_rollout_ref.rollout.multi_turn: tool_config_path's tools and function_tool_path's
+    functions, interaction_config_path's interactions ({} where a path is null)."""
+    from tripod.engine.agent import load_interactions
+    from tripod.engine.agent.function_tools import load_all_tools
 
-    return (load_tools(mt.tool_config_path) if mt.tool_config_path else {},
+    return (load_all_tools(mt.tool_config_path, mt.function_tool_path),
             load_interactions(mt.interaction_config_path) if mt.interaction_config_path else {})
 
 
@@ -81,11 +82,12 @@ def build_agent(cfg: Any, tokenizer: Any, engine: Any, replicas: RolloutReplicas
     runner = ToolRunner(tools, max_parallel_calls=mt.max_parallel_calls,
                         max_tool_response_length=mt.max_tool_response_length,
                         tool_response_truncate_side=mt.tool_response_truncate_side,
-                        timeout_s=TOOL_TIMEOUT_S) if tools else None
-    interactions = InteractionRunner(found, timeout_s=TOOL_TIMEOUT_S) if found else None
+                        timeout_s=mt.tool_timeout_s) if tools else None
+    interactions = InteractionRunner(found, timeout_s=mt.tool_timeout_s) if found else None
     schemas = tool_schemas(tools) if tools else None
-    loop = AgentLoop(tokenizer, rollout.response_length, ChatSuffix(tokenizer, schemas), runner, interactions,
-                     mt.max_assistant_turns, mt.max_user_turns)
+    suffix = ChatSuffix(tokenizer, schemas, dict(cfg.data.apply_chat_template_kwargs or {}))
+    loop = AgentLoop(tokenizer, rollout.response_length, suffix, runner, interactions,
+                     mt.max_assistant_turns, mt.max_user_turns, mt.scheduling)
     return AgentRollout(loop, engine, replicas, session, routing_of, mt.add_rollout_rewards)
 
 
@@ -107,16 +109,17 @@ class AgentRollout:
         bounds = replica_bounds(len(prompts), len(replicas))
         share_prompts = prompts.input_ids[bounds[mine]:bounds[mine + 1]]
         infos = (prompts.extra_infos or [{}] * len(prompts))[bounds[mine]:bounds[mine + 1]]
+        raw = prompts.raw_prompts[bounds[mine]:bounds[mine + 1]] if prompts.raw_prompts else None
         group = self.replicas.group
         renders = group is None or dist.get_rank(group) == 0
         with self.session(timer) as engine, timed(timer)("gen"):
-            rows, sums = self.loop.run(engine.generate, share_prompts, params.n, params, infos, renders,
-                                       None if group is None else lambda obj: _share(obj, group))
-        fields = [reward_fields(r) for r in rows] if renders else None
+            rows, sums = self.loop.run(engine, share_prompts, params.n, params, infos, renders,
+                                       None if group is None else lambda obj: _share(obj, group), raw)
+        fields = [reward_fields(r) for r in rows]
         self._add(sums if renders else dict.fromkeys(sums, 0.0))
         responses, log_probs, finish, lengths, held, codes = trajectory_rows(rows, replicas, mine, needs)
         out = Rollout.generated(prompts, responses, log_probs, finish, lengths, held, token_codes=codes,
-                                row_fields=fields if group is None else _share(fields, group),
+                                row_fields=fields,
                                 add_rewards=self.add_rewards)
         if self.routing_of is not None:
             from tripod.engine.rollout.routing_record import gather_rollout_routing
@@ -151,7 +154,9 @@ class AgentRollout:
                "tool/call_rate": s["called_rows"] / s["rows"],
                "multi_turn/model_token_frac": s["model_tokens"] / max(s["tokens"], 1.0),
                "multi_turn/generate_s": s["generate_s"], "multi_turn/tool_s": s["tool_s"],
-               "multi_turn/non_append_only_turns": s["non_append_only"]}
+               "multi_turn/generate_idle_frac": max(0.0, 1.0 - s["generate_s"] / s["wall_s"]) if s["wall_s"] else 0.0,
+               "multi_turn/non_append_only_turns": s["non_append_only"],
+               "multi_turn/ended_unrenderable": s["unrenderable"]}
         if s["called_rows"]:
             out["tool/parse_frac"] = s["parsed_rows"] / s["called_rows"]
         return out
