@@ -130,6 +130,25 @@ class ToyAdd:
         self.calls.pop(instance_id, None)
 
 
+class Replies:
+    """An interaction with the InteractionRunner's methods: `reply` after each model turn (it checks it is one), the
+    row ended once the conversation holds `until` user messages (that reply appended too), `score` per reply and
+    `final` at the end."""
+
+    def __init__(self, until: int, reply: str = "again", score: float = 0.0, final: float = 0.0) -> None:
+        self.until, self.reply, self.score, self.final = until, reply, score, final
+
+    async def start(self, key, kwargs):
+        pass
+
+    async def respond(self, key, messages):
+        assert messages[-1]["role"] == "assistant"
+        return sum(m["role"] == "user" for m in messages) >= self.until, self.reply, self.score, {}
+
+    async def finish(self, key):
+        return self.final
+
+
 def model_segments(codes: torch.Tensor | list[int]) -> list[tuple[int, int]]:
     """[start, end) of every run of model tokens (code 1)."""
     codes = [int(c) for c in codes]

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.helpers.agent import ScriptedEngine, ToyAdd, char_ids, chatml_tokenizer, model_segments
+from tests.helpers.agent import Replies, ScriptedEngine, ToyAdd, char_ids, chatml_tokenizer, model_segments
 from tripod.engine.agent import ToolRunner
 from tripod.engine.agent.chat_suffix import ChatSuffix
 from tripod.engine.agent.hermes import ParsedCall, format_tool_call, parse_tool_calls
@@ -173,22 +173,11 @@ def test_call_rate_and_parse_fraction_count_rows():
 def test_an_interaction_answers_with_a_user_turn_until_it_ends_the_row():
     tok = chatml_tokenizer()
 
-    class Again:
-        async def start(self, key, kwargs):
-            pass
-
-        async def respond(self, key, messages):
-            assert messages[-1]["role"] == "assistant"
-            return sum(m["role"] == "user" for m in messages) >= 2, "again", 0.25, {}
-
-        async def finish(self, key):
-            return 1.0
-
     class Engine(ScriptedEngine):
         def answer(self, prompt_len, seq):
             return char_ids(self.tok, "ab") + [self.end]
 
-    loop = AgentLoop(tok, 200, ChatSuffix(tok), None, Again())
+    loop = AgentLoop(tok, 200, ChatSuffix(tok), None, Replies(2, "again", score=0.25, final=1.0))
     engine = Engine(tok)
     prompts = prompts_of(tok, ["hi"])
     rows, _ = loop.run(engine, prompts, 1, SamplingParams(max_new_tokens=50),
@@ -227,19 +216,10 @@ def test_qwen3s_published_template_through_the_loop(kind, reasoning):
             body = format_tool_call("add", {"a": turns, "b": 1}) if kind == "tool" and turns < 2 else f"#### {turns}"
             return char_ids(self.tok, ("<think>\nadd\n</think>\n\n" if reasoning else "") + body) + [self.end]
 
-    class Twice:
-        async def start(self, key, kwargs):
-            pass
-
-        async def respond(self, key, messages):
-            return sum(m["role"] == "user" for m in messages) >= 3, "again", 0.0, {}
-
-        async def finish(self, key):
-            return 0.0
-
     runner = ToolRunner({"add": ToyAdd({})}, max_parallel_calls=1, max_tool_response_length=256,
                         tool_response_truncate_side="middle", timeout_s=10)
-    loop = AgentLoop(tok, 600, ChatSuffix(tok), runner if kind == "tool" else None, Twice() if kind == "user" else None)
+    loop = AgentLoop(tok, 600, ChatSuffix(tok), runner if kind == "tool" else None,
+                     Replies(3) if kind == "user" else None)
     engine, prompts = Engine(tok), prompts_of(tok, ["2+3?", "what is 2+3?"])
     infos = [{"interaction_kwargs": {"name": "twice"}}] * 2 if kind == "user" else None
     rows, stats = loop.run(engine, prompts, 1, SamplingParams(max_new_tokens=600), infos)

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.helpers.agent import chatml_tokenizer
+from tests.helpers.agent import Replies, chatml_tokenizer
 from tests.helpers.moe_models import hf_moe_model
 from tripod.engine.agent import loop as loop_mod
 from tripod.engine.agent.chat_suffix import ChatSuffix
@@ -31,22 +31,10 @@ from tripod.engine.rollout.routing_record import join_turn
 from tripod.parallel.router_replay import routing_dtype
 
 RESPONSE_LENGTH, N, SEED = 60, 2, 7  # a seed whose run cuts a row at the budget
+# the interaction, Replies(2, "ok"): "ok" to the first two model turns, the row ends after the third
 STOPS = tuple(range(60, 85))  # a quarter of the vocabulary ends a model turn: a random model's turns stay short
 NEAR_TIE = 1e-4  # router logit gap under which fp32 prefill and decode may pick different experts
 MAX_NEAR_TIE_FRAC = 0.02
-
-
-class Again:
-    """An interaction that answers "ok" to the first two model turns and ends the row after the third."""
-
-    async def start(self, key, kwargs):
-        pass
-
-    async def respond(self, key, messages):
-        return sum(m["role"] == "user" for m in messages) >= 2, "ok", 0.0, {}
-
-    async def finish(self, key):
-        return 0.0
 
 
 @dataclass
@@ -85,7 +73,7 @@ def run(tmp_path_factory) -> Run:
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 99, (k,), generator=g).tolist() for k in (6, 11)]
-    loop = AgentLoop(tok, RESPONSE_LENGTH, ChatSuffix(tok), None, Again())
+    loop = AgentLoop(tok, RESPONSE_LENGTH, ChatSuffix(tok), None, Replies(2, "ok"))
     rows, _ = loop.run(SimpleNamespace(generate=generate), prompts, N, SamplingParams(max_new_tokens=RESPONSE_LENGTH, seed=SEED,
                                                             stop_token_ids=STOPS),
                        [{"interaction_kwargs": {"name": "again"}}] * len(prompts))
@@ -195,7 +183,7 @@ def rerun(run: Run, join, monkeypatch) -> Run:
         return out
 
     tok = chatml_tokenizer()
-    rows, _ = AgentLoop(tok, RESPONSE_LENGTH, ChatSuffix(tok), None, Again()).run(
+    rows, _ = AgentLoop(tok, RESPONSE_LENGTH, ChatSuffix(tok), None, Replies(2, "ok")).run(
         SimpleNamespace(generate=generate), run.prompts, N, SamplingParams(max_new_tokens=RESPONSE_LENGTH, seed=SEED, stop_token_ids=STOPS),
         [{"interaction_kwargs": {"name": "again"}}] * len(run.prompts))
     return Run(run.prompts, rows, run.calls, run.hf, run.num_experts)

@@ -18,16 +18,12 @@ no interaction_config_path); tripod keeps the format of the verl releases that h
 from __future__ import annotations
 
 import inspect
-import logging
 import math
-from collections import deque
 from typing import Any
 from uuid import uuid4
 
-from tripod.engine.agent.tool_runner import RECENT_ERRORS, run_guarded
+from tripod.engine.agent.tool_runner import ErrorRecord, run_guarded
 from tripod.engine.agent.tools import import_class, load_yaml_list
-
-logger = logging.getLogger(__name__)
 
 
 class BaseInteraction:
@@ -123,7 +119,7 @@ def _call_with_what_fits(fn: Any, instance_id: str, kwargs: dict) -> tuple[tuple
     return (instance_id,), kwargs
 
 
-class InteractionRunner:
+class InteractionRunner(ErrorRecord):
     """One interaction instance per row key; no method raises (a failure ends the row's conversation). Failures are
     counted in `error_count`, the last few kept in `recent_errors`."""
 
@@ -131,24 +127,18 @@ class InteractionRunner:
         self.interactions = interactions
         self.timeout_s = timeout_s
         self._rows: dict[str, tuple[object, str, dict]] = {}  # row -> (interaction, instance id, kwargs)
-        self.error_count = 0
-        self.recent_errors: deque[str] = deque(maxlen=RECENT_ERRORS)
-
-    def _failed(self, row_key: str, error: str) -> None:
-        self.error_count += 1
-        self.recent_errors.append(error)
-        logger.warning("row %s: %s", row_key, error)
+        super().__init__()
 
     async def start(self, row_key: str, interaction_kwargs: dict) -> None:
         kwargs = dict(interaction_kwargs or {})
         interaction = self.interactions.get(kwargs.get("name"))
         if interaction is None:
-            return self._failed(row_key, f"interaction_kwargs.name {kwargs.get('name')!r} is not one of "
+            return self._record(row_key, f"interaction_kwargs.name {kwargs.get('name')!r} is not one of "
                                          f"{sorted(self.interactions)}")
         value, error, *_ = await run_guarded("start_interaction", self.timeout_s, interaction.start_interaction,
                                              row_key, **kwargs)
         if error is not None:
-            return self._failed(row_key, error)
+            return self._record(row_key, error)
         self._rows[row_key] = (interaction, value if isinstance(value, str) and value else row_key, kwargs)
 
     async def respond(self, row_key: str, messages: list[dict]) -> tuple[bool, str, float, dict]:
@@ -169,7 +159,7 @@ class InteractionRunner:
                     if isinstance(score, (int, float)) and not isinstance(score, bool) and math.isfinite(score):
                         return bool(terminate), text, float(score), dict(extra or {})
                 error = f"generate_response returned {value!r:.200}, not (bool, str, score, dict)"
-        self._failed(row_key, error)
+        self._record(row_key, error)
         return True, f"Error in the interaction: {error}", 0.0, {"error": error, "timed_out": timed_out}
 
     async def finish(self, row_key: str) -> float:
@@ -187,11 +177,11 @@ class InteractionRunner:
                     and math.isfinite(value):
                 score = float(value)
             else:
-                self._failed(row_key, error or f"calculate_score returned {value!r:.200}, not a number")
+                self._record(row_key, error or f"calculate_score returned {value!r:.200}, not a number")
         if callable(getattr(interaction, "finalize_interaction", None)):
             args, kw = _call_with_what_fits(interaction.finalize_interaction, instance_id, kwargs)
             _, error, *_ = await run_guarded("finalize_interaction", self.timeout_s,
                                              interaction.finalize_interaction, *args, **kw)
             if error is not None:
-                self._failed(row_key, error)
+                self._record(row_key, error)
         return score

@@ -2,8 +2,9 @@
 actor_rollout_ref.rollout.multi_turn.enable is on, on the trainer's ranks or on the rollout's own.
 
 Each rollout replica runs engine/agent/loop.py's `AgentLoop` on its share of the prompts, inside one session of its
-engine for all its turns (colocated: the actor's weights loaded once); the group's first rank runs the tools and renders, the others get its results by one
-broadcast a turn. The rows then move to the ranks that need them like single-turn rows
+engine for all its turns (colocated: the actor's weights loaded once); the group's first rank runs the rows, tools
+and interactions, the others make the same engine calls (engine/agent/scheduler.py) and get the finished rows by
+one broadcast. The rows then move to the ranks that need them like single-turn rows
 (engine/rollout/exchange.py), with one code per token (loop.MODEL / TOOL / USER) from which the batch takes its
 response mask (engine/workers/batch.py) and the rollout dump its `turns` (engine/async_rollout/source.py).
 
@@ -11,8 +12,9 @@ Metrics (`take_metrics`, every step, over every replica's rows of the step's gen
 multi_turn/turns_mean|max (model, tool and user turns after the prompt), tool/calls_mean (per response), tool/errors
 and tool/timeouts (counts), tool/call_rate (the share of rows with at least one tool call), tool/parse_frac (of
 those, the share whose every <tool_call> block parsed; absent when no row called), multi_turn/model_token_frac
-(trained share of the response tokens), multi_turn/generate_s and multi_turn/tool_s (the slowest replica's seconds in
-generate calls and in tool / interaction steps, rendering included), multi_turn/non_append_only_turns
+(trained share of the response tokens), multi_turn/generate_s and multi_turn/tool_s (the slowest replica's seconds
+generating, and with a tool / interaction step running: they overlap), multi_turn/generate_idle_frac (the share of the
+wall time its engine did not generate), multi_turn/non_append_only_turns and multi_turn/ended_unrenderable
 (engine/agent/chat_suffix.py). Validation (engine/validation.py) logs its own rows' under val/.
 
 Rewards: the Rollout of a generation batch (engine/rollout/rows.py) carries the trajectory fields of this replica's rows (`row_fields`,

@@ -194,7 +194,21 @@ class _Row:
     start_errors: dict[str, str] = field(default_factory=dict)
 
 
-class ToolRunner:
+class ErrorRecord:
+    """Failures the model never sees (a lifecycle step, an interaction): logged, counted in `error_count`, the last
+    RECENT_ERRORS kept in `recent_errors` (a long run does not grow it)."""
+
+    def __init__(self) -> None:
+        self.error_count = 0
+        self.recent_errors: deque[str] = deque(maxlen=RECENT_ERRORS)
+
+    def _record(self, row_key: str, error: str) -> None:
+        self.error_count += 1
+        self.recent_errors.append(error)
+        logger.warning("row %s: %s", row_key, error)
+
+
+class ToolRunner(ErrorRecord):
     """Runs the tool calls of many rows concurrently (see the module docstring); no method raises."""
 
     def __init__(self, tools: dict[str, object], *, max_parallel_calls: int, max_tool_response_length: int,
@@ -225,13 +239,7 @@ class ToolRunner:
                 self.max_concurrency[name] = limit
         self._rows: dict[str, _Row] = {}
         self._gates: tuple[asyncio.AbstractEventLoop, dict[str, asyncio.Semaphore]] | None = None
-        self.error_count = 0
-        self.recent_errors: deque[str] = deque(maxlen=RECENT_ERRORS)
-
-    def _record(self, row_key: str, error: str) -> None:
-        self.error_count += 1
-        self.recent_errors.append(error)
-        logger.warning("row %s: %s", row_key, error)
+        super().__init__()
 
     def _gate(self, name: str) -> asyncio.Semaphore | None:
         if name not in self.max_concurrency:
