@@ -115,6 +115,43 @@ def test_cli_convert_export_with_expert_parallelism_is_bit_identical(hf_models, 
     assert all(torch.equal(back[k], original[k]) and back[k].dtype == original[k].dtype for k in original)
 
 
+def _with_mtp_layer(model, arch, hf_dir) -> dict[str, torch.Tensor]:
+    """Save `model` with one multi-token-prediction layer after the last decoder layer, named as the published
+    GLM-4.5 / DeepSeek-V3 checkpoints name it (a decoder layer plus eh_proj, enorm, hnorm, shared_head.norm); return
+    the MTP tensors (random, fp32 and bf16 mixed so a cast would show)."""
+    model.save_pretrained(hf_dir, safe_serialization=True)
+    state = load_file(hf_dir / "model.safetensors")
+    n, last, g = arch.num_layers, arch.num_layers - 1, torch.Generator().manual_seed(11)
+    mtp = {k.replace(f"layers.{last}.", f"layers.{n}."): torch.randn(v.shape, generator=g)
+           for k, v in state.items() if f"layers.{last}." in k}
+    mtp[f"model.layers.{n}.eh_proj.weight"] = torch.randn(arch.hidden_size, 2 * arch.hidden_size, generator=g)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        mtp[f"model.layers.{n}.{norm}.weight"] = torch.randn(arch.hidden_size, generator=g).to(torch.bfloat16)
+    save_file({**state, **mtp}, hf_dir / "model.safetensors")
+    return mtp
+
+
+@pytest.mark.dist
+def test_glm_mtp_layers_survive_convert_and_export(hf_models, tmp_path):
+    """GLM-4.5's MTP layer is neither trained nor run, but a converted checkpoint keeps it: HF (with an MTP layer) ->
+    TP1xEP2 checkpoint -> HF at TP2xEP2 gives back every tensor bit for bit, the MTP layer included (copied from the
+    checkpoint the model was converted from, which the checkpoint's metadata names), with one line saying so."""
+    from tests.helpers.trainer_runs import tripod_in_one_world
+
+    model = hf_models["glm4_moe"]
+    arch = _arch(model)
+    hf_dir = tmp_path / "hf"
+    mtp = _with_mtp_layer(model, arch, hf_dir)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "back"
+    stdout = tripod_in_one_world([["convert", hf_dir, ckpt, "--ep", "2"],
+                                  ["export", ckpt, out, "--tp", "2", "--ep", "2", "--etp", "1"]], 2)
+    assert f"{len(mtp)} tensor(s) of layers past num_hidden_layers=4 (GLM-4.5 multi-token-prediction (MTP) layer, " \
+           f"not used for training or rollout) copied unchanged from {hf_dir}" in stdout, stdout[-2000:]
+    original, back = load_file(hf_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(mtp) <= set(original) and sorted(back) == sorted(original), set(back) ^ set(original)
+    assert all(torch.equal(back[k], original[k]) and back[k].dtype == original[k].dtype for k in original)
+
+
 def test_cli_refuses_bad_expert_sizes(hf_models, tmp_path, capsys):
     from tripod.engine.cli import main
 

@@ -54,6 +54,9 @@ class ModelArch:
     # an HF *ForSequenceClassification model with one label: a scalar `score` head [1, hidden] instead of an LM head
     # (tie_word_embeddings is then False: such a model has no LM head to tie)
     score_head: bool = False
+    # the share of each head's dims that RoPE rotates (the first `rotary_dim`; GLM-4.5: 0.5), as HF's
+    # partial_rotary_factor and megatron's rotary_percent; the rest pass through unrotated
+    partial_rotary_factor: float = 1.0
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -68,12 +71,17 @@ class ModelArch:
         return tuple(sorted(ids))
 
     @property
+    def rotary_dim(self) -> int:
+        """Head dims RoPE rotates (HF: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def num_experts(self) -> int:
         """Routed experts per MoE layer (0 for a dense model)."""
         return self.moe.num_experts if self.moe is not None else 0
 
     def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
-        """(inv_freq [head_dim/2] float32, attention_scaling) exactly as `transformers` computes them.
+        """(inv_freq [rotary_dim/2] float32, attention_scaling) exactly as `transformers` computes them.
 
         Both the Megatron model and the embedded rollout engine use this, so RoPE (incl. llama3 /
         linear / yarn scaling) is defined once, by the reference implementation.
@@ -84,8 +92,8 @@ class ModelArch:
         cfg = AutoConfig.for_model(**self.hf_config)
         rope_type = (self.rope_parameters or {}).get("rope_type", "default")
         if rope_type == "default":
-            base = self.rope_theta
-            inv = 1.0 / (base ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
+            base, dim = self.rope_theta, self.rotary_dim
+            inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             return inv, 1.0
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported; "
@@ -155,6 +163,10 @@ def arch_from_hf(path_or_dict: str | os.PathLike | dict) -> ModelArch:
     if "type" in rope and "rope_type" not in rope:  # the pre-transformers-4.45 key (e.g. DeepSeek-V3's config.json)
         rope["rope_type"] = rope["type"]
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+    if not 0.0 < partial <= 1.0 or int(head_dim * partial) % 2:
+        raise ValueError(f"config.json partial_rotary_factor={partial} with head_dim={head_dim}: RoPE needs an even "
+                         "number of rotated dims in (0, head_dim]")
     qkv_bias = family.qkv_bias(cfg)
     score_head = is_sequence_classification(cfg)
     if cfg.get("mlp_bias"):
@@ -180,6 +192,7 @@ def arch_from_hf(path_or_dict: str | os.PathLike | dict) -> ModelArch:
         moe=moe_from_hf(cfg),
         mla=mla,
         score_head=score_head,
+        partial_rotary_factor=partial,
         hf_config=cfg,
     )
 

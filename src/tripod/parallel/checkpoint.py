@@ -29,6 +29,7 @@ import torch.distributed as dist
 from tripod.parallel.arch import ModelArch, arch_from_hf, with_score_head
 from tripod.parallel.convert import (
     TOKENIZER_FILES,
+    extra_layers_of,
     family_of,
     load_hf_weights,
     model_chunks,
@@ -40,6 +41,8 @@ from tripod.parallel.convert import (
 METADATA_FILE = "tripod_checkpoint.json"
 MODEL_SUBDIR = "model"
 HF_SUBDIR = "hf"
+# metadata key: the HF checkpoint a model was converted from, whose layers past num_hidden_layers (MTP) export copies
+EXTRA_LAYERS_KEY = "hf_extra_layers_from"
 FORMAT_VERSION = 1
 # a save gathers the distributed optimizer's state this many fp32 elements at a time (64 MiB; a larger parameter is a
 # chunk of its own): engine/checkpoints/optimizer_state.py streams by it, parallel/memory_plan.py counts it
@@ -177,6 +180,8 @@ class ModelCheckpointSave:
                 "value_head": self.value_head,
                 "dtype": str(self.dtype).removeprefix("torch."), **self.extra_metadata,
             }
+            if extra_layers_of(arch, self.tokenizer_dir):  # MTP layers the model leaves out: export copies them
+                meta[EXTRA_LAYERS_KEY] = os.path.abspath(os.fspath(self.tokenizer_dir))
             tmp = os.path.join(self.path, METADATA_FILE + ".tmp")
             with open(tmp, "w") as f:
                 json.dump(meta, f, indent=2, sort_keys=True)
@@ -285,8 +290,9 @@ def export_checkpoint_to_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLi
         bias = _value_head_bias(model, layout)
         if bias != 0.0:
             out_arch = dataclasses.replace(out_arch, hf_config={**out_arch.hf_config, "tripod_value_bias": bias})
+    extra_from = read_checkpoint_metadata(ckpt_dir).get(EXTRA_LAYERS_KEY)
     save_hf_checkpoint(model, out_arch, layout, hf_dir, tokenizer_dir=os.path.join(os.fspath(ckpt_dir), HF_SUBDIR),
-                       dtype=dtype)
+                       dtype=dtype, extra_layers_from=extra_from if extra_from and os.path.isdir(extra_from) else None)
     dist.barrier()
 
 
@@ -302,4 +308,5 @@ def _value_head_bias(model, layout) -> float:
 
 __all__ = ["save_model_checkpoint", "ModelCheckpointSave", "load_model_checkpoint", "read_checkpoint_metadata", "checkpoint_arch",
            "check_checkpoint_destination", "exported_arch", "is_critic_checkpoint",
-           "convert_hf_to_checkpoint", "export_checkpoint_to_hf", "min_world_size", "METADATA_FILE", "TOKENIZER_FILES"]
+           "convert_hf_to_checkpoint", "export_checkpoint_to_hf", "min_world_size", "METADATA_FILE", "TOKENIZER_FILES",
+           "EXTRA_LAYERS_KEY"]

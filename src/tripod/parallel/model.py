@@ -234,6 +234,7 @@ def build_gpt_model(arch: ModelArch, layout: ParallelLayout, *, value_head: bool
             parallel_output=True,
             share_embeddings_and_output_weights=arch.tie_word_embeddings and not value_head,
             position_embedding_type="rope", rotary_base=int(arch.rope_theta),
+            rotary_percent=arch.partial_rotary_factor,
             pg_collection=layout.pg_collection,
         )
     # HF defines RoPE (incl. llama3 / linear scaling); megatron's own scaling is not the same code. Every module

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe")
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def moe_from_hf(cfg: dict) -> MoEArch | None:
                   topk_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
                   shared_expert_ffn_hidden_size=cfg["moe_intermediate_size"] * n_shared if n_shared else None,
                   shared_expert_gate=False)
-    if model_type == "deepseek_v3":
+    if model_type in ("deepseek_v3", "glm4_moe"):  # GLM-4.5's router is DeepSeek-V3's (HF Glm4MoeTopkRouter)
         if not cfg.get("norm_topk_prob", True) and topk > 1:
             raise _refuse(model_type, "norm_topk_prob", False, "megatron's sigmoid router always renormalises the "
                           "top-k weights, so logits cannot match; tripod supports norm_topk_prob=true")

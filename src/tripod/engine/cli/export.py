@@ -28,12 +28,28 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"{', ' + arch.hf_config['architectures'][0] if arch.score_head else ''}, loaded at TP{args.tp} x PP{args.pp}"
         f"{experts_suffix(args)})")
     if is_rank_zero():
+        say_extra_layers(args.ckpt_dir, arch)
         with open(os.path.join(args.hf_dir, "config.json")) as f:
             bias = json.load(f).get("tripod_value_bias")
         if bias is not None:
             say(f"tripod export: the critic's value-head bias {bias:.6g} is not in HF's score (it has none): "
                 "transformers reads every value minus it; config.json keeps it as tripod_value_bias")
     return 0
+
+
+def say_extra_layers(ckpt_dir: str, arch) -> None:
+    """One line on the checkpoint's MTP layers (left out of the model): copied unchanged, or why they are not."""
+    from tripod.parallel.checkpoint import EXTRA_LAYERS_KEY, read_checkpoint_metadata
+    from tripod.parallel.convert import extra_layers_of, family_of
+
+    source = read_checkpoint_metadata(ckpt_dir).get(EXTRA_LAYERS_KEY)
+    if source is None:
+        return
+    what = f"layers past num_hidden_layers={arch.num_layers} ({family_of(arch).extra_hf_layers})"
+    if os.path.isdir(source):
+        say(f"tripod export: {len(extra_layers_of(arch, source))} tensor(s) of {what} copied unchanged from {source}")
+    else:
+        say(f"tripod export: {what} not written: {source}, the checkpoint that held them, is gone")
 
 
 def check_lora_flags(args: argparse.Namespace) -> bool:

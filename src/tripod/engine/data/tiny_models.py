@@ -1,5 +1,6 @@
 """Tiny random Hugging Face checkpoints made offline (`save_pretrained`, no download): dense Llama / Qwen2 / Qwen3
-(`make_tiny_hf_model`) and Mixture-of-Experts Qwen3-MoE / Qwen2-MoE / DeepSeek-V3 with MLA (`make_tiny_moe_model`).
+(`make_tiny_hf_model`) and Mixture-of-Experts Qwen3-MoE / Qwen2-MoE / DeepSeek-V3 with MLA / GLM-4.5
+(`make_tiny_moe_model`).
 
 What the test suite, the benchmarks (scripts/bench_*.py) and the GPU check's steps train and compare. Shapes let
 TP in {1, 2}, PP in {1, 2, 4} and EP in {1, 2} all divide: 4 heads (2 KV heads), 4 layers, 4 experts. Weights are
@@ -30,6 +31,12 @@ MOE_FAMILIES: dict[str, dict[str, Any]] = {
                         n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                         first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
                         qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True, num_nextn_predict_layers=0),
+    # GLM-4.5: GQA with q/k/v bias, per-head q/k norm, RoPE on half of each head's dims, DeepSeek-V3's router
+    # (sigmoid + correction bias, 2 groups), a shared expert, first layer dense
+    "glm4_moe": dict(head_dim=16, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5,
+                     moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                     n_shared_experts=1, routed_scaling_factor=1.5, norm_topk_prob=True, first_k_dense_replace=1,
+                     num_nextn_predict_layers=0),
 }
 # DeepSeek-V2-Lite-like: no q_lora (q_proj), softmax routing without renormalisation, two shared experts
 DEEPSEEK_V2 = dict(num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
@@ -91,7 +98,8 @@ def hf_moe_model(family: str, seed: int, **overrides: Any):
     import transformers
 
     cls = {"qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
-           "deepseek_v3": transformers.DeepseekV3Config, "deepseek_v2": transformers.DeepseekV2Config}[family]
+           "deepseek_v3": transformers.DeepseekV3Config, "deepseek_v2": transformers.DeepseekV2Config,
+           "glm4_moe": transformers.Glm4MoeConfig}[family]
     family_config = MOE_FAMILIES.get(family, DEEPSEEK_V2 if family == "deepseek_v2" else {})
     config = cls(**{**TINY_CONFIG, **family_config, **overrides})
     with torch.random.fork_rng():

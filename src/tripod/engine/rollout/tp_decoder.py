@@ -74,6 +74,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's (and megatron's) non-interleaved RoPE on the first cos.shape[-1] dims of x; the rest pass through
+    (partial rotary, `ModelArch.rotary_dim`)."""
+    dim = cos.shape[-1]
+    if dim == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot, rest = x[..., :dim], x[..., dim:]
+    return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
+
+
 class TPDecoder:
     """Forward pass of the whole model over one TP group, for prefill and decode steps."""
 
@@ -165,9 +175,7 @@ class TPDecoder:
             eps = self.arch.rms_norm_eps
             q = rms_norm(q, self.weights[p + "q_layernorm.weight"], eps)
             k = rms_norm(k, self.weights[p + "k_layernorm.weight"], eps)
-        cos, sin = cos[:, None], sin[:, None]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = rope_rotate(q, cos[:, None], sin[:, None]), rope_rotate(k, cos[:, None], sin[:, None])
         start, end = cache.length, cache.length + S
         cache.keys[i][:, :, start:end] = k
         cache.values[i][:, :, start:end] = v

@@ -11,7 +11,9 @@ Sharded models (every rank of the model's layout calls these together):
 """
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 import os
 import re
 import shutil
@@ -28,6 +30,7 @@ from tripod.parallel.convert.common import (
     OUTPUT_LAYER,
     HFExpertViews,
     check_hf_names,
+    extra_layer_names,
     fuse_to_megatron,
     hf_names_for,
     hf_to_megatron_state,
@@ -41,6 +44,8 @@ from tripod.parallel.convert.common import (
 )
 from tripod.parallel.families import FamilySpec, get_family
 from tripod.parallel.families.spec import expert_index
+
+log = logging.getLogger(__name__)
 
 _EXPERT_IN_NAME = re.compile(r"\.local_experts\.\d+\.")
 
@@ -335,15 +340,30 @@ def write_hf_config(arch: ModelArch, out_dir: str | os.PathLike, dtype: torch.dt
                 shutil.copyfile(src, os.path.join(out_dir, file))
 
 
+def extra_layers_of(arch: ModelArch, hf_dir: str | os.PathLike | None) -> list[str]:
+    """The HF tensors of `hf_dir` in layers the model leaves out (DeepSeek / GLM MTP layers), sorted; [] when the
+    family has none, or `hf_dir` is None or holds no safetensors checkpoint (a tokenizer-only directory)."""
+    family = family_of(arch)
+    if hf_dir is None or not family.extra_hf_layers:
+        return []
+    try:
+        names = SafetensorsReader(hf_dir).names()
+    except FileNotFoundError:
+        return []
+    return sorted(extra_layer_names(arch, family, names))
+
+
 def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArch, layout, out_dir: str | os.PathLike, *,
                        tokenizer_dir: str | os.PathLike | None = None, dtype: torch.dtype | None = None,
-                       max_shard_bytes: int = 2 << 30) -> None:
+                       max_shard_bytes: int = 2 << 30, extra_layers_from: str | os.PathLike | None = None) -> None:
     """Write `model` as an HF checkpoint (safetensors shards + index, config.json, tokenizer files).
 
     Every rank of DP replica 0 of the layout must call it (every rank when expert_model_parallel_size > 1);
     TP rank 0 of PP stage 0 of DP replica 0 writes.
     `dtype` casts the weights (default: the model's dtype), except rows held in fp32 (`Weight.fp32`: the
     router's expert bias, which HF keeps in fp32 too).
+    `extra_layers_from`: an HF checkpoint whose layers past num_hidden_layers (the MTP layers tripod neither trains
+    nor runs) are copied into the output unchanged, so a converted model keeps them.
     """
     from safetensors.torch import save_file
 
@@ -369,10 +389,13 @@ def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArch, layout, out_dir:
     family = family_of(arch)
     keep = {h for n, w in family.rows(arch).items() if w.fp32 for h in family.hf_names(arch, n)}
     out_dtype = dtype or next(p for chunk in model_chunks(model) for p in chunk.parameters()).dtype
-    for hf_name, tensor in export_hf_weights(model, arch, layout):
+    extra = extra_layers_of(arch, extra_layers_from) if writer else []
+    source = SafetensorsReader(extra_layers_from) if extra else None  # type: ignore[arg-type]
+    kept = ((name, source.get(name)) for name in extra if source is not None)
+    for hf_name, tensor in itertools.chain(export_hf_weights(model, arch, layout), kept):
         if not writer:
             continue  # another DP replica's copy (expert parallelism makes every replica take part)
-        if dtype is not None and hf_name not in keep:
+        if dtype is not None and hf_name not in keep and hf_name not in extra:
             tensor = tensor.to(dtype)
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and sizes[-1] + nbytes > max_shard_bytes:
@@ -382,6 +405,9 @@ def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArch, layout, out_dir:
         total_bytes += nbytes
     if not writer:
         return
+    if extra:
+        log.info("%s: %d tensor(s) of %s copied unchanged from %s", out_dir, len(extra),
+                 family.extra_hf_layers, extra_layers_from)
     weight_map = {}
     if shards[-1]:
         flush()
@@ -403,6 +429,7 @@ def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArch, layout, out_dir:
 
 __all__ = [
     "load_hf_weights", "export_hf_weights", "save_hf_checkpoint", "write_hf_config", "SafetensorsReader",
+    "extra_layers_of",
     "global_params", "model_chunks", "TOKENIZER_FILES",
     "family_of", "hf_to_megatron", "megatron_to_hf", "canonical_names",
     "pad_vocab", "unpad_vocab", "padded_vocab_size", "is_replicated",

@@ -86,19 +86,25 @@ class HFExpertViews:
         return gate if part == "gate_proj" else up
 
 
-def skipped_extra_layers(arch: ModelArch, family: FamilySpec, present: Iterable[str], source: str) -> set[str]:
-    """HF tensors of layers >= num_hidden_layers that the family skips (DeepSeek MTP), logged once; else empty."""
+def extra_layer_names(arch: ModelArch, family: FamilySpec, present: Iterable[str]) -> set[str]:
+    """HF tensors of layers >= num_hidden_layers that the family leaves out of the model (DeepSeek / GLM MTP)."""
     if not family.extra_hf_layers:
         return set()
     prefix = family.hf_layer_prefix
-    skipped = set()
+    extra = set()
     for name in present:
         if name.startswith(prefix):
             layer = name[len(prefix):].split(".", 1)[0]
             if layer.isdigit() and int(layer) >= arch.num_layers:
-                skipped.add(name)
+                extra.add(name)
+    return extra
+
+
+def skipped_extra_layers(arch: ModelArch, family: FamilySpec, present: Iterable[str], source: str) -> set[str]:
+    """`extra_layer_names`, logged once (one line naming the layers and the family's reason); else empty."""
+    skipped = extra_layer_names(arch, family, present)
     if skipped:
-        layers = sorted({int(n[len(prefix):].split(".", 1)[0]) for n in skipped})
+        layers = sorted({int(n[len(family.hf_layer_prefix):].split(".", 1)[0]) for n in skipped})
         log.warning("%s: skipping %d tensor(s) of layer(s) %s >= num_hidden_layers=%d (%s)", source, len(skipped),
                     layers, arch.num_layers, family.extra_hf_layers)
     return skipped
@@ -240,6 +246,6 @@ def megatron_to_hf_tensor(arch: ModelArch, family: FamilySpec, name: str,
 
 __all__ = ["EMBEDDING", "FINAL_NORM", "OUTPUT_LAYER", "LAYER_PREFIX", "check_tp_size", "padded_vocab_size",
            "pad_vocab", "unpad_vocab", "split_layer_name", "layer_name", "megatron_names", "hf_names_for",
-           "check_hf_names", "HFExpertViews", "skipped_extra_layers", "fuse_to_megatron", "unfuse_to_hf",
-           "is_replicated", "hf_to_megatron_state",
+           "check_hf_names", "HFExpertViews", "skipped_extra_layers", "extra_layer_names", "fuse_to_megatron",
+           "unfuse_to_hf", "is_replicated", "hf_to_megatron_state",
            "megatron_to_hf_tensor"]

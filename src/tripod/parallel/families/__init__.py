@@ -62,4 +62,12 @@ __all__ = ["FamilySpec", "Weight", "Split", "Fuse", "Layers", "register_family",
            "LAYER_PREFIX"]
 
 # the built-in families (each module registers itself)
-from tripod.parallel.families import deepseek, llama, qwen2, qwen2_moe, qwen3, qwen3_moe  # noqa: E402,F401
+from tripod.parallel.families import (  # noqa: E402,F401
+    deepseek,
+    glm4_moe,
+    llama,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
