@@ -64,7 +64,7 @@ def scaled_run(recipe: str, cfg, args) -> tuple[list[str], list[str]]:
 
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     dp = cfg.actor_rollout_ref.actor.megatron.data_parallel_size(world)
-    with open(plan_model_config(cfg.actor_rollout_ref.model.path)) as f:
+    with open(plan_model_config(cfg.actor_rollout_ref.model.path, recipe=recipe)) as f:
         hf = json.load(f)
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     scaled = fit_scaled_model(hf, layers=args.layers, data_parallel=dp, tokenizer=tokenizer, memory_gb=args.memory_gb,

@@ -1,6 +1,7 @@
 """A multi-turn `tripod train` run end to end (embedded engine, one rank, a toy interaction answering every model turn:
 tests/multiprocess/workers/agent_train.py): the ids the actor trains on are the ids the engine generated, position for
-position, with the engine's log-probs; the user tokens carry response_mask 0; the trainer's recomputed log-probs of
+position, with the engine's log-probs, each model turn the engine's whole output (cut only at the response budget)
+ending on a stop id where a user turn follows; the user tokens carry response_mask 0; the trainer's recomputed log-probs of
 the model tokens equal the engine's within the single-turn bound (fp32 CPU: 1e-5, as
 tests/multiprocess/workers/async_reference.py); the multi-turn metrics are logged and the rollout dump has `turns`;
 with multi_turn.add_rollout_rewards each dumped score is the rule reward plus the interaction's turn and final scores,
@@ -23,12 +24,20 @@ from tests.helpers.trainer_runs import env, metrics
 from tests.multiprocess.workers.agent_train import FINAL_SCORE, TURN_SCORE
 
 LOGPROB_BOUND = 1e-5  # fp32 embedded rollout vs the trainer's recompute (the single-turn tests' bound)
+STOP_IDS = range(40, 66)  # a random model rarely samples EOS: a fifth of the vocabulary ends a turn, so turns are short
+BUDGET = 40  # data.max_response_length: the response budget over all turns
 
 
-def check_trained_ids_are_generated_ids(log_dir: str, bound: float = LOGPROB_BOUND) -> tuple[int, list[float]]:
-    """Every model segment of every updated row is an engine output for exactly the tokens before it, with its
-    log-probs; returns (the number of rows with a masked (user) token inside their response, each update's largest
-    engine / trainer log-prob gap on the model tokens)."""
+def check_trained_ids_are_generated_ids(log_dir: str, bound: float = LOGPROB_BOUND,
+                                        budget: int = BUDGET) -> tuple[int, list[float]]:
+    """Every model segment of every updated row is an engine output for exactly the tokens before it, whole, with its
+    log-probs: only the row's last segment may be shorter, and only where it ends at the response budget (`budget`
+    tokens, the loop's cut); every other segment ends on a stop id (the engine stopped there and the loop kept the
+    stop token; the ids in <log_dir>/stop_ids.json, which `run` writes). A prefix check alone passes a turn with its
+    last token dropped. Returns (the number of rows with a masked (user) token inside their response, each update's
+    largest engine / trainer log-prob gap on the model tokens)."""
+    with open(os.path.join(log_dir, "stop_ids.json")) as f:
+        stop_ids = set(json.load(f))
     outputs = {}
     with open(os.path.join(log_dir, "gen.jsonl")) as f:
         for line in f:
@@ -42,15 +51,22 @@ def check_trained_ids_are_generated_ids(log_dir: str, bound: float = LOGPROB_BOU
             seq = b["input_ids"][i].tolist()
             segments = model_segments(mask.long().tolist())
             holes += len(segments) > 1
-            for s, e in segments:
+            for k, (s, e) in enumerate(segments):
                 key = tuple(seq[: p + s])
                 assert key in outputs, f"{path} row {i}: the tokens before response position {s} were never an engine input"
-                # the n samples of a prompt share their first input: one of its outputs must be this segment
                 trained, logp = b["responses"][i, s:e].tolist(), b["rollout_log_probs"][i, s:e].tolist()
-                assert any(ids[: e - s] == trained for ids, _ in outputs[key]), \
-                    f"{path} row {i} positions {s}..{e}: the trained ids are not the engine's"
-                assert any(ids[: e - s] == trained and lp[: e - s] == logp for ids, lp in outputs[key]), \
+                # the n samples of a prompt share their first input: one of its outputs must be this segment, whole;
+                # a cut one only at the budget, as the row's last segment
+                cut = e == budget and k == len(segments) - 1
+                same = [(ids, lp) for ids, lp in outputs[key] if ids == trained or (cut and ids[: e - s] == trained)]
+                assert same, f"{path} row {i} positions {s}..{e}: the trained ids are not the engine's whole output " \
+                             f"{[ids for ids, _ in outputs[key]]} (trained {trained}, budget {budget})"
+                assert any(lp[: e - s] == logp for _, lp in same), \
                     f"{path} row {i} positions {s}..{e}: the rollout log-probs are not the engine's"
+                if k < len(segments) - 1:
+                    assert trained[-1] in stop_ids, \
+                        f"{path} row {i} positions {s}..{e}: a model turn followed by a user turn ends on " \
+                        f"{trained[-1]}, not on a stop id"
             assert (b["rollout_log_probs"][i][mask == 0] == 0).all()
         if "old_log_probs" in b:
             m = b["response_mask"] > 0
@@ -60,17 +76,30 @@ def check_trained_ids_are_generated_ids(log_dir: str, bound: float = LOGPROB_BOU
     return holes, gaps
 
 
+def stop_ids_of(model_dir: str) -> set[int]:
+    """The ids that end a turn in these runs: STOP_IDS plus the model's EOS ids (config.json's and
+    generation_config.json's `eos_token_id`, read here from the files)."""
+    ids = set(STOP_IDS)
+    for name in ("config.json", "generation_config.json"):
+        if os.path.exists(os.path.join(model_dir, name)):
+            with open(os.path.join(model_dir, name)) as f:
+                eos = json.load(f).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else eos or [])
+    return ids
+
+
 def run(tmp_path, name: str, plant: str | None = None, extra_args: tuple[str, ...] = (),
         model_overrides: dict | None = None) -> tuple[subprocess.CompletedProcess, str, str]:
     setup = make_ppo_setup(tmp_path, **(model_overrides or {}))
     run_dir, log_dir = str(tmp_path / name), str(tmp_path / f"{name}_log")
     os.makedirs(log_dir)
+    with open(os.path.join(log_dir, "stop_ids.json"), "w") as f:
+        json.dump(sorted(stop_ids_of(setup["model"])), f)
     args = tiny_overrides(setup, run_dir, steps=2) + [
-        "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "data.max_response_length=40",
+        "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", f"data.max_response_length={BUDGET}",
         "actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.max_user_turns=2",
         "actor_rollout_ref.rollout.multi_turn.add_rollout_rewards=true",
-        # a random model rarely samples EOS: a fifth of the vocabulary ends a turn, so turns are short
-        f"actor_rollout_ref.rollout.stop_token_ids=[{','.join(str(t) for t in range(40, 66))}]",
+        f"actor_rollout_ref.rollout.stop_token_ids=[{','.join(str(t) for t in STOP_IDS)}]",
         f"trainer.rollout_data_dir={run_dir}/dump", "trainer.val_before_train=false", "trainer.test_freq=-1",
         *extra_args]
     extra = {"TRIPOD_TEST_AGENT_LOG": log_dir, **({"TRIPOD_TEST_AGENT_PLANT": plant} if plant else {})}

@@ -2,7 +2,9 @@
 the embedded engine generates in bf16 recording each token's experts, a bf16 megatron actor at EP2, PP2 (shared-prompt
 packing), TP2 with sequence parallelism and DP2 with padding-free packing routes some tokens differently without replay (`moe/routing_mismatch_frac` > 0), none with it, and its log-probs come
 closer to the rollout's; the trainer's own record replayed (R2) reproduces its forward exactly; an update under replay
-still trains the router; a planted bug (layer i's ids replayed into layer i+1) is caught; with an fp32 engine and
+still trains the router; a planted bug (layer i's ids replayed into layer i+1) is caught; a record shifted by one
+token (each token replayed with the next token's experts) keeps the mismatch at 0 and is caught by
+`moe/replay_live_mismatch_frac`; with an fp32 engine and
 an fp32 actor R2's record equals R3's. One 2-rank world (tests/multiprocess/workers/routing_replay_check.py).
 
 The tiny models' routers are scaled down (x0.2) and their experts up (x3): near-tied router scores, as the issue
@@ -51,6 +53,15 @@ def test_replay_closes_the_routing_gap(output):
         assert free[key] > 0 and replay[key] == 0 and g_replay[key] < g_free[key], (key, free, replay, g_free, g_replay)
     planted = _values(output, "planted_mismatch")
     assert len(planted) == 8 and all(v > 0 for v in planted.values()), planted
+    # a record shifted by one token (the reference with it): invisible to routing_mismatch_frac, not to the replayed
+    # ids vs the live router's choice of the same token (moe/replay_live_mismatch_frac)
+    live, shifted = _values(output, "live_mismatch_with_replay"), _values(output, "token_shift_live_mismatch")
+    blind = _values(output, "token_shift_mismatch")
+    print(f"replay_live_mismatch_frac aligned: max {max(live.values()):.4f}; shifted one token: min "
+          f"{min(shifted.values()):.4f} (routing_mismatch_frac shifted: max {max(blind.values())})")
+    assert set(live) == set(shifted) == set(blind) == set(free), output[-3000:]
+    assert all(v == 0 for v in blind.values()), blind
+    assert max(live.values()) < 0.05 and min(shifted.values()) > 0.3, (live, shifted)
 
 
 def test_r2_is_the_trainers_own_routing(output):

@@ -1,7 +1,8 @@
 """The agent loop (engine/agent/loop.py) on a scripted engine and a deterministic tool: token identity (the ids a
 trajectory holds where the model wrote are the engine's, position for position, with its log-probs), the tool turns
 are the chat template's suffix, budgets and turn limits, concurrent tool calls, and the hermes parser. A planted
-decode-and-re-encode of the trajectory fails the identity check."""
+decode-and-re-encode of the trajectory fails the identity check, and so does a turn cut before its stop token (each
+model segment must be the engine's whole output, ending on a stop id where a tool or user turn follows)."""
 from __future__ import annotations
 
 import asyncio
@@ -29,9 +30,11 @@ def prompts_of(tok, questions):
                                                tokenize=False), add_special_tokens=False) for q in questions]
 
 
-def check_identity(prompts, n, trajectories, engine_log):
-    """Every model segment of every trajectory is an engine output for exactly the tokens before it, and carries the
-    engine's log-probs."""
+def check_identity(prompts, n, trajectories, engine_log, budget: int, stop_ids: set[int]):
+    """Every model segment of every trajectory is the engine's whole output for exactly the tokens before it, with the
+    engine's log-probs; shorter only as the row's last segment, ending at the response budget (`budget`: the loop's
+    cut), and every segment a tool or user turn follows ends on a stop id. (A prefix check passes a turn whose last
+    token was dropped.)"""
     outputs = {}
     for call in engine_log:
         for p, r, lp in zip(call["prompts"], call["responses"], call["log_probs"]):
@@ -40,13 +43,20 @@ def check_identity(prompts, n, trajectories, engine_log):
         seq = prompts[row // n] + t.response
         segments = model_segments(t.codes)
         assert segments, f"row {row} has no model tokens"
-        for s, e in segments:
+        for k, (s, e) in enumerate(segments):
             at = len(prompts[row // n])
             key = tuple(seq[: at + s])
             assert key in outputs, f"row {row}: the tokens before position {s} were never an engine input"
             r, lp = outputs[key]
-            assert t.response[s:e] == r[: e - s], f"row {row} positions {s}..{e}: trained ids are not the engine's"
-            assert t.log_probs[s:e] == lp[: e - s], f"row {row} positions {s}..{e}: log-probs are not the engine's"
+            cut = k == len(segments) - 1 and e == budget and e - s < len(r)
+            whole = r[: e - s] if cut else r
+            assert t.response[s:e] == whole, \
+                f"row {row} positions {s}..{e}: trained ids are not the engine's whole output ({len(r)} ids, " \
+                f"{e - s} trained, budget {budget})"
+            assert t.log_probs[s:e] == lp[: len(whole)], f"row {row} positions {s}..{e}: log-probs are not the engine's"
+            if k < len(segments) - 1:
+                assert t.response[e - 1] in stop_ids, \
+                    f"row {row} positions {s}..{e}: a model turn before a tool / user turn ends on a non-stop id"
 
 
 def test_trajectory_is_the_engines_tokens_then_the_templates_suffix():
@@ -55,7 +65,7 @@ def test_trajectory_is_the_engines_tokens_then_the_templates_suffix():
     prompts = prompts_of(tok, ["2+3?", "what is 2+3?"])
     params = SamplingParams(max_new_tokens=200, n=2, seed=3)
     rows, stats = loop.run(engine, prompts, 2, params)
-    check_identity(prompts, 2, rows, engine.log)
+    check_identity(prompts, 2, rows, engine.log, loop.response_length, {engine.end})
     end = tok.convert_tokens_to_ids("<|im_end|>")
     for t in rows:
         assert [turn["role"] for turn in t.turns] == ["assistant", "tool", "assistant", "tool", "assistant"]
@@ -82,7 +92,33 @@ def test_a_planted_decode_and_re_encode_fails_the_identity_check():
         text = tok.decode(t.response)
         t.response = list(tok.encode(text, add_special_tokens=False))
     with pytest.raises(AssertionError, match="trained ids are not the engine's"):
-        check_identity(prompts, 1, rows, engine.log)
+        check_identity(prompts, 1, rows, engine.log, loop.response_length, {engine.end})
+
+
+@pytest.mark.parametrize("where", ["every turn", "the last turn"])
+def test_a_turn_cut_before_its_stop_token_fails_the_identity_check(monkeypatch, where):
+    """The bug a prefix check passed: the loop drops the last model token of a turn that ends on a stop token (the
+    stop token itself). Every turn: the tool turns' template suffix still follows (a trained prefix of the engine's
+    output); the last turn only: the row's end, where no suffix shows it."""
+    import dataclasses
+
+    from tripod.engine.rollout.base import FINISH_STOP
+
+    model_turn = AgentLoop._model_turn
+
+    def cut(self, r, out, prompt_len, room):
+        answer = "####" in self.tokenizer.decode(out.token_ids)  # the scripted row's last turn
+        if out.finish == FINISH_STOP and (where == "every turn" or answer):
+            out = dataclasses.replace(out, token_ids=out.token_ids[:-1], log_probs=out.log_probs[:-1])
+        return model_turn(self, r, out, prompt_len, room)
+
+    monkeypatch.setattr(AgentLoop, "_model_turn", cut)
+    tok = chatml_tokenizer()
+    engine, loop = ScriptedEngine(tok), make_loop(tok)
+    prompts = prompts_of(tok, ["2+3?"])
+    rows, _ = loop.run(engine, prompts, 1, SamplingParams(max_new_tokens=200))
+    with pytest.raises(AssertionError, match="trained ids are not the engine's whole output"):
+        check_identity(prompts, 1, rows, engine.log, loop.response_length, {engine.end})
 
 
 def test_the_response_budget_spans_every_turn_and_ends_on_model_tokens():
@@ -97,7 +133,7 @@ def test_the_response_budget_spans_every_turn_and_ends_on_model_tokens():
     rows, _ = make_loop(tok, response_length=budget).run(engine, prompts, 1, SamplingParams(max_new_tokens=400))
     t = rows[0]
     assert len(t.response) == budget and t.finish == FINISH_LENGTH and t.codes[-1] == MODEL
-    check_identity(prompts, 1, rows, engine.log)
+    check_identity(prompts, 1, rows, engine.log, budget, {engine.end})
     # a tool turn that would not leave room for a model token is not appended (verl's rule)
     engine = ScriptedEngine(tok, calls_per_row=5)
     rows, _ = make_loop(tok, response_length=first_turn + full[0].turns[1]["n_tokens"]).run(
@@ -186,7 +222,7 @@ def test_an_interaction_answers_with_a_user_turn_until_it_ends_the_row():
     # the reply that ends the conversation is appended too (verl)
     assert [turn["role"] for turn in t.turns] == ["assistant", "user", "assistant", "user", "assistant", "user"]
     assert USER in t.codes and t.reward == 3 * 0.25 + 1.0
-    check_identity(prompts, 1, rows, engine.log)
+    check_identity(prompts, 1, rows, engine.log, loop.response_length, {engine.end})
 
 
 def test_hermes_parser():
@@ -223,7 +259,7 @@ def test_qwen3s_published_template_through_the_loop(kind, reasoning):
     engine, prompts = Engine(tok), prompts_of(tok, ["2+3?", "what is 2+3?"])
     infos = [{"interaction_kwargs": {"name": "twice"}}] * 2 if kind == "user" else None
     rows, stats = loop.run(engine, prompts, 1, SamplingParams(max_new_tokens=600), infos)
-    check_identity(prompts, 1, rows, engine.log)
+    check_identity(prompts, 1, rows, engine.log, loop.response_length, {engine.end})
     assert stats["unrenderable"] == 0
     for t in rows:
         assert [turn["role"] for turn in t.turns][:4] == ["assistant", "tool" if kind == "tool" else "user"] * 2

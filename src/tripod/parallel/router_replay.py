@@ -18,7 +18,12 @@ Each router takes the ids of its own MoE layer (its global layer number: pipelin
 their own layers; expert parallelism leaves the router replicated).
 
 `moe/routing_mismatch_frac`: per MoE layer, the fraction of recorded tokens whose expert set in this forward differs
-from the reference ids (the rollout's), counted on the routers and summed over the model's ranks.
+from the reference ids (the rollout's), counted on the routers and summed over the model's ranks. Under replay the
+forward uses the replayed ids, so it compares the record with itself: 0 also where the record is misaligned (a token
+replayed with its neighbour's experts, a row with another row's). `moe/replay_live_mismatch_frac` (a replaying
+forward only) is the check that sees that: the fraction of recorded tokens whose replayed experts differ from what the
+live router picks for that same token. Aligned, only near-tied choices flip (the unreplayed mismatch's size, about 1%
+on the tests' near-tied models); misaligned, most tokens differ.
 """
 from __future__ import annotations
 
@@ -149,6 +154,8 @@ class RoutingReplay:
     def reset_counts(self) -> None:
         self.mismatched = torch.zeros(self.layers, dtype=torch.float64)
         self.counted = torch.zeros(self.layers, dtype=torch.float64)
+        self.live_mismatched = torch.zeros(self.layers, dtype=torch.float64)  # replay: replayed vs the live router
+        self.live_counted = torch.zeros(self.layers, dtype=torch.float64)
 
     # ---- per micro-batch -------------------------------------------------------------------------
     def _router_order(self, model_tensor: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
@@ -192,7 +199,8 @@ class RoutingReplay:
         if reference is not None:
             state["reference"], state["ref_has"] = to_model(reference)
         if replay is not None:
-            target = state["reference"] if replay is reference else to_model(replay)[0]
+            target, state["replay_has"] = (state["reference"], state["ref_has"]) if replay is reference else \
+                to_model(replay)
             for r in routers:
                 r.target_topk_idx = target[:, r.moe_index].contiguous()
                 r.set_router_replay_action(self._action.REPLAY_FORWARD)
@@ -215,6 +223,11 @@ class RoutingReplay:
                 differs = (used.sort(-1).values != ref.to(used.device).sort(-1).values).any(-1)
                 self.mismatched[r.moe_index] += float((differs & has.to(used.device)).sum())
                 self.counted[r.moe_index] += float(has.sum())
+            if "replay_has" in state and r.live is not None:  # the same token's record vs its live router's choice
+                has = state["replay_has"].to(used.device)
+                differs = (used.sort(-1).values != r.live.to(used.device).sort(-1).values).any(-1)
+                self.live_mismatched[r.moe_index] += float((differs & has).sum())
+                self.live_counted[r.moe_index] += float(has.sum())
             if self.mode == "record":
                 self._keep(state, r.moe_index, used)
             r.target_topk_idx = r.used = r.live = None
@@ -264,9 +277,10 @@ class RoutingReplay:
     # ---- metrics ---------------------------------------------------------------------------------
     def metrics(self, prefix: str = "moe") -> dict[str, float]:
         """`{prefix}/routing_mismatch_frac` (over every MoE layer's recorded tokens) and per layer
-        `{prefix}/routing_mismatch_frac/layer_{i}`, summed over every rank of the layout; {} when nothing was
-        compared. Call on every rank of the layout (collectives); resets the counts."""
-        t = torch.stack([self.mismatched, self.counted])
+        `{prefix}/routing_mismatch_frac/layer_{i}`, and after a replay `{prefix}/replay_live_mismatch_frac` (module
+        docstring), summed over every rank of the layout; {} when nothing was compared. Call on every rank of the
+        layout (collectives); resets the counts."""
+        t = torch.stack([self.mismatched, self.counted, self.live_mismatched, self.live_counted])
         lay = self.layout
         for group, size in ((lay.tp_group, lay.tp), (lay.cp_group, lay.cp), (lay.pp_group, lay.pp),
                             (lay.dp_group, lay.dp)):
@@ -279,6 +293,8 @@ class RoutingReplay:
         for i in range(self.layers):
             if t[1, i] > 0:
                 out[f"{prefix}/routing_mismatch_frac/layer_{i}"] = float(t[0, i] / t[1, i])
+        if float(t[3].sum()) > 0:
+            out[f"{prefix}/replay_live_mismatch_frac"] = float(t[2].sum() / t[3].sum())
         return out
 
 

@@ -2,7 +2,7 @@
 
 argv: DIR. Each rank holds half of a random [8, 5] tensor (a ShardedTensor along dim 0) as a view of a larger buffer,
 as the distributed optimizer's parameters are. `plan_save` must write a checkpoint that loads back bit for bit,
-from the live tensor itself (no clone), without forking and without megatron's spawned results Manager; a staged
+from the live tensor itself (no clone: what torch.save serializes is the live tensor's memory, tests/helpers/serialized.py), without forking and without megatron's spawned results Manager; a staged
 plan must hold a snapshot (a write after planning does not reach the file). Then a plain `dist_checkpointing.save`
 must still fork and make the Manager (the canary: once megatron stops doing that, the patch can go).
 Prints `CKPT_SAVE <what>` lines (rank 0).
@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.common import dist_worker
+from tests.helpers.serialized import serialized_tensors
 
 
 def main() -> None:
@@ -46,8 +47,14 @@ def main() -> None:
     dist.barrier()
     pending = plan_save(state(part), patched)
     written = tensors_written(pending)
-    assert [t.data_ptr() for t in written] == [part.data_ptr()], "the save copied the live tensor"
-    pending.write()
+    assert [t.data_ptr() for t in written] == [part.data_ptr()], "the save planned a copy of the live tensor"
+    with serialized_tensors() as serialized:
+        pending.write()
+    # what torch.save got: the live tensor's own memory, as an alias holding its bytes only (not the buffer's)
+    assert [s.index.fqn for s in serialized] == ["w"], serialized
+    assert serialized[0].is_view_of(part), (
+        f"the file got a copy of the live tensor, or its whole buffer: {serialized[0]} vs the live tensor at "
+        f"{part.data_ptr()} ({part.numel() * part.element_size()} bytes)")
     pending.finish()
     assert not forks, f"the save forked {len(forks)} writer processes"
     assert filesystem_async._results_queue is None, "the save started megatron's results Manager"

@@ -6,8 +6,10 @@ megatron (`dist_checkpointing.save` of megatron's sharded_state_dict: it gathers
 streamed save; every tensor of the two checkpoints must be equal bit for bit, their keys the same, and tripod's files no larger
 (a slice written with its whole storage would be). Then a staged
 save (an asynchronous save's) is planned, the optimizer steps again before it is written, and what it wrote must
-still equal the state at planning. Prints `OPTIM_SAVE <what>` lines (rank 0).
+still equal the state at planning. The unstaged save must hand torch.save the tensors themselves (each streamed
+chunk's view, each live tensor: tests/helpers/serialized.py), not copies. Prints `OPTIM_SAVE <what>` lines (rank 0).
 """
+import contextlib
 import os
 import sys
 
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.common import dist_worker
+from tests.helpers.serialized import serialized_tensors
 
 
 def read_all(path: str) -> dict:
@@ -37,6 +40,37 @@ def step(actor, seed: int) -> None:
     assert actor.optimizer.step()[0]
 
 
+@contextlib.contextmanager
+def streamed_chunks():
+    """{item index: tensor} of every optimizer-state tensor the save's fill hands to the writer (a view of the chunk
+    gathered on data-parallel rank 0), held until checked."""
+    from tripod.engine.checkpoints.optimizer_state import GatheredOptimizerState
+
+    original, yielded = GatheredOptimizerState.stream, {}
+
+    def stream(self, items):
+        for item, t in original(self, items):
+            yielded[item.index] = t
+            yield item, t
+
+    GatheredOptimizerState.stream = stream
+    try:
+        yield yielded
+    finally:
+        GatheredOptimizerState.stream = original
+
+
+def check_no_copy(serialized, yielded, planned, rank: int) -> None:
+    """Every tensor torch.save got is the memory it was handed, without a copy: a streamed chunk's view or a live
+    tensor of the plan, each as an alias holding its own bytes only."""
+    assert serialized or rank != 0, "data-parallel rank 0 serialized no tensor: the check saw nothing"
+    assert rank != 0 or yielded, "no optimizer state was streamed on data-parallel rank 0"
+    for s in serialized:
+        live = yielded.get(s.index)
+        assert (live is not None and s.is_view_of(live)) or (live is None and any(s.is_view_of(t) for t in planned)), (
+            f"{s.index}: the file got a copy (or a whole buffer), not the tensor handed to the writer: {s}")
+
+
 def main() -> None:
     from megatron.core import dist_checkpointing
 
@@ -46,6 +80,7 @@ def main() -> None:
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.checkpoint import sharded_model_state
     from tripod.parallel.layout import ParallelLayout
+    from tripod.parallel.megatron_patches.checkpoint_save import tensors_written
     from tripod.parallel.precision import PrecisionSettings
 
     hf_dir, root = sys.argv[1], sys.argv[2]
@@ -66,7 +101,9 @@ def main() -> None:
             dist_checkpointing.save(reference, dirs["megatron"])
         del reference
         pending = plan_optimizer_save(actor, dirs["tripod"], stage=False)
-        pending.write()
+        with serialized_tensors() as serialized, streamed_chunks() as yielded:
+            pending.write()
+        check_no_copy(serialized, yielded, tensors_written(pending), rank)
         pending.finish()
         staged = plan_optimizer_save(actor, dirs["staged"], stage=True)
         step(actor, 2)  # training goes on before the staged save is written

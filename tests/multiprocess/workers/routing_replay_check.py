@@ -7,7 +7,9 @@ argv: hf_dir ... (tiny MoE checkpoints). For each model:
     choose: `moe/routing_mismatch_frac` > 0) and replaying the rollout's ids (mismatch 0, a smaller gap to the
     rollout's log-probs); its own record (R2) replayed gives its own unreplayed log-probs exactly; one update under
     replay moves the router weights (the routing weights come from the live router);
-  - planted: replaying layer i's ids into layer i+1 must give a mismatch > 0;
+  - planted: replaying layer i's ids into layer i+1 must give a mismatch > 0; replaying each token with the next
+    token's ids (the reference shifted too, so the mismatch stays 0) must give a large
+    `moe/replay_live_mismatch_frac` (replayed ids vs the live router's own choice), which stays small when aligned;
   - fp32 engine and fp32 actor (TP1): R2's record equals R3's (mismatch 0) and both replays give the same log-probs.
 Prints `RR <model> <layout> <quantity> <value>` lines.
 """
@@ -19,6 +21,16 @@ import torch.distributed as dist
 from tests.helpers.common import dist_worker
 
 N_SAMPLES, MAX_NEW, TEMP = 2, 12, 1.0
+# moe/replay_live_mismatch_frac: replayed ids vs the live router's choice for the same token. Aligned: near-tied flips
+# only (about the unreplayed mismatch, ~1% here); shifted by one token: most tokens
+LIVE_ALIGNED_MAX, LIVE_SHIFTED_MIN = 0.05, 0.3
+
+
+def next_tokens_ids(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[N, S, L, k] routed ids with each position given the next position's (the last: no record)."""
+    out = torch.full_like(ids, num_experts)
+    out[:, :-1] = ids[:, 1:]
+    return out
 
 
 def rollout(hf_dir, arch, dtype):
@@ -74,7 +86,7 @@ def check_layout(name, hf_dir, arch, batch, layout_kw, model, micro=4, **worker_
     from tripod.engine.workers.ppo_workers import PolicyWorker
     from tripod.parallel.layout import ParallelLayout
     from tripod.parallel.precision import PrecisionSettings
-    from tripod.parallel.router_replay import ROUTED_EXPERTS_KEY
+    from tripod.parallel.router_replay import ROLLOUT_ROUTED_EXPERTS_KEY, ROUTED_EXPERTS_KEY
 
     layout = ParallelLayout(name=name, arch=arch, **layout_kw)
     # shared-prompt packing on (the default) everywhere: at EP2 the DP ranks' packed shapes differ and
@@ -97,6 +109,21 @@ def check_layout(name, hf_dir, arch, batch, layout_kw, model, micro=4, **worker_
     assert m_free["moe/routing_mismatch_frac"] > 0, f"{name}: no routing flip between rollout and trainer"
     assert m_r3["moe/routing_mismatch_frac"] == 0, f"{name}: replay left mismatches {m_r3}"
     assert g_r3 < g_free, f"{name}: replay did not shrink the log-prob gap ({g_r3} vs {g_free})"
+    # the replayed ids against the live router's choice for the same token: only near-tied flips when aligned
+    live = m_r3["moe/replay_live_mismatch_frac"]
+    say("live_mismatch_with_replay", live)
+    assert live <= LIVE_ALIGNED_MAX, f"{name}: replayed ids differ from the live router's on {live:.3f} of the tokens"
+
+    # a record misaligned by one position (each token replayed with the next token's experts, the rollout's reference
+    # shifted with it, as a record shifted at its source is): routing_mismatch_frac cannot see it, the live one must
+    shifted = batch.select(slice(0, batch.size))
+    shifted[ROUTED_EXPERTS_KEY] = shifted[ROLLOUT_ROUTED_EXPERTS_KEY] = next_tokens_ids(batch[ROUTED_EXPERTS_KEY],
+                                                                                      arch.moe.num_experts)
+    _, m_shift = forward(actor, shifted, "replay", micro)
+    say("token_shift_mismatch", m_shift["moe/routing_mismatch_frac"])
+    say("token_shift_live_mismatch", m_shift["moe/replay_live_mismatch_frac"])
+    assert m_shift["moe/replay_live_mismatch_frac"] >= LIVE_SHIFTED_MIN, \
+        f"{name}: a one-token shift of the replayed record was not caught: {m_shift}"
 
     # R2: the pass's own record, replayed, is the pass itself (record -> batch layout -> router order round trip)
     r2 = batch.select(slice(0, batch.size))

@@ -263,6 +263,7 @@ class MegatronWorker:
                 for chunk in self.model:
                     chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
+        set_training(self.model, not forward_only)
         shapes = {(mb.packed.input_ids.shape[0] if mb.packed is not None else mb.size, seq) for mb, seq in zip(mbs, seqs)}
         rows, seq = max(shapes)
         with variable_shapes(self.model, self.layout.pp > 1 and len(shapes) > 1):
@@ -389,3 +390,12 @@ class MegatronWorker:
         if lay.dp > 1:
             dist.all_reduce(t, group=lay.dp_group)
         return dict(zip(keys, t.tolist()))
+
+
+def set_training(chunks: list[torch.nn.Module], training: bool) -> None:
+    """Train mode (dropout: LoRA's `lora.dropout`, megatron's hidden / attention dropout) only in passes whose
+    gradients train; the passes without gradients (old log-probs, reference, values, a teacher) run in eval mode, as
+    verl's compute_log_prob / compute_values do and as the rollout's merged weights (no dropout) generate: a dropout
+    there would make the old log-probs a noisy sample the rollout never drew from."""
+    for chunk in chunks:
+        chunk.train(training)

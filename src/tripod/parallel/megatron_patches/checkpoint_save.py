@@ -13,7 +13,8 @@ copied to host one tensor at a time, the items go to one file per rank written b
 results pass through an in-process queue. Fills (engine/checkpoints/optimizer_state.py) supply tensors that exist
 only while they are written. `stage=True` (an asynchronous save) snapshots each tensor instead: the live state may
 change once `plan_save` returns. The on-disk format is megatron's: `dist_checkpointing.load` reads it.
-Device: all. Canary: tests/multiprocess/test_checkpoint_save.py (megatron's own save still forks and clones).
+Device: all. Canary: tests/multiprocess/test_checkpoint_save.py (megatron's own save still forks and clones); it and
+test_optimizer_save.py check "no copy" where it matters, on what torch.save is handed (tests/helpers/serialized.py).
 """
 from __future__ import annotations
 
