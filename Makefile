@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
 
-.PHONY: lock test test-launch test-gpu-bundle test-peers test-vllm vllm-venv demo demo-rm demo-agent venv clean bench gpu-bundle lint
+.PHONY: lock test test-launch test-gpu-bundle test-peers test-vllm vllm-venv demo demo-rm demo-agent demo-distill venv clean bench gpu-bundle lint
 
 $(STAMP): requirements.txt requirements-lock.txt setup.py Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -38,8 +38,10 @@ lint: $(LINT_STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
-# SLURM launch tests on a real single-node slurmctld + slurmd (root installs slurm-wlm if missing; ~5 min)
+# Ray launch tests on a local Ray cluster the tests start and stop (~3 min), then SLURM launch tests on a real
+# single-node slurmctld + slurmd (root installs slurm-wlm if missing; ~5 min)
 test-launch: $(STAMP)
+	$(BIN)/python -m pytest -q -m ray tests/multiprocess/test_launch_ray.py
 	bash scripts/slurm_local.sh start
 	$(BIN)/python -m pytest -q -m slurm tests/multiprocess/test_slurm.py
 
@@ -93,3 +95,8 @@ clean:
 # multi-turn with a tool: SFT cold start on calculator transcripts, then GRPO with the calculator (~21 min)
 demo-agent: $(STAMP)
 	$(BIN)/python scripts/demo_agent.py
+
+# on-policy distillation (issue 48): make demo's PPO actor as a PP2 teacher, distilled into the untrained student
+# with verl's distillation.* keys (top-k forward KL, no task reward); runs `make demo` first if it has not run
+demo-distill: $(STAMP)
+	$(BIN)/python scripts/demo_distill.py

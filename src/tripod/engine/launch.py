@@ -10,6 +10,9 @@ Three launches are recognised, in this order:
     local      anything else (also a one-task srun, e.g. an interactive allocation): spawn the world's
                processes on this machine
 
+trainer.launcher chooses instead of detecting (`check_launcher` holds the choice against the launch); `ray` starts
+one Ray actor per rank on a running Ray cluster (`run_training` -> engine/launch_ray.py).
+
 `check_world` holds the recipe (trainer.nnodes x trainer.n_gpus_per_node) against the launch and names the keys
 to change in one line. `run_distributed` runs a function on every rank of the world, spawning only in the
 local case.
@@ -94,6 +97,7 @@ def check_world(cfg, launch: Launch) -> int:
         raise ValueError(f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node} must be >= 1")
     own = r.nnodes * r.n_gpus_per_node if r is not None else 0
     total = want + own
+    check_launcher(getattr(t, "launcher", "auto"), launch)
     if launch.kind == "local":
         return total
     if own:
@@ -110,6 +114,24 @@ def check_world(cfg, launch: Launch) -> int:
             f"{launch.nnodes} trainer.n_gpus_per_node={launch.nproc_per_node} (recipes/launch_*.sh do) or launch "
             f"{t.nnodes} node(s) x {t.n_gpus_per_node} processes")
     return want
+
+
+def check_launcher(launcher: str, launch: Launch, env: Mapping[str, str] = os.environ) -> None:
+    """trainer.launcher against the launch this process runs under (auto accepts any); one line naming the fix."""
+    under_slurm = launch.kind == "srun" or (launch.kind == "torchrun" and "SLURM_JOB_ID" in env)
+    if launcher == "ray" and launch.kind != "local":
+        raise ValueError(f"trainer.launcher=ray but this process was started by {launch.describe()}: run `tripod train` "
+                         "once (e.g. `ray job submit -- tripod train ...`), and Ray starts the ranks; or drop "
+                         "trainer.launcher=ray under torchrun/srun")
+    if launcher == "local" and launch.kind != "local":
+        raise ValueError(f"trainer.launcher=local but this process was started by {launch.describe()}; use "
+                         "trainer.launcher=auto there")
+    if launcher == "torchrun" and launch.kind != "torchrun":
+        raise ValueError("trainer.launcher=torchrun but RANK/WORLD_SIZE are not set: start it with "
+                         "recipes/launch_torchrun.sh, or set trainer.launcher=auto")
+    if launcher == "slurm" and not under_slurm:
+        raise ValueError("trainer.launcher=slurm but this is not a multi-task SLURM step: start it with `sbatch "
+                         "recipes/launch_slurm.sh` or `srun --ntasks=N`, or set trainer.launcher=auto")
 
 
 # ----------------------------------------------------------------------------- SLURM rendezvous
@@ -281,6 +303,17 @@ def run_distributed(world_size: int, fn: Callable[..., Any], *args: Any) -> None
             if os.environ.get("TRIPOD_DEBUG"):
                 print(trace, file=sys.stderr)
             raise CommandFailed(summary) from None
+
+
+def run_training(cfg, world_size: int, fn: Callable[..., Any], *args: Any) -> None:
+    """`run_distributed`, or one Ray actor per rank on a running Ray cluster when trainer.launcher=ray
+    (engine/launch_ray.py)."""
+    if getattr(cfg.trainer, "launcher", "auto") == "ray":
+        from tripod.engine.launch_ray import run_on_ray
+
+        run_on_ray(cfg, world_size, fn, args)
+        return
+    run_distributed(world_size, fn, *args)
 
 
 def is_rank_zero() -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from tripod.engine.launch import detect_launch, run_distributed
+from tripod.engine.launch import detect_launch, run_training
 
 
 def _train_on_rank(config_yaml: str) -> None:
@@ -42,7 +42,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg, world = prepare_train(args.config, args.overrides, detect_launch())  # every rank: same verdict
     os.environ.update(rank_environment(cfg))
-    run_distributed(world, _train_on_rank, config_to_yaml(cfg))
+    run_training(cfg, world, _train_on_rank, config_to_yaml(cfg))  # spawned, in-process, or Ray actors
     return 0
 
 

@@ -115,6 +115,15 @@ class TrainerConfig:
     share a host never oversubscribe it. Resolved before the ranks start; the run's config.yaml records the number."""
     divergence_guard: DivergenceGuardConfig = field(default_factory=DivergenceGuardConfig)
     """Divergence detection and rollback (see DivergenceGuardConfig; off by default)."""
+    launcher: str = "auto"
+    """How the ranks start (engine/launch.py, docs/launching.md): auto (torchrun or a multi-task srun when this process
+    runs under one, else spawned on this machine), local (spawned here), torchrun, slurm (srun, or sbatch -> srun ->
+    torchrun), ray (one Ray actor per rank on the running Ray cluster at RAY_ADDRESS or ray_kwargs.ray_init.address,
+    placed by a STRICT_SPREAD placement group of trainer.nnodes bundles: engine/launch_ray.py)."""
+    max_restarts: int = 0
+    """launcher=ray only: times the driver restarts the whole group from the newest checkpoint after a rank or node
+    is lost (needs trainer.resume=auto); 0: stop with one line naming the rank and node. Under torchrun:
+    MAX_RESTARTS (recipes/launch_torchrun.sh)."""
 
     def check(self, key: str = "trainer") -> list[str]:
         from tripod.engine.logging.experiment_trackers import missing_tracker_packages
@@ -138,12 +147,40 @@ class TrainerConfig:
                 e.append(f"{key}.{name}={getattr(self, name)} must be >= 1 (null: keep every checkpoint)")
         e += _choice(f"{key}.device", self.device, DEVICES)
         e += self.divergence_guard.check(f"{key}.divergence_guard")
+        e += _choice(f"{key}.launcher", self.launcher, LAUNCHERS)
+        if self.max_restarts < 0 or (self.max_restarts and self.launcher != "ray"):
+            e.append(f"{key}.max_restarts={self.max_restarts} must be >= 0 and is read with {key}.launcher=ray only "
+                     "(torchrun: MAX_RESTARTS=N bash recipes/launch_torchrun.sh)")
+        elif self.max_restarts and self.resume != "auto":
+            e.append(f"{key}.max_restarts={self.max_restarts} restarts from the newest checkpoint: set "
+                     f"{key}.resume=auto (not {self.resume!r})")
         if self.divergence_guard.enabled and self.save_freq <= 0:
             e.append(f"{key}.divergence_guard.enabled=true needs checkpoints to roll back to; set {key}.save_freq "
                      "(e.g. 10)")
         if self.resume not in ("auto", "disable") and not os.path.isdir(os.path.expanduser(self.resume)):
             e.append(f"{key}.resume={self.resume!r} is neither 'auto', 'disable' nor an existing checkpoint directory")
         return e
+
+
+LAUNCHERS = ("auto", "local", "torchrun", "slurm", "ray")
+
+
+@dataclass
+class RayInitConfig:
+    """What `tripod train` with trainer.launcher=ray connects to (verl's ray_kwargs.ray_init)."""
+    address: Optional[str] = None
+    """The running cluster's address (host:port of its GCS, or ray://host:10001); null: $RAY_ADDRESS, else the cluster
+    started on this machine (`ray start`). tripod never starts a cluster. verl: ray_kwargs.ray_init.address."""
+
+
+@dataclass
+class RayKwargsConfig:
+    """The Ray cluster of trainer.launcher=ray (engine/launch_ray.py); read with that launcher only."""
+    ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+    """ray.init's arguments. verl: ray_kwargs.ray_init."""
+    placement_timeout_s: float = 300.0
+    """Seconds to wait for the cluster to grant the placement group (free GPUs / CPUs on enough nodes, or an
+    autoscaler adding them) before stopping with one line saying what is missing (tripod's own key)."""
 
 
 @dataclass
