@@ -106,7 +106,8 @@ LABEL_FORMS = {
 
 
 def test_registry_lists_every_estimator_once():
-    assert list_adv_estimators() == ["gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"]
+    assert list_adv_estimators() == ["gae", "gdpo", "gpg", "grpo", "grpo_passk", "grpo_vectorized", "opo",
+                                     "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "rloo_vectorized"]
     with pytest.raises(ValueError, match="already registered"):
         register_adv_est("gae")(lambda *a, **k: None)
 

@@ -51,7 +51,7 @@ def assert_tool_tokens_carry_nothing(batch, rows):
     adv = torch.randn(shape, generator=g)
     for agg in AGG_MODES:
         norm = agg_norm(mask, agg)
-        counted = float(model.sum()) if agg == "token-mean" else float(len(rows))
+        counted = float(model.sum()) if agg in ("token-mean", "token-sum") else float(len(rows))
         assert float(norm) == counted, f"{agg}: the normaliser counts {float(norm)}, the model wrote {counted}"
         logp = (-torch.rand(shape, generator=g)).requires_grad_()
         ent = torch.rand(shape, generator=g).requires_grad_()

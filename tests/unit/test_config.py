@@ -121,7 +121,7 @@ def test_a_valid_config_passes(run_files):
     (["data.train_files=/no/such/train.parquet"], 4, "data.train_files: file /no/such/train.parquet does not exist"),
     (["data.val_files=[]"], 4, "data.val_files is empty but validation is on"),
     (["actor_rollout_ref.model.path=/no/model"], 4, "actor_rollout_ref.model.path=/no/model has no config.json"),
-    (["algorithm.adv_estimator=ppo2"], 4, "algorithm.adv_estimator='ppo2' is not one of ['gae', 'grpo'"),
+    (["algorithm.adv_estimator=ppo2"], 4, "algorithm.adv_estimator='ppo2' is not one of ['gae', 'gdpo'"),
     (["algorithm.kl_penalty=k9"], 4, "algorithm.kl_penalty='k9' is not one of"),
     (["actor_rollout_ref.actor.kl_loss_type=kl9"], 4, "actor_rollout_ref.actor.kl_loss_type='kl9'"),
     (["actor_rollout_ref.rollout.name=trtllm"], 4, "actor_rollout_ref.rollout.name='trtllm' is not one of "

@@ -96,7 +96,7 @@ def test_engine_config_does_not_import_what_imports_it():
 
 @pytest.mark.parametrize("key, value, expected", [
     ("algorithm.kl_penalty", "k4", "algorithm.kl_penalty='k4' is not one of ['abs', 'k1'"),
-    ("actor_rollout_ref.actor.loss_agg_mode", "sum", "['token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean']"),
+    ("actor_rollout_ref.actor.loss_agg_mode", "sum", "['token-mean', 'token-sum', 'seq-mean-token-sum', 'seq-mean-token-mean', 'seq-mean-token-sum-norm']"),
     ("trainer.logger", "[neptune]", "use any of ['console', 'tensorboard', 'jsonl', 'wandb', 'mlflow']"),
     ("global_profiler.tool", "perf", "global_profiler.tool='perf' is not one of ['torch', 'nsys']"),
 ])

@@ -1,5 +1,5 @@
 """tripod.engine.algorithms losses, KL uses and KL controllers against float64 references written from the
-formulas: agg_loss (three modes), policy_loss / value_loss / kl_loss / entropy_loss with their
+formulas: agg_loss (five modes), policy_loss / value_loss / kl_loss / entropy_loss with their
 metrics and gradients, apply_kl_penalty, Fixed/Adaptive KL controllers (warm-up, state_dict)."""
 from __future__ import annotations
 
@@ -32,8 +32,12 @@ def agg_reference(loss_mat, mask, agg):
         return loss_mat.sum() * 0
     if agg == "token-mean":
         return sum(x for r in rows for x in r) / sum(len(r) for r in rows)
+    if agg == "token-sum":
+        return sum(x for r in rows for x in r)
     if agg == "seq-mean-token-sum":
         return sum(sum(r) for r in rows) / len(rows)
+    if agg == "seq-mean-token-sum-norm":  # verl's horizon: the mask's width
+        return sum(sum(r) for r in rows) / len(rows) / mask.shape[1]
     return sum(sum(r) / len(r) for r in rows) / len(rows)
 
 
@@ -61,6 +65,9 @@ def test_agg_loss_matches_loops(agg):
     loss_mat = torch.randn(mask.shape, generator=gen, dtype=torch.float64)
     assert_close64(agg_loss(loss_mat, mask, agg), agg_reference(loss_mat, mask, agg), agg)
     assert agg_loss(loss_mat, torch.zeros_like(mask), agg).item() == 0.0  # nothing counts -> 0, not nan
+    if agg == "token-sum":  # a sum already: no normaliser to replace
+        assert_close64(agg_loss(loss_mat, mask, agg, global_norm=7.0), agg_reference(loss_mat, mask, agg), agg)
+        return
     local_norm = mask.sum() if agg == "token-mean" else (mask.sum(-1) > 0).sum()
     assert_close64(agg_loss(loss_mat, mask, agg, global_norm=7.0) * 7.0,
                    agg_reference(loss_mat, mask, agg) * local_norm, f"{agg}: global_norm turns the mean into a sum")
@@ -177,7 +184,7 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="clip_c"):
         policy_loss(old, logp, adv, mask, clip_c=0.5)
     with pytest.raises(ValueError, match="agg"):
-        policy_loss(old, logp, adv, mask, agg="token-sum")
+        policy_loss(old, logp, adv, mask, agg="token-max")
     with pytest.raises(ValueError, match="mask"):
         policy_loss(old, logp, adv, mask[:, :3])
     with pytest.raises(ValueError, match="advantages"):

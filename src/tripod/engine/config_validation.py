@@ -15,7 +15,6 @@ from omegaconf import DictConfig, OmegaConf
 from tripod.engine.config import ConfigError, MegatronConfig, TripodConfig
 from tripod.parallel.precision import DTYPES
 
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # need rollout.n >= 2
 FROZEN = ("actor_rollout_ref.ref", "reward_model")  # models that never train
 
 
@@ -169,9 +168,19 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
         e.append("data.val_files is empty but validation is on (trainer.val_before_train / trainer.test_freq / "
                  "trainer.val_only); give validation parquet files or set trainer.val_before_train=false "
                  "trainer.test_freq=-1 trainer.val_only=false")
-    if alg.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
+    from tripod.engine.algorithms import OUTCOME_GROUP_ESTIMATORS  # need rollout.n >= 2
+
+    if alg.adv_estimator in OUTCOME_GROUP_ESTIMATORS and rollout.n < 2:
         e.append(f"algorithm.adv_estimator={alg.adv_estimator} needs a group of responses per prompt; set "
                  f"actor_rollout_ref.rollout.n >= 2 (it is {rollout.n})")
+    # the policy loss against rollout correction's bypass mode
+    loss_key, loss_mode = "actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode
+    if loss_mode == "bypass_mode" and not alg.rollout_correction.bypass_mode:
+        e.append(f"{loss_key}=bypass_mode needs algorithm.rollout_correction.bypass_mode=true (the rollout's log-probs "
+                 "as the old ones; verl sets this loss_mode from that key)")
+    if alg.rollout_correction.bypass_mode and loss_mode not in ("vanilla", "bypass_mode"):
+        e.append(f"algorithm.rollout_correction.bypass_mode=true runs verl's bypass_mode loss (PPO clip on the "
+                 f"rollout's log-probs), not {loss_key}={loss_mode}; set loss_mode=vanilla or bypass_mode")
 
     e += _dapo_problems(cfg)
     e += _async_problems(cfg)
@@ -190,6 +199,14 @@ def validate_config(cfg: TripodConfig | DictConfig, world_size: int) -> None:
         _check_model(e, "reward_model.model.path", cfg.reward_model.model.path)
         layouts += [("reward_model", cfg.reward_model.megatron)]
     layout_ok = {key: _layout_fits(e, f"{key}.megatron", m, world_size) for key, m in layouts}
+    # distillation: the teacher's keys, its own layout, the student's tokenizer
+    e += cfg.distillation.check()
+    if cfg.distillation.enabled and not e:
+        from tripod.engine.config.distillation import tokenizer_problem
+
+        name, teacher = cfg.distillation.teacher()
+        _layout_fits(e, f"distillation.teacher_models.{name}.megatron", teacher.megatron, world_size)
+        e += [p for p in [tokenizer_problem(cfg)] if p]
 
     for key, m in [("actor_rollout_ref.actor", actor)] + ([("critic", critic)] if use_critic else []):
         if m.megatron.use_distributed_optimizer and m.optim.optimizer != "adam":

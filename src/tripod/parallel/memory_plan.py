@@ -283,7 +283,7 @@ def generation_shard_bytes(arch: ModelArch, rollout_tp: int, dtype: torch.dtype)
 
 def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelArch | None = None,
                      reward_arch: ModelArch | None = None, gpu_memory_gb: float | None = None,
-                     bucket_bytes: int = 64 << 20) -> MemoryPlan:
+                     bucket_bytes: int = 64 << 20, teacher_arch: ModelArch | None = None) -> MemoryPlan:
     """The memory plan of a (resolved) `TripodConfig` on `world_size` ranks (`critic_arch` / `reward_arch`: the
     critic's and the reward model's checkpoints where they differ from the actor's; `gpu_memory_gb`: the device
     memory SGLang's / vLLM's fraction is of, 80 GiB when None; `bucket_bytes`: the hybrid engine's bucket)."""
@@ -310,6 +310,9 @@ def plan_from_config(cfg, world_size: int, arch: ModelArch, critic_arch: ModelAr
     if cfg.uses_reference and not arc.model.lora.rank:  # with LoRA the actor, adapters off, is the reference
         ref_offload = arc.ref.offload or arc.ref.megatron.param_offload  # placement by phase: memory_phases.py
         models.append(model("reference", arc.ref.megatron, False, offloaded=ref_offload and device == "cuda"))
+    distill = getattr(cfg, "distillation", None)  # on-policy distillation's frozen teacher: own layout
+    if distill is not None and distill.enabled:
+        models.append(model("teacher", distill.teacher()[1].megatron, False, own_arch=teacher_arch))
     rm = cfg.reward_model
     if rm.enable:  # its own between-scorings offload (engine/workers/reward_model.py)
         models.append(model("reward_model", rm.megatron, False, value_head=True, own_arch=reward_arch,

@@ -62,6 +62,8 @@ def kl_loss(
     *,
     global_norm: float | torch.Tensor | None = None,
     backend: str = "auto",
+    loss_scale_factor: float | None = None,
 ) -> torch.Tensor:
     """Aggregated KL as an actor loss term (gradient flows to logp)."""
-    return agg_loss(kl_penalty(logp, ref_logp, kind, backend=backend), mask, agg, global_norm)
+    return agg_loss(kl_penalty(logp, ref_logp, kind, backend=backend), mask, agg, global_norm,
+                    loss_scale_factor=loss_scale_factor)

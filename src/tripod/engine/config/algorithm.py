@@ -135,16 +135,38 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class PfPpoConfig:
+    """verl's algorithm.pf_ppo (preference-feedback PPO's resampling of the batch by score); refused when on."""
+    reweight_method: str = "pow"
+    """pow, max_min or max_random. verl: algorithm.pf_ppo.reweight_method."""
+    weight_pow: float = 2.0
+    """Exponent of the pow method. verl: algorithm.pf_ppo.weight_pow."""
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
-    """Advantage estimator (engine.algorithms.list_adv_estimators); only gae trains a critic.
-    verl: algorithm.adv_estimator."""
+    """Advantage estimator (engine.algorithms.list_adv_estimators: gae, grpo, grpo_vectorized, grpo_passk, gdpo, rloo,
+    rloo_vectorized, opo, gpg, reinforce_plus_plus, reinforce_plus_plus_baseline; verl's remax,
+    optimal_token_baseline and tir_optimal_token_baseline are refused with the reason; docs/algorithms.md); only gae
+    trains a critic. verl: algorithm.adv_estimator."""
     gamma: float = 1.0
     """Discount factor, in [0, 1]. verl: algorithm.gamma."""
     lam: float = 1.0
     """GAE lambda, in [0, 1]. verl: algorithm.lam."""
     norm_adv_by_std_in_grpo: bool = True
-    """GRPO: divide group-centred scores by the group std (false: Dr. GRPO). verl: same name."""
+    """GRPO: divide group-centred scores by the group std (false: Dr. GRPO); also read by grpo_vectorized, grpo_passk
+    and gdpo (verl 0.9.1's trainer passes it to grpo and grpo_passk only). verl: same name."""
+    use_pf_ppo: bool = False
+    """Preference-feedback PPO's resampling of the batch by score after GAE: refused (true) in tripod, whose step does
+    not resample its rows. verl: algorithm.use_pf_ppo."""
+    pf_ppo: PfPpoConfig = field(default_factory=PfPpoConfig)
+    """PF-PPO's settings (read only with use_pf_ppo, which is refused). verl: algorithm.pf_ppo."""
+    gdpo_reward_keys: Optional[list] = None
+    """GDPO's per-component reward keys: refused (non-null), as tripod's reward functions return one float; gdpo runs
+    on that one reward (GRPO whitened over the batch). verl: algorithm.gdpo_reward_keys."""
+    gdpo_reward_weights: Optional[list] = None
+    """Weights of those components: refused (non-null) with them. verl: algorithm.gdpo_reward_weights."""
     use_kl_in_reward: bool = False
     """Subtract kl_ctrl.kl_coef * KL(actor || reference) from the token rewards. verl: algorithm.use_kl_in_reward."""
     kl_penalty: str = "kl"
@@ -181,9 +203,18 @@ class AlgorithmConfig:
     rollout| per token: the largest and the typical gap)."""
 
     def check(self, key: str = "algorithm") -> list[str]:
-        from tripod.engine.algorithms import list_adv_estimators, list_kl_kinds
+        from tripod.engine.algorithms import REFUSED_ESTIMATORS, list_adv_estimators, list_kl_kinds
 
-        e = _choice(f"{key}.adv_estimator", self.adv_estimator, list_adv_estimators())
+        if self.adv_estimator in REFUSED_ESTIMATORS:
+            e = [f"{key}.adv_estimator={self.adv_estimator} is refused: {REFUSED_ESTIMATORS[self.adv_estimator]}"]
+        else:
+            e = _choice(f"{key}.adv_estimator", self.adv_estimator, list_adv_estimators())
+        if self.use_pf_ppo:
+            e.append(f"{key}.use_pf_ppo=true is refused: PF-PPO resamples the batch's rows by score after the "
+                     "advantages, which tripod's step does not do; set it false")
+        if self.gdpo_reward_keys is not None or self.gdpo_reward_weights is not None:
+            e.append(f"{key}.gdpo_reward_keys / gdpo_reward_weights are refused: tripod's reward functions return one "
+                     "float, so gdpo runs on that one reward; set them null")
         e += _choice(f"{key}.kl_penalty", self.kl_penalty, list_kl_kinds())
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
             e.append(f"{key}.gamma={self.gamma} and {key}.lam={self.lam} must be in [0, 1]")

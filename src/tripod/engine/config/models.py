@@ -129,6 +129,42 @@ class RouterReplayConfig:
 
 
 @dataclass
+class PolicyLossConfig:
+    """verl's actor.policy_loss: which registered policy loss the actor runs and its loss-specific knobs
+    (engine/algorithms/policy_losses.py; every loss and its status: docs/algorithms.md)."""
+    loss_mode: str = "vanilla"
+    """The policy loss, by its registered name (engine.algorithms.list_policy_losses(): verl 0.9.1's vanilla, gspo,
+    sapo, gpg, clip_cov, kl_cov, geo_mean, dro, cispo, dppo_tv, dppo_kl, bypass_mode, and any loss registered with
+    engine.algorithms.register_policy_loss, verl's call). vanilla runs on the fused kernel, the others in plain torch.
+    verl: actor.policy_loss.loss_mode."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: share of a micro-batch's tokens whose gradient is stopped. verl: same name."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: lower bound of the covariance of the tokens it may stop. verl: same name."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper bound of that covariance. verl: same name."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: share of a micro-batch's tokens (largest covariance) that get the |log-ratio| penalty. verl: same name."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: weight of that penalty. verl: same name."""
+    dro_beta: Optional[float] = None
+    """dro: weight of the quadratic log-ratio penalty; required (> 0) with loss_mode=dro. verl: same name."""
+
+    def check(self, key: str) -> list[str]:
+        from tripod.engine.algorithms import list_policy_losses
+
+        e = _choice(f"{key}.loss_mode", self.loss_mode, list_policy_losses())
+        if self.loss_mode == "dro" and not (self.dro_beta is not None and self.dro_beta > 0):
+            e.append(f"{key}.dro_beta={self.dro_beta} must be > 0 with {key}.loss_mode=dro (e.g. 0.1)")
+        if self.loss_mode == "clip_cov" and not (self.clip_cov_ratio > 0 and self.clip_cov_lb < self.clip_cov_ub):
+            e.append(f"{key}.clip_cov_ratio={self.clip_cov_ratio} must be > 0 and clip_cov_lb={self.clip_cov_lb} < "
+                     f"clip_cov_ub={self.clip_cov_ub}")
+        if self.loss_mode == "kl_cov" and not self.kl_cov_ratio > 0:
+            e.append(f"{key}.kl_cov_ratio={self.kl_cov_ratio} must be > 0 with {key}.loss_mode=kl_cov")
+        return e
+
+
+@dataclass
 class ActorConfig(PPOModelConfig):
     clip_ratio: float = 0.2
     """PPO ratio clip epsilon (default of clip_ratio_low/high). verl: actor.clip_ratio."""
@@ -137,7 +173,17 @@ class ActorConfig(PPOModelConfig):
     clip_ratio_high: float = "${.clip_ratio}"
     """Upper clip: ratio <= 1 + clip_ratio_high (DAPO's clip-higher). verl: actor.clip_ratio_high."""
     clip_ratio_c: float = 3.0
-    """Dual-clip bound for negative advantages (> 1). verl: actor.clip_ratio_c."""
+    """Dual-clip bound for negative advantages (> 1); dppo_tv / dppo_kl truncate their IS ratio at it.
+    verl: actor.clip_ratio_c."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """The policy loss and its knobs (docs/algorithms.md). verl: actor.policy_loss."""
+    loss_scale_factor: Optional[float] = None
+    """seq-mean-token-sum-norm's divisor; null: the batch's response width (rollout.response_length), the same for
+    every micro-batch (verl: each micro-batch's width). verl: actor.loss_scale_factor."""
+    tau_pos: float = 1.0
+    """sapo: gate temperature of tokens with a positive advantage (> 0). verl: actor.tau_pos."""
+    tau_neg: float = 1.05
+    """sapo: gate temperature of the others (> 0). verl: actor.tau_neg."""
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus in the actor loss. verl: actor.entropy_coeff."""
     use_kl_loss: bool = False
@@ -162,6 +208,11 @@ class ActorConfig(PPOModelConfig):
             e.append(f"{key}.clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound)")
         if self.target_kl is not None and self.target_kl <= 0:
             e.append(f"{key}.target_kl={self.target_kl} must be > 0 (or null to disable early stop)")
+        if self.loss_scale_factor is not None and not self.loss_scale_factor > 0:
+            e.append(f"{key}.loss_scale_factor={self.loss_scale_factor} must be > 0 (or null: the response width)")
+        if not (self.tau_pos > 0 and self.tau_neg > 0):
+            e.append(f"{key}.tau_pos={self.tau_pos} and {key}.tau_neg={self.tau_neg} must be > 0 (SAPO's gates)")
+        e += self.policy_loss.check(f"{key}.policy_loss")
         return e + _choice(f"{key}.kl_loss_type", self.kl_loss_type, list_kl_kinds())
 
 
@@ -186,4 +237,8 @@ class CriticConfig(PPOModelConfig):
 
     def check(self, key: str = "critic") -> list[str]:
         e = super().check(key)
+        if self.loss_agg_mode == "seq-mean-token-sum-norm":
+            e.append(f"{key}.loss_agg_mode=seq-mean-token-sum-norm is the actor's (its horizon is "
+                     "actor.loss_scale_factor); give the critic token-mean, token-sum, seq-mean-token-sum or "
+                     "seq-mean-token-mean")
         return e + ([f"{key}.cliprange_value={self.cliprange_value} must be > 0"] if self.cliprange_value <= 0 else [])

@@ -13,7 +13,17 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from tripod.engine.algorithms import agg_norm, entropy_loss, kl_loss, masked_mean, policy_loss, value_loss
+from tripod.engine.algorithms import (
+    agg_norm,
+    entropy_loss,
+    get_policy_loss_fn,
+    global_batch_info,
+    kl_loss,
+    masked_mean,
+    value_loss,
+    verl_actor_config,
+    weighted_policy_metrics,
+)
 from tripod.engine.algorithms.rollout_correction import GroupReduce, mismatch_metrics
 from tripod.engine.data.batching import balanced_partition, split_by_token_budget
 from tripod.engine.workers.batch import BatchShard, PPOBatch, RowLengths, split_rows
@@ -224,6 +234,8 @@ def _sum_metrics(outs: list[dict]) -> dict[str, float]:
 class PolicyWorker(MegatronWorker):
     """Actor (trainable) or reference (frozen): log-probs of response tokens, and the PPO actor update."""
 
+    distillation = None  # the actor's `distillation` config section when distilling (set by the trainer)
+
     def compute_log_probs(self, batch: PPOBatch, micro: int, temperature: float, with_entropy: bool = False,
                           token_budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) of every response token of `batch`, on every rank of the layout; micro-batches of
@@ -307,6 +319,11 @@ class PolicyWorker(MegatronWorker):
         agg = cfg.loss_agg_mode
         micro, norm, tokens, scale = _split_mini_batch(self, mini, cfg)
         need_entropy = True  # logged always; cheap next to the forward
+        loss_of = get_policy_loss_fn(cfg.policy_loss.loss_mode)
+        batch_info = global_batch_info(mini["response_mask"].sum(-1) if mini.shard is None
+                                       else mini.shard.lengths.response_lens, mini["response_mask"].shape[1],
+                                       cfg.loss_scale_factor)  # the whole mini-batch's (a sharded one's too)
+        loss_cfg, horizon = verl_actor_config(cfg, batch_info), batch_info["loss_scale_factor"]
 
         def loss_fn(output, mb):
             mask = mb["response_mask"]
@@ -315,25 +332,37 @@ class PolicyWorker(MegatronWorker):
             old = mb["old_log_probs"] if mb.recomputed_old_log_probs else logp.detach()
             if first is not None:  # the rollout / train gap of this forward (`update`'s rollout_gap)
                 first.append((logp.detach(), mb["rollout_log_probs"], mask))
-            pg, m = policy_loss(old, logp, mb["advantages"], mask, cfg.clip_ratio_low, cfg.clip_ratio_high,
-                                cfg.clip_ratio_c, agg, global_norm=norm,
-                                weights=mb.tensors.get("rollout_is_weights"))  # rollout correction's IS weights
+            # the policy loss (engine/algorithms/policy_losses.py: verl's registry and call, loss_mode)
+            pg, m = loss_of(old, logp, mb["advantages"], mask, agg, loss_cfg,
+                            mb.tensors.get("rollout_is_weights"))  # rollout correction's IS weights
             loss = pg
             share = mask.sum() / tokens
-            metrics = {"actor/pg_loss": pg.detach(), "actor/pg_clipfrac": m["pg_clipfrac"] * share,
-                       "actor/pg_clipfrac_lower": m["pg_clipfrac_lower"] * share,
-                       "actor/ppo_kl": m["ppo_kl"] * share,
+            metrics = {"actor/pg_loss": pg.detach(), **weighted_policy_metrics(m, old, logp, mask, share),
                        "actor/entropy": masked_mean(ent.detach(), mask) * share}
             if cfg.entropy_coeff:
-                loss = loss - cfg.entropy_coeff * entropy_loss(ent, mask, agg, global_norm=norm)
+                loss = loss - cfg.entropy_coeff * entropy_loss(ent, mask, agg, global_norm=norm,
+                                                               loss_scale_factor=horizon)
             if cfg.use_kl_loss:
-                kl = kl_loss(logp, mb["ref_log_probs"], mask, cfg.kl_loss_type, agg, global_norm=norm)
+                kl = kl_loss(logp, mb["ref_log_probs"], mask, cfg.kl_loss_type, agg, global_norm=norm,
+                             loss_scale_factor=horizon)
                 loss = loss + cfg.kl_loss_coef * kl
                 metrics["actor/kl_loss"] = kl.detach()
+            # on-policy distillation (engine/workers/teacher.py): added to, or replacing, the loss
+            if self.distillation is not None:
+                from tripod.engine.workers.teacher import distillation_term
+
+                loss, dm = distillation_term(self, output, mb, loss, logp, old, norm, share, cfg, self.distillation,
+                                             temperature, extrema)
+                metrics.update(dm)
             return loss * scale, metrics
 
+        extrema: list = []  # distillation/loss_min|max per micro-batch (reduced below)
         outs = self.run(micro, loss_fn, forward_only=False)
         out = self.sum_over_dp(_sum_metrics(outs))
+        if self.distillation is not None:  # distillation: min / max, not sums, over micro-batches and DP
+            from tripod.engine.workers.teacher import reduce_extrema
+
+            out.update(reduce_extrema(self, extrema))
         aux = self.moe_aux_loss(len(micro))
         if aux is not None:
             out["actor/moe_aux_loss"] = aux

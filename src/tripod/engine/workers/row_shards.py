@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
-from tripod.engine.algorithms import compute_advantage
+from tripod.engine.algorithms import OUTCOME_GROUP_ESTIMATORS, compute_advantage, estimator_options
 from tripod.engine.algorithms.masked import WHITEN_EPS
 from tripod.engine.workers.batch import BatchShard, PPOBatch, RowLengths, build_ppo_batch
 from tripod.engine.workers.megatron_worker import MegatronWorker
@@ -197,10 +197,10 @@ def step_advantages(algo, token_rewards: torch.Tensor, mask: torch.Tensor, batch
     (GAE and reinforce_plus_plus whitened over the ranks; a group estimator from every row's score, as a group's rows
     may sit on other ranks: `RowShards.outcome_advantages`). `scores`: every row's sequence reward; `score_mask`: the
     response mask before rollout correction's rejection (a group estimator scores the rejected rows by it)."""
-    options = {"norm_by_std": algo.norm_adv_by_std_in_grpo} if algo.adv_estimator == "grpo" else {}
+    options = estimator_options(algo)  # norm_adv_by_std_in_grpo where the estimator reads it
     if shards is not None and algo.adv_estimator in GROUP_ESTIMATORS:
         return shards.outcome_advantages(algo.adv_estimator, scores, mask, **options)
-    if score_mask is not None and algo.adv_estimator in GROUP_ESTIMATORS:
+    if score_mask is not None and algo.adv_estimator in OUTCOME_GROUP_ESTIMATORS:  # verl's group ones too
         options["score_mask"] = score_mask
     return compute_advantage(algo.adv_estimator, token_rewards, mask, index=batch["index"],
                              values=batch.tensors.get("values"), gamma=algo.gamma, lam=algo.lam, **options,
