@@ -14,6 +14,13 @@ Prints one table: samples/s over the steps, the trainer's and the rollout's idle
 max), the held-out (greedy) reward after the same samples, peak RSS per rank. Record results in bench/RESULTS.md.
 
     python scripts/bench_async.py [--steps 6] [--latency 0.5]
+
+`--replicas 1,2,4` (issue 46) measures instead what moves where, with 2 trainer DP ranks and that many rollout
+replicas (rollout TP 1, staleness 1, no judge latency): the bytes through the busiest trainer rank per step against
+the batch's body / DP, and the weight-push bytes per sending trainer rank (flat in the replica count). Bytes do not
+depend on timing, so a short run on a loaded machine measures them exactly.
+
+    python scripts/bench_async.py --replicas 1,2,4 --steps 3   (>= 3: staleness 1 first pushes after step 1)
 """
 from __future__ import annotations
 
@@ -99,14 +106,41 @@ def run(name: str, work: dict, root: str, steps: int, extra: list[str]) -> dict:
             "peak_rss_gb": max(r.get("perf/peak_memory_gb/max", float("nan")) for r in rows)}
 
 
+def bytes_table(work: dict, root: str, steps: int, replicas: list[int]) -> None:
+    """`--replicas`: one run per replica count; prints the bytes table (see the module docstring)."""
+    print("| replicas | busiest trainer rank B/step | batch body B/step / DP | busiest / (body / DP) | "
+          "head B | push B per sending rank (max) | push B per rollout rank |")
+    print("|---|---|---|---|---|---|---|")
+    for n in replicas:
+        name = f"replicas_{n}"
+        run(name, work, root, steps, ["trainer.n_gpus_per_node=2", "rollout.nnodes=1", f"rollout.n_gpus_per_node={n}",
+                                      "async_training.staleness_threshold=1",
+                                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"])
+        rows = [json.loads(line) for line in open(os.path.join(root, name, "metrics.jsonl"))]
+        busiest = max(max(r["async/batch_bytes/rank0"], r["async/batch_bytes/rank1"]) for r in rows)
+        head = max(r["async/batch_head_bytes"] for r in rows)
+        body = max((r["async/batch_bytes_total"] - 2 * r["async/batch_head_bytes"]) / 2 for r in rows)
+        pushes = [r for r in rows if "async/weight_push_bytes/rank0" in r]
+        push = max(max(r["async/weight_push_bytes/rank0"], r["async/weight_push_bytes/rank1"]) for r in pushes)
+        print(f"| {n} | {busiest:,.0f} | {body:,.0f} | {busiest / body:.3f} | {head:,.0f} | {push:,.0f} | "
+              f"{pushes[0]['async/weight_bytes_per_replica']:,.0f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--latency", type=float, default=LATENCY, help="the judge's seconds a sample (default 0.5)")
+    p.add_argument("--replicas", default="", help="comma-separated replica counts: the bytes table instead")
     args = p.parse_args()
+    if args.replicas:
+        args.latency = 0.0
     os.environ["TRIPOD_BENCH_LATENCY"] = str(args.latency)  # the spawned ranks read it when they import this file
     root = tempfile.mkdtemp(prefix="tripod-bench-async-")
     work = make_workload(root)
+    if args.replicas:
+        print(f"load average {os.getloadavg()[0]:.2f}; {args.steps} steps x 8 prompts x 4 samples, 2 trainer ranks")
+        bytes_table(work, root, args.steps, [int(x) for x in args.replicas.split(",")])
+        return
     own = ["trainer.n_gpus_per_node=1", "rollout.nnodes=1", "rollout.n_gpus_per_node=1"]
     results = [run("sync", work, root, args.steps, ["trainer.n_gpus_per_node=2"]),
                run("async_a1", work, root, args.steps, own + ["async_training.staleness_threshold=1"]),

@@ -83,7 +83,7 @@ def test_an_explicit_null_with_stale_batches_stays_off_and_says_so():
     rc = cfg.algorithm.rollout_correction
     assert rc.rollout_is is None and not rc.active
     note = cfg.rollout_correction_note()
-    assert note.startswith(f"{RC}.rollout_is=null with stale batches (samples up to 1 optimizer step(s) old)")
+    assert note.startswith(f"{RC}.rollout_is=null with stale batches (samples up to 1 trainer step(s) old)")
     assert NOTE in note and f"{RC}.rollout_is=auto" in note and "min(pi_old / pi_rollout, 2)" in note
     assert "\n" not in note
     partial = load_config(None, OWN + ["async_training.partial_rollout=true", f"{RC}.rollout_is=null",

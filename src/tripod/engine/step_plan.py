@@ -43,8 +43,8 @@ class StepPlan:
     go into the batch."""
     shard_rows: bool
     """Each DP rank may keep only the rows it updates (row_shards.py); off with dynamic sampling (the kept rows are
-    known only after scoring), a reward model (it scores every row) or the rollout on its own ranks (its batch arrives
-    whole)."""
+    known only after scoring) or a reward model (it scores every row). With the rollout on its own ranks each trainer
+    rank then receives only those rows (async_rollout/rows.py)."""
     kl_in_reward: bool
     """algorithm.use_kl_in_reward: the KL penalty enters the token rewards (and its controller updates)."""
     correction: bool

@@ -118,6 +118,13 @@ class PPOTrainer(TrainerState):
                                                      cfg.critic.optim.optimizer, cfg.critic.model.lora))
                        if self.use_critic else None)
         self.reward_model = build_reward_model(cfg.reward_model, self.pad_id, self.tokenizer) if cfg.reward_model.enable else None
+        # distillation: the frozen teacher on its own layout; the actor's loss reads its scores
+        self.teacher = None
+        if cfg.distillation.enabled:
+            from tripod.engine.workers.teacher import build_teacher
+
+            self.teacher = build_teacher(cfg)
+            self.actor.distillation = cfg.distillation
 
         # host offload between phases (runtime/offload.py): moves on CUDA, recorded only on CPU
         self.offload = manager_for({"actor": self.actor, "critic": self.critic, "reference": self.ref}, {
@@ -147,15 +154,20 @@ class PPOTrainer(TrainerState):
                                                              cfg.async_training.trigger_parameter_sync_step,
                                                              self.total_steps))
         self.plan = StepPlan.of(cfg, has_critic=self.critic is not None, has_reference_model=self.ref is not None,
-                                moe=self.arch.moe is not None, source_shards_rows=self.source.shards_rows,
+                                moe=self.arch.moe is not None,  # the teacher's DP split is its own: whole batch
+                                source_shards_rows=self.source.shards_rows and self.teacher is None,
                                 dynamic_sampling=self.sampler.enable, reward_model=self.reward_model is not None)
         self.rows = StepRows(self.plan.shard_rows, rollout.n, algo=algo, bypass=self.plan.old_log_probs == "rollout",
                              actor=self.actor, actor_cfg=actor_cfg, critic=self.critic, critic_cfg=cfg.critic,
                              ref=self.ref)
         if self.rank == 0:
             print(self.plan.describe(), flush=True)
-            if placement is not None:
-                print(self.source.schedule.describe(), flush=True)
+            if self.teacher is not None:
+                from tripod.engine.workers.teacher import describe_teacher
+
+                print(describe_teacher(self.teacher, cfg.distillation), flush=True)
+            if placement is not None:  # the bound in trainer and optimizer steps
+                print(self.source.schedule.describe(updates(actor_cfg)), flush=True)
 
         self.run_dir = cfg.trainer.default_local_dir
         self.ckpt = CheckpointManager(os.path.join(self.run_dir, "checkpoints"), self.arch, path,
@@ -209,6 +221,11 @@ class PPOTrainer(TrainerState):
                 with stage("ref"), routed(ref_model, batch, "ref", plan.replay), reference_pass(self.actor, self.ref):
                     batch["ref_log_probs"], _ = ref_model.compute_log_probs(
                         batch, plan.ref_pass.micro_of(batch), temperature, token_budget=plan.ref_pass.token_budget)
+            if self.teacher is not None:  # distillation: the teacher scores the student's rows
+                from tripod.engine.workers.teacher import teacher_pass
+
+                with timer("teacher"):
+                    teacher_pass(self.teacher, batch, self.cfg, temperature)
             if plan.values:
                 with stage("values"):
                     batch["values"] = self.critic.compute_values(batch, plan.value_pass.micro_of(batch),

@@ -197,13 +197,13 @@ def _rollout_dies() -> None:
     """The first rollout rank's process dies while generating batch 2 (after batches 0 and 1 were sent)."""
     import tripod.engine.async_rollout.server as server
 
-    original = server.ScoredBatch.to_bytes
+    original = server.ScoredBatch.to_wire
 
-    def to_bytes(self):
+    def to_wire(self):
         if self.batch == 2:
             os._exit(17)
         return original(self)
-    _patch(server.ScoredBatch, "to_bytes", to_bytes)
+    _patch(server.ScoredBatch, "to_wire", to_wire)
 
 
 def _routing_rows_not_kept() -> None:
@@ -352,8 +352,86 @@ def _scored_batch_loses_token_codes() -> None:
 
     from tripod.engine.async_rollout.messages import ScoredBatch
 
-    original = ScoredBatch.to_bytes
-    _patch(ScoredBatch, "to_bytes", lambda self: original(dataclasses.replace(self, token_codes=None)))
+    original = ScoredBatch.to_wire
+    _patch(ScoredBatch, "to_wire", lambda self: original(dataclasses.replace(self, token_codes=None)))
+
+
+def _async_rows_to_every_rank() -> None:
+    """(issue 46) Every trainer rank asks the rollout for every row of the batch instead of the rows it trains (the
+    old broadcast of the whole batch): results are the same, the bytes each rank receives are not its plan's."""
+    import tripod.engine.async_rollout.source as source
+
+    _patch(source, "_rows_to_request", lambda planned: None)
+
+
+def _weight_digests(bug: str = "") -> None:
+    """(issue 46) Not a bug by itself: buckets of 16 KiB (several a shard) and, in $TRIPOD_TEST_DIGESTS/<name>/, a
+    sha256 per tensor of every weight version each trainer rank gathered for its rollout TP slice and of what each
+    rollout rank loaded (tests/multiprocess/test_async_scale.py compares them). `bug`: "offset" shifts every received
+    bucket by one element; "skip": rollout replica 1 keeps the first weights it loaded (the push never reaches its
+    engine)."""
+    import hashlib
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    import tripod.engine.async_rollout.weights as weights
+
+    out = os.path.join(os.environ["TRIPOD_TEST_DIGESTS"], bug or "clean")
+    os.makedirs(out, exist_ok=True)
+
+    def digest(shard):
+        return {n: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                                  ).hexdigest() for n, t in shard.items()}
+    _patch(weights, "BUCKET_BYTES", 16 << 10)
+    push, receive, unflatten = weights.WeightPusher.push, weights.WeightReceiver.receive, weights.unflatten_bucket
+
+    def pushed(self, actor_model, version):
+        gather = self.hybrid.to_rollout
+
+        def recorded(model):
+            shard = gather(model)
+            with open(os.path.join(out, f"trainer_v{version}_slice{self.slice}_rank{dist.get_rank()}.json"), "w") as f:
+                json.dump(digest(shard), f)
+            return shard
+        self.hybrid.to_rollout = recorded
+        try:
+            return push(self, actor_model, version)
+        finally:
+            del self.hybrid.to_rollout
+
+    class Recording:
+        """The engine, recording what it loads; with the "skip" plant, replica 1 receives every version after its
+        first but keeps its weights (and records the ones it kept)."""
+        last: dict = {}
+
+        def __init__(self, engine, skip: bool):
+            self.engine, self.loaded, self.skip = engine, None, skip
+
+        def weight_buffers(self):
+            return None if self.skip else self.engine.weight_buffers()
+
+        def load_weights(self, buffers):
+            if self.skip and Recording.last:
+                self.loaded = Recording.last
+                return
+            self.loaded = Recording.last = digest(buffers)
+            self.engine.load_weights(buffers)
+
+    def received(self, engine):
+        wrapped = Recording(engine, bug == "skip" and dist.get_rank() // self.plan.rollout_tp == 1)
+        version, idle, sync = receive(self, wrapped)
+        tp, rank = self.plan.rollout_tp, dist.get_rank()
+        with open(os.path.join(out, f"rollout_v{version}_slice{rank % tp}_replica{rank // tp}.json"), "w") as f:
+            json.dump(wrapped.loaded, f)
+        return version, idle, sync
+
+    def unflatten_planted(flat, names, shapes, buffers):
+        unflatten(flat.roll(1) if bug == "offset" else flat, names, shapes, buffers)
+    _patch(weights.WeightPusher, "push", pushed)
+    _patch(weights.WeightReceiver, "receive", received)
+    _patch(weights, "unflatten_bucket", unflatten_planted)
 
 
 PLANTS = {"slow_checkpoint_delete": _slow_checkpoint_delete, "routing_rows_not_kept": _routing_rows_not_kept,
@@ -364,7 +442,10 @@ PLANTS = {"slow_checkpoint_delete": _slow_checkpoint_delete, "routing_rows_not_k
           "sp_value_grad": _sum_sp_value_grad, "vpp_drop_chunk_grad": _drop_first_chunk_grads,
           "cp_sum_grad": _sum_cp_grad, "replay_layer_shift": _shift_replayed_layers, "lora_eager_merge": _merge_eagerly,
           "lora_export_alpha": _double_export_alpha, "lora_plan_base_trained": _count_lora_base_as_trained,
-          "scored_batch_loses_token_codes": _scored_batch_loses_token_codes}
+          "scored_batch_loses_token_codes": _scored_batch_loses_token_codes,
+          "async_rows_to_every_rank": _async_rows_to_every_rank, "weight_digests": _weight_digests,
+          "weight_digests_bucket_offset": lambda: _weight_digests("offset"),
+          "weight_digests_replica_skipped": lambda: _weight_digests("skip")}
 
 
 def plant(bug: str) -> None:

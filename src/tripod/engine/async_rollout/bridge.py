@@ -3,14 +3,16 @@
 A launch of trainer T + rollout R processes (the trainer's first) becomes two worlds: inside `split_world`, each
 process's default torch.distributed group is its own half (the trainer's ranks 0..T-1, the rollout's 0..R-1), so
 everything that reads the default group (megatron layouts, the hybrid engine, the rollout exchange, reward scoring,
-checkpoints) runs unchanged in either half. Two bridge groups span all T + R ranks (trainer rank t = bridge rank t,
-rollout rank r = bridge rank T + r), made straight from the launch's store as SGLang's and vLLM's weight-update
-groups are:
+checkpoints) runs unchanged in either half. Bridge groups span both halves (trainer rank t = bridge rank t, rollout
+rank r = bridge rank T + r), made straight from the launch's store as SGLang's and vLLM's weight-update groups are:
 
-    data      gloo: scored batches (host tensors), the start message
-    weights   the device's backend (NCCL on GPU, gloo on CPU): the generation shards, in buckets
+    data      gloo, all T + R ranks: the scored batches' heads (host tensors), the start message, the row requests
+    rows      the device's backend (NCCL on GPU; on CPU the data group, other tags), all T + R ranks: each trainer
+              rank's rows of a batch, from a rollout rank (async_rollout/rows.py)
+    weights   the device's backend, one group per (rollout TP slice, sending trainer rank): that rank and the slice's
+              rank of every replica (async_rollout/weights.py `slice_groups`, from `Placement.store`)
 
-Two groups, so a weight push in flight never sits in front of a batch on the same channel. On exit the default
+Separate groups (or tags), so a weight push in flight never sits in front of a batch. On exit the default
 group is the whole world again (a test world runs several commands in one launch); after an error it is not.
 """
 from __future__ import annotations
@@ -35,7 +37,9 @@ class Placement:
     rollout_ranks: int
     bridge_rank: int          # the process's rank in the bridge groups (its rank in the launched world)
     data: object              # the gloo bridge group
-    weights: object           # the device-backend bridge group
+    rows: object = None       # the device-backend group of the rows (None: `data`)
+    backend: str = "gloo"     # of `weights` and `rows`
+    store: object = None      # the launch's store under this split's prefix: more bridge groups (weights.py)
 
     @property
     def is_trainer(self) -> bool:
@@ -45,19 +49,25 @@ class Placement:
         return self.trainer_ranks + rollout_rank
 
 
-def send(group, tensor: torch.Tensor, dst: int, wait: bool = True):
-    work = group.send([tensor], dst, 0)
+    @property
+    def row_group(self):
+        return self.rows if self.rows is not None else self.data
+
+
+def send(group, tensor: torch.Tensor, dst: int, wait: bool = True, tag: int = 0):
+    work = group.send([tensor], dst, tag)
     if wait:
         work.wait()
     return work
 
 
-def recv(group, tensor: torch.Tensor, src: int) -> torch.Tensor:
-    group.recv([tensor], src, 0).wait()
+def recv(group, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+    group.recv([tensor], src, tag).wait()
     return tensor
 
 
-def _group(backend: str, store, rank: int, size: int):
+def new_group(backend: str, store, rank: int, size: int):
+    """A process group of `size` processes straight from `store` (every member passes the same store prefix)."""
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = TIMEOUT
@@ -84,9 +94,10 @@ def split_world(trainer_ranks: int) -> Iterator[Placement]:
     dist.destroy_process_group()
     dist.init_process_group(backend=backend, store=dist.PrefixStore(f"{tag}/{role}", store), rank=local,
                             world_size=size, timeout=TIMEOUT)
-    data = _group("gloo", dist.PrefixStore(f"{tag}/data", store), rank, world)
-    weights = data if backend == "gloo" else _group(backend, dist.PrefixStore(f"{tag}/weights", store), rank, world)
-    yield Placement(role, trainer_ranks, world - trainer_ranks, rank, data, weights)
+    data = new_group("gloo", dist.PrefixStore(f"{tag}/data", store), rank, world)
+    rows = data if backend == "gloo" else new_group(backend, dist.PrefixStore(f"{tag}/rows", store), rank, world)
+    yield Placement(role, trainer_ranks, world - trainer_ranks, rank, data, rows, backend,
+                    dist.PrefixStore(f"{tag}/groups", store))
     # not on an error: the other half may never come back to join the whole world again
     dist.destroy_process_group()
     dist.init_process_group(backend=backend, store=dist.PrefixStore(f"{tag}/world", store), rank=rank,

@@ -70,7 +70,10 @@ class StalenessSchedule:
             i += 1
         return i
 
-    def describe(self) -> str:
+    def describe(self, optimizer_steps_per_step: int = 1) -> str:
+        """The bound in both units: trainer steps (a version is the actor after that many trainer steps) and
+        optimizer steps (`optimizer_steps_per_step`: ppo_epochs x mini-batches a step, each one optimizer step)."""
+        u = max(1, int(optimizer_steps_per_step))
         return (f"async: staleness_threshold={self.threshold:g}, trigger_parameter_sync_step={self.sync_every} -> "
                 f"the rollout runs at most {self.capacity} batch(es) past its weights; a sample is at most "
-                f"{self.max_age} optimizer step(s) old")
+                f"{self.max_age} trainer step(s) old ({self.max_age * u} optimizer step(s), {u} a trainer step)")

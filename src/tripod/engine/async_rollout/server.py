@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from tripod.engine.async_rollout.bridge import Placement, recv
 from tripod.engine.async_rollout.messages import ScoredBatch, send_batch, send_end
+from tripod.engine.async_rollout.rows import RowServer
 from tripod.engine.async_rollout.schedule import StalenessSchedule
 from tripod.engine.async_rollout.weights import Restart, WeightReceiver
 
@@ -110,6 +111,7 @@ class RolloutServer:
 
         self.engine.resume_memory()
         self.outbox: list = []
+        self.row_server = RowServer(self.placement, self.rank, self.device)  # each trainer rank's rows, in a thread
         on_device = (lambda: torch.cuda.set_device(self.device)) if self.device.type == "cuda" else None
         # scores and sends each batch, in order, while the next is generated (NCCL: on this rank's device)
         self.scoring_thread = ThreadPoolExecutor(1, initializer=on_device)
@@ -127,6 +129,7 @@ class RolloutServer:
         if self.rank == 0:
             self._wait_sent()
             send_end(self.placement.data, 0)
+        self.row_server.join()  # until trainer rank 0's STOP, after its last step
         self.parts.pool.close()
 
     def _serve_run(self) -> None:
@@ -222,15 +225,17 @@ class RolloutServer:
         self.outbox = []
 
     def _send(self, i: int, rollout, metrics: dict, versions: list, spent: dict, loader_state: dict) -> None:
-        """(scorer thread) rollout rank 0 posts batch i to trainer rank 0."""
-        if self.rank != 0:
-            return
+        """(scorer thread) every rollout rank keeps batch i's rows for the trainer ranks it serves (rows.py); rollout
+        rank 0 posts its head to trainer rank 0."""
         batch = ScoredBatch(i, versions, list(rollout.prompts.indices), rollout.responses,
                             rollout.rollout_log_probs, rollout.finish_reasons, rollout.scores, rollout.rewards,
                             rollout.penalties, metrics, loader_state,
                             {("rollout_reward_s" if k == "reward" else k): v for k, v in spent.items()}, self.run,
                             rollout.routed_experts, rollout.token_codes)
+        buf, body = batch.to_wire()
+        self.row_server.put(self.run, i, body)
+        if self.rank != 0:
+            return
         self._wait_sent()
-        buf = batch.to_bytes()
         works, size = send_batch(self.placement.data, buf, 0)
         self.outbox = [(works, buf, size)]

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from tripod.engine.async_rollout.bridge import Placement, send
-from tripod.engine.async_rollout.messages import ScoredBatch, recv_batch
+from tripod.engine.async_rollout.messages import ScoredBatch, head_bytes, parse_head, recv_batch, unpack
+from tripod.engine.async_rollout.rows import request_rows, stop_servers
 from tripod.engine.async_rollout.schedule import StalenessSchedule
 from tripod.engine.async_rollout.weights import WeightPusher
 from tripod.engine.rollout.rows import Rollout
@@ -72,13 +73,15 @@ class ColocatedRollout:
 
 class QueuedRollout:
     """Batches from the rollout ranks' queue; weights back to them (see the module docstring). Trainer rank 0 receives
-    (a thread: the queue fills while the trainer trains) and broadcasts each batch to the trainer's other ranks."""
-    shards_rows = False
+    each batch's head (a thread: the queue fills while the trainer trains) and broadcasts it to the trainer's other
+    ranks; each trainer rank then takes the rows it trains straight from a rollout rank (async_rollout/rows.py)."""
+    shards_rows = True  # each DP rank receives only the rows it updates, where the step plan shards them
 
     def __init__(self, trainer, placement: Placement, schedule: StalenessSchedule):
         self.t, self.placement, self.schedule = trainer, placement, schedule
         self.pusher = WeightPusher(placement, trainer.hybrid, in_flight=schedule.capacity)
-        self.ready: deque[torch.Tensor] = deque()  # batches taken off the bridge (or out of a checkpoint), in order
+        # heads taken off the bridge (whole batches out of a checkpoint), in order
+        self.ready: deque[torch.Tensor] = deque()
         self.inbox: queue.Queue = queue.Queue()
         self.loader_state: dict = trainer.loader.state_dict()  # the rollout loader's position after the last batch
         self.run = 0  # starts of the rollout: a divergence-guard rollback starts it again, older batches are dropped
@@ -127,17 +130,19 @@ class QueuedRollout:
                 raise RuntimeError(f"the rollout ranks stopped sending batches ({item or 'they ended'}); the run stops "
                                    "here, its last checkpoint is intact (trainer.resume=auto continues from it)"
                                    ) from (item if isinstance(item, Exception) else None)
-            if ScoredBatch.from_bytes(item).run == self.run:
+            if parse_head(item)[0]["run"] == self.run:
                 return item
 
     def close(self) -> None:
         self.pusher.close()
+        if dist.get_rank() == 0:
+            stop_servers(self.placement)
         if self._thread is not None:  # the rollout's end message comes once it has the end header
             self._thread.join()
 
     # ---- the step -----------------------------------------------------------------------------------
     def _take(self) -> tuple[torch.Tensor | None, float, int]:
-        """(rank 0: the next batch's bytes; the seconds the trainer waited for it; batches queued when it asked)."""
+        """(rank 0: the next batch's head; the seconds the trainer waited for it; batches queued when it asked)."""
         if dist.get_rank() != 0:
             return None, 0.0, 0
         queued = len(self.ready) + self.inbox.qsize()
@@ -146,13 +151,33 @@ class QueuedRollout:
             self.ready.append(self._pull())
         return self.ready.popleft(), time.perf_counter() - start, queued
 
+    def _receive_rows(self, buf: torch.Tensor | None, step_rows) -> tuple[ScoredBatch, list[int] | None, int, int]:
+        """(every trainer rank; `buf`: rank 0's head) The step's batch with this rank's rows (None: every row), the
+        bytes this rank received, the head's bytes."""
+        buf = _broadcast_bytes(buf)
+        head, offset = parse_head(buf)
+        needs = step_rows.needs(self.t.train_set.batch(head["prompt_indices"]))
+        held = needs(head["lengths"]) if needs is not None else None  # the row-shard plan (collective)
+        held = _rows_to_request(held)
+        every = range(len(head["lengths"]))
+        if head["attached"]:  # a batch out of a checkpoint's queue: it came whole (rank 0 broadcast it)
+            b = unpack(head, buf[offset:], every)
+            if held is not None:
+                keep = set(held)
+                for field in ("responses", "log_probs", "token_codes", "routed_experts"):
+                    rows = getattr(b, field)
+                    if rows is not None:
+                        setattr(b, field, [x if g in keep else None for g, x in enumerate(rows)])
+            return b, held, buf.numel(), offset
+        body = request_rows(self.placement, dist.get_rank(), head, held)
+        return unpack(head, body, every if held is None else held), held, buf.numel() + body.numel(), buf.numel()
+
     def next_batch(self, step: int, step_rows, timer, prompts=None) -> tuple[Rollout, dict[str, float]]:
         if prompts is not None:
             raise ValueError("the rollout runs on its own ranks (rollout.nnodes): the trainer does not pick prompts")
         with timer("wait_rollout"):
             buf, idle, queued = self._take()
-            buf = _broadcast_bytes(buf)
-        b = ScoredBatch.from_bytes(buf)
+            b, held, received, head_size = self._receive_rows(buf, step_rows)
         want, seen = self.schedule.version_for(step), {v for row in b.versions for _, v in row}
         allowed = (lambda v: want <= v <= step) if self.t.cfg.async_training.partial_rollout else (lambda v: v == want)
         if b.batch != step or not all(allowed(v) for v in seen):
@@ -162,19 +187,32 @@ class QueuedRollout:
         self.loader_state = b.loader_state
         prompts = self.t.train_set.batch(b.prompt_indices)
         rollout = Rollout(prompts, b.responses, b.scores, b.rewards, b.penalties, dict(b.metrics), b.log_probs,
-                          b.finish_reasons, b.token_codes, b.routed_experts)
+                          b.finish_reasons, b.token_codes, b.routed_experts, response_lens=b.lengths, held_rows=held)
+        rollout.shards = step_rows.shards_of(rollout)
         with timer("reward"):  # the rollout ranks scored the rules; the reward model is here (rewards/scorer.py)
             rollout, model_metrics = self.t.scorer.add_model_scores(rollout)
-        ages = [step - v for row, r in zip(b.versions, b.responses)  # one age per token
-                for k, (first, v) in enumerate(row) for _ in range(first, row[k + 1][0] if k + 1 < len(row) else len(r))]
+        ages = [step - v for row, length in zip(b.versions, b.lengths)  # one age per token
+                for k, (first, v) in enumerate(row) for _ in range(first, row[k + 1][0] if k + 1 < len(row) else length)]
         ages = ages or [step - want]
-        stats = torch.tensor([idle, float(queued)], dtype=torch.float64)
-        dist.broadcast(stats, 0)
-        metrics = {**b.metrics, **model_metrics, "async/staleness_mean": sum(ages) / len(ages), "async/staleness_max": float(max(ages)),
-                   "async/queue_size": float(stats[1]), "async/trainer_idle_s": float(stats[0]),
-                   "async/partial_switches": float(sum(len(row) - 1 for row in b.versions)),
-                   **{f"async/{k}": v for k, v in b.timings.items()}}
-        return rollout, metrics
+        return rollout, {**b.metrics, **model_metrics, "async/staleness_mean": sum(ages) / len(ages),
+                         "async/staleness_max": float(max(ages)),
+                         "async/partial_switches": float(sum(len(row) - 1 for row in b.versions)),
+                         **self._shared_stats(idle, queued, received, head_size),
+                         **{f"async/{k}": v for k, v in b.timings.items()}}
+
+    def _shared_stats(self, idle: float, queued: int, received: int, head_size: int) -> dict[str, float]:
+        """Rank 0's wait and queue, every trainer rank's received bytes: one all_reduce over the trainer's ranks."""
+        from tripod.runtime.device import current_device
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        stats = torch.zeros(2 + world, dtype=torch.float64, device=current_device())
+        stats[0], stats[1], stats[2 + rank] = idle, float(queued), float(received)
+        if world > 1:
+            dist.all_reduce(stats)
+        stats = stats.cpu().tolist()
+        return {"async/queue_size": stats[1], "async/trainer_idle_s": stats[0],
+                "async/batch_head_bytes": float(head_size), "async/batch_bytes_total": float(sum(stats[2:])),
+                **{f"async/batch_bytes/rank{r}": stats[2 + r] for r in range(world)}}
 
     def versions_of(self, step: int, rows: int) -> list[list[list[int]]]:
         return self.last_versions
@@ -187,25 +225,39 @@ class QueuedRollout:
     # ---- checkpoint ---------------------------------------------------------------------------------
     def state_dict(self, step: int) -> dict[str, Any]:
         """At a checkpoint after `step` steps: the batches generated with weights older than `step` (a resume cannot
-        regenerate them: those weights are gone) move into the checkpoint, with the loader position after them; the
-        later batches a resumed run regenerates exactly (same weights, same seeds). Every rank gets the same state;
-        rank 0 holds the batches."""
+        regenerate them: those weights are gone) move into the checkpoint whole (rank 0 asks rollout rank 0 for every
+        row; the batch still serves its step's rows as planned), with the loader position after them; the later
+        batches a resumed run regenerates exactly (same weights, same seeds). Every rank gets the same state; rank 0
+        holds the batches."""
         need = self.schedule.first_to_generate(step) - step
         state = self.loader_state
         queued: list[torch.Tensor] = []
         if dist.get_rank() == 0:
             while len(self.ready) < need:
                 self.ready.append(self._pull())
-            queued = list(self.ready)[:need]
+            queued = [self._whole(buf) for buf in list(self.ready)[:need]]
             if queued:
-                state = ScoredBatch.from_bytes(queued[-1]).loader_state
+                state = parse_head(queued[-1])[0]["loader_state"]
         box = [state]
         dist.broadcast_object_list(box, 0)
         return {"data": box[0], "async_queue": queued}
 
+    def _whole(self, buf: torch.Tensor) -> torch.Tensor:
+        """(rank 0) A queued batch with every row's body attached."""
+        head, _ = parse_head(buf)
+        if head["attached"]:
+            return buf
+        body = request_rows(self.placement, 0, head, None, keep=True)
+        return torch.cat([head_bytes({**head, "attached": True}), body])
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ready = deque(state.get("async_queue") or [])
         self.loader_state = state["data"]
+
+
+def _rows_to_request(planned: list[int] | None) -> list[int] | None:
+    """The rows a trainer rank asks the rollout for: its planned rows (a test plants every row here)."""
+    return planned
 
 
 def dump_rollout(directory: str, step: int, rollout: Rollout, versions: list[list[list[int]]],

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from tripod import CHECKOUT
 from tripod.engine.launch import detect_launch
@@ -25,20 +26,42 @@ def _world_size(cfg) -> int:
     return launch.world_size - own if launch.kind != "local" else cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
 
 
-MODEL_CONFIGS = CHECKOUT / "recipes" / "model_configs"
+MODEL_CONFIGS = CHECKOUT / "recipes" / "model_configs"  # a source checkout's (an editable install's) bundled configs
 
 
-def bundled_model_names() -> list[str]:
-    """The hub names recipes/model_configs/ holds a config.json of (`<org>--<name>.json` -> `org/name`)."""
-    return sorted(p.stem.replace("--", "/") for p in MODEL_CONFIGS.glob("*.json"))
+def model_config_dirs(recipe: str | None = None) -> list[Path]:
+    """Where bundled architecture-only config.json copies are looked up, in order: the nearest `model_configs/` at or
+    above the recipe file's directory (recipes/model_configs/ for recipes/<family>/<name>.yaml, wherever the recipes
+    are: an installed wheel holds no recipes/, so beside the package is not where they live), then the source
+    checkout's recipes/model_configs/ (an editable install)."""
+    dirs: list[Path] = []
+    if recipe:
+        for parent in Path(recipe).resolve().parents:
+            if (parent / "model_configs").is_dir():
+                dirs.append(parent / "model_configs")
+                break
+    if MODEL_CONFIGS.is_dir() and MODEL_CONFIGS.resolve() not in [d.resolve() for d in dirs]:
+        dirs.append(MODEL_CONFIGS)
+    return dirs
 
 
-def plan_model_config(path: str, key: str = "actor_rollout_ref.model.path") -> str:
+def bundled_model_names_in(directory: Path) -> list[str]:
+    """The hub names `directory` holds a config.json of (`<org>--<name>.json` -> `org/name`)."""
+    return sorted(p.stem.replace("--", "/") for p in directory.glob("*.json"))
+
+
+def bundled_model_names(recipe: str | None = None) -> list[str]:
+    """The hub names of every bundled model_configs/ directory (`model_config_dirs`)."""
+    return sorted({n for d in model_config_dirs(recipe) for n in bundled_model_names_in(d)})
+
+
+def plan_model_config(path: str, key: str = "actor_rollout_ref.model.path", recipe: str | None = None) -> str:
     """Where `tripod plan` reads the config.json of `path`: a local directory or config.json file, the local Hugging
-    Face cache, or the architecture-only copy in recipes/model_configs/<org>--<name>.json (see its README)."""
+    Face cache, or the architecture-only copy <org>--<name>.json in a bundled model_configs/ (`model_config_dirs`:
+    beside `recipe`, then the checkout's; see recipes/model_configs/README.md)."""
     if not path:
         raise FileNotFoundError(f"{key} is not set; give the model on the command line ({key}=DIR) or in the recipe: a "
-                                "model directory, its config.json, or one of " + ", ".join(bundled_model_names()))
+                                "model directory, its config.json, or one of " + ", ".join(bundled_model_names(recipe)))
     if os.path.exists(path):
         return path
     try:
@@ -49,12 +72,15 @@ def plan_model_config(path: str, key: str = "actor_rollout_ref.model.path") -> s
             return cached
     except Exception:  # not a valid repo id, or no hub client: fall through to the bundled copies
         pass
-    bundled = MODEL_CONFIGS / (path.replace("/", "--") + ".json")
-    if bundled.is_file():
-        return str(bundled)
-    raise FileNotFoundError(f"{key}={path}: no local directory or config.json, not in the Hugging Face cache, and "
-                            f"recipes/model_configs/ holds only {', '.join(bundled_model_names())}; point it at a "
-                            "model directory or its config.json")
+    dirs = model_config_dirs(recipe)
+    for d in dirs:
+        bundled = d / (path.replace("/", "--") + ".json")
+        if bundled.is_file():
+            return str(bundled)
+    searched = "; ".join(f"{d} holds {', '.join(bundled_model_names_in(d)) or 'nothing'}" for d in dirs) or \
+        "no model_configs/ directory beside the recipe or in a source checkout"
+    raise FileNotFoundError(f"{key}={path}: no local directory or config.json, not in the Hugging Face cache, and no "
+                            f"bundled copy ({searched}); point it at a model directory or its config.json")
 
 
 def _is_recipe(arg: str) -> bool:
@@ -66,7 +92,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tripod.parallel.arch import arch_from_hf
     from tripod.parallel.hybrid_engine import reshard_plan_from_config
 
-    if _is_recipe(args.config):
+    recipe = args.config if _is_recipe(args.config) else None
+    if recipe:
         cfg = load_config(args.config, args.overrides)
     else:  # a model: check it before the config, so that a wrong name is the one line printed
         plan_model_config(args.config, "tripod plan MODEL")
@@ -77,7 +104,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if world % (tp * pp * cp):
         raise ValueError(f"world size {world} (trainer.n_gpus_per_node * trainer.nnodes) is not a multiple of the "
                          f"actor's TP*CP*PP = {tp}*{cp}*{pp}")
-    source = plan_model_config(cfg.actor_rollout_ref.model.path)
+    source = plan_model_config(cfg.actor_rollout_ref.model.path, recipe=recipe)
     arch = arch_from_hf(source)
     print(f"architecture: {source}")
     plan = reshard_plan_from_config(cfg, world, arch, bucket_bytes=int(args.bucket_mb * (1 << 20)))
@@ -86,16 +113,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tripod.parallel.memory_plan import plan_from_config
     from tripod.runtime.offload import flags_of
 
-    critic_arch = arch_from_hf(plan_model_config(cfg.critic.model.path, "critic.model.path")) \
+    critic_arch = arch_from_hf(plan_model_config(cfg.critic.model.path, "critic.model.path", recipe)) \
         if cfg.uses_critic and cfg.critic.model.path else None
     rm = cfg.reward_model
-    reward_arch = arch_from_hf(plan_model_config(rm.model.path, "reward_model.model.path")) \
+    reward_arch = arch_from_hf(plan_model_config(rm.model.path, "reward_model.model.path", recipe)) \
         if rm.enable and rm.model.path else None
+    teacher_arch = None  # distillation: the teacher's own checkpoint
+    if cfg.distillation.enabled:
+        name, teacher = cfg.distillation.teacher()
+        teacher_arch = arch_from_hf(plan_model_config(teacher.model_path or "",
+                                                      f"distillation.teacher_models.{name}.model_path", recipe))
     print("\nmemory per rank (parallel/memory_plan.py):")
     arc, on_cuda = cfg.actor_rollout_ref, cfg.trainer.device == "cuda"
     gpu_gb = args.gpu_memory_gb if args.gpu_memory_gb is not None else (80.0 if on_cuda else None)
     memory = plan_from_config(cfg, world, arch, critic_arch, reward_arch, gpu_memory_gb=gpu_gb,
-                              bucket_bytes=int(args.bucket_mb * (1 << 20)))
+                              bucket_bytes=int(args.bucket_mb * (1 << 20)), teacher_arch=teacher_arch)
     print(memory.describe())
     if cfg.separate_rollout:  # the rollout on its own ranks (docs/async.md)
         from tripod.parallel.memory_plan import rollout_ranks_plan
@@ -106,6 +138,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         a = cfg.async_training
         pushes = StalenessSchedule(a.staleness_threshold, a.trigger_parameter_sync_step, 1).capacity
         print(own.describe(staged=own.generation_shard * pushes))
+        from tripod.engine.async_rollout.weights import describe_push  # the push per sending rank
+
+        print(describe_push(plan, cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node, int(args.bucket_mb * (1 << 20))))
     offload = {"actor": flags_of(arc.actor.megatron, True), "critic": flags_of(cfg.critic.megatron, True),
                "reference": flags_of(arc.ref.megatron, False, arc.ref.offload),
                "reward_model": flags_of(rm.megatron, False, rm.offload)} if on_cuda else {}

@@ -52,6 +52,11 @@ from tripod.engine.config.common import (  # noqa: F401
     _positive,
 )
 from tripod.engine.config.data import DataConfig
+from tripod.engine.config.distillation import (  # noqa: F401 (issue 48: on-policy distillation)
+    DistillationConfig,
+    DistillationLossConfig,
+    TeacherModelConfig,
+)
 from tripod.engine.config.megatron_args import MegatronConfig, OptimConfig  # noqa: F401
 from tripod.engine.config.models import (  # noqa: F401
     ActorConfig,
@@ -75,6 +80,8 @@ from tripod.engine.config.trainer import (  # noqa: F401
     AsyncTrainingConfig,
     DivergenceGuardConfig,
     GlobalProfilerConfig,
+    RayInitConfig,
+    RayKwargsConfig,
     RolloutPlacementConfig,
     TrainerConfig,
 )
@@ -106,6 +113,10 @@ class TripodConfig:
     """The rollout's own ranks (asynchronous training); unset: colocated with the trainer."""
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     """Staleness bounds of asynchronous training (read only with rollout on its own ranks)."""
+    ray_kwargs: RayKwargsConfig = field(default_factory=RayKwargsConfig)
+    """The Ray cluster of trainer.launcher=ray (read with that launcher only)."""
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    """On-policy distillation from a frozen teacher (off by default; engine/config/distillation.py)."""
 
     def __post_init__(self) -> None:
         # resolved once, wherever a TripodConfig is built (load_config, a rank's config from YAML): the engine reads
@@ -126,7 +137,7 @@ class TripodConfig:
         rc, a = self.algorithm.rollout_correction, self.async_training
         if not self.stale_batches or rc.rollout_is is not None or rc.bypass_mode:
             return None
-        why = (f"samples up to {a.max_age} optimizer step(s) old" if a.max_age > 0 else "") + \
+        why = (f"samples up to {a.max_age} trainer step(s) old" if a.max_age > 0 else "") + \
               (" and " if a.max_age > 0 and a.partial_rollout else "") + \
               ("partial rollouts" if a.partial_rollout else "")
         left = "nothing corrects for it" if rc.rollout_rs is None else \
