@@ -38,7 +38,7 @@ def test_unknown_architecture_is_refused(tmp_path):
 
     cfg = {"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"], "vocab_size": 10}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"model_type='gpt_neox'.*not supported.*\['deepseek_v2', 'deepseek_v3', 'llama', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe'\]"):
+    with pytest.raises(ValueError, match=r"model_type='gpt_neox'.*not supported.*\['deepseek_v2', 'deepseek_v3', 'glm4_moe', 'llama', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe'\]"):
         arch_from_hf(tmp_path)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         arch_from_hf(tmp_path / "missing")
